@@ -1,0 +1,1 @@
+"""Triton kernels for the executor's hot paths (with torch references in `kernels.reference`)."""

@@ -1,0 +1,1 @@
+"""Benchmarks and load generators; each prints figures and writes JSON."""

@@ -1,0 +1,1 @@
+"""The jetserve services, one package each, runnable as `python -m services.<name>`."""

@@ -1,0 +1,160 @@
+"""Attention backends: the per-layer ops that touch the paged KV cache, behind one small interface.
+
+A backend turns a step's sequences into metadata once (`prepare`), then every layer calls its ops.
+The torch backend runs anywhere and is the CPU default; the triton backend (kernels/) plugs in with
+the same methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DECODE_GROUP_SIZE = 16  # decodes batched per SDPA call, after sorting by context length
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: its new tokens are q[q_start : q_start + q_len]."""
+
+    q_start: int
+    q_len: int
+    context_len: int  # tokens in the cache after this step, the new ones included
+    block_table: list[int]
+
+
+@dataclass
+class DecodeGroup:
+    q_index: torch.Tensor  # [G] rows of q
+    block_ids: torch.Tensor  # [G, max_blocks], padded with block 0 (masked out)
+    key_mask: torch.Tensor  # [G, 1, 1, max_blocks * block_size]
+
+
+@dataclass
+class PrefillSlice:
+    q_start: int
+    q_len: int
+    block_ids: torch.Tensor | None  # None: no earlier context, attend to the fresh K/V only
+    mask: torch.Tensor | None  # [q_len, context_len] causal mask with an offset, when needed
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot = block_id * block_size + offset
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSlice]
+
+
+class TorchBackend:
+    """Paged attention in plain torch: decodes grouped by length, prefill chunks one by one."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(self, seqs: list[SeqSlice], slot_mapping: list[int]) -> TorchAttentionMetadata:
+        device, bs = self.device, self.block_size
+        decodes = sorted((s for s in seqs if s.q_len == 1), key=lambda s: s.context_len)
+        groups = []
+        for start in range(0, len(decodes), DECODE_GROUP_SIZE):
+            group = decodes[start:start + DECODE_GROUP_SIZE]
+            max_blocks = -(-group[-1].context_len // bs)
+            block_ids = [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
+                         for s in group]
+            lens = torch.tensor([s.context_len for s in group])
+            key_mask = torch.arange(max_blocks * bs)[None, :] < lens[:, None]
+            groups.append(DecodeGroup(
+                q_index=torch.tensor([s.q_start for s in group], device=device),
+                block_ids=torch.tensor(block_ids, device=device),
+                key_mask=key_mask[:, None, None, :].to(device),
+            ))
+        prefills = []
+        for s in seqs:
+            if s.q_len == 1:
+                continue
+            if s.context_len == s.q_len:
+                prefills.append(PrefillSlice(s.q_start, s.q_len, None, None))
+                continue
+            num_blocks = -(-s.context_len // bs)
+            first_pos = s.context_len - s.q_len
+            mask = (torch.arange(num_blocks * bs)[None, :]
+                    <= (first_pos + torch.arange(s.q_len))[:, None])
+            prefills.append(PrefillSlice(
+                s.q_start, s.q_len,
+                torch.tensor(s.block_table[:num_blocks], device=device),
+                mask.to(device),
+            ))
+        return TorchAttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            decode_groups=groups,
+            prefills=prefills,
+        )
+
+    # --------------------------------------------------------------------------- per-layer ops
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+        return normed if residual is None else (normed, residual)
+
+    @staticmethod
+    def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         cos_sin_cache: torch.Tensor) -> None:
+        half = cos_sin_cache.shape[-1] // 2
+        cos_sin = cos_sin_cache[positions]
+        cos = cos_sin[:, None, :half]
+        sin = cos_sin[:, None, half:]
+        for x in (q, k):
+            x1, x2 = x[..., :half], x[..., half:]
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            x.copy_(rotated)
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+    @staticmethod
+    def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                  meta: TorchAttentionMetadata) -> torch.Tensor:
+        """q [T, H, D]; fresh k, v [T, KVH, D] (already in the cache); returns [T, H, D]."""
+        out = torch.empty_like(q)
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        for group in meta.decode_groups:
+            size = group.block_ids.shape[0]
+            keys = k_cache[group.block_ids].view(size, -1, num_kv_heads, head_dim).transpose(1, 2)
+            values = v_cache[group.block_ids].view(size, -1, num_kv_heads, head_dim).transpose(1, 2)
+            query = q[group.q_index].unsqueeze(2)  # [G, H, 1, D]
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.key_mask,
+                                               scale=scale, enable_gqa=True)
+            out[group.q_index] = o.squeeze(2)
+        for p in meta.prefills:
+            query = q[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
+            if p.block_ids is None:
+                keys = k[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
+                values = v[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                                   scale=scale, enable_gqa=True)
+            else:
+                keys = k_cache[p.block_ids].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+                values = v_cache[p.block_ids].view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+                o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask,
+                                                   scale=scale, enable_gqa=True)
+            out[p.q_start:p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,1 @@
+"""Code every jetserve service uses: wire schemas, configuration and helpers."""

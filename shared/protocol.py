@@ -1,0 +1,146 @@
+"""The public protocol (v1): every message a client in any language sends or receives.
+
+Payloads are JSON objects tagged by `"type"`. Decoding is strict: unknown fields, wrong types and
+out-of-range values are rejected with a message that names the field (msgspec's `at $.field`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+
+FinishReason = Literal["stop", "length", "cancelled"]
+ErrorCode = Literal[
+    "invalid_request",
+    "prompt_too_long",
+    "unknown_model",
+    "overloaded",
+    "rate_limited",
+    "cancelled",
+    "internal",
+]
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", forbid_unknown_fields=True):
+    """One generation request. Exactly one of `prompt`, `messages`, `prompt_token_ids` is given."""
+
+    request_id: RequestId | None = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[TokenId] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, msgspec.Meta(ge=0, lt=2**63)] | None = None
+    stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
+    stop_token_ids: list[TokenId] = []
+    ignore_eos: bool = False
+    priority: Annotated[int, msgspec.Meta(ge=0, le=10)] = 5
+    deadline_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    stream: bool = False
+
+    def check(self) -> None:
+        """Cross-field rules msgspec cannot express; raises ProtocolError naming the field."""
+        given = [
+            name
+            for name in ("prompt", "messages", "prompt_token_ids")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise ProtocolError(
+                "invalid_request",
+                "exactly one of `prompt`, `messages`, `prompt_token_ids` must be given"
+                + (f" (got {', '.join(given)})" if given else ""),
+            )
+        if self.prompt is not None and not self.prompt:
+            raise ProtocolError("invalid_request", "`prompt` is empty")
+        if self.messages is not None and not self.messages:
+            raise ProtocolError("invalid_request", "`messages` is empty")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ProtocolError("invalid_request", "`prompt_token_ids` is empty")
+
+
+class Delta(msgspec.Struct, tag="delta", tag_field="type"):
+    request_id: str
+    index: int  # position in the output of the first token in this delta
+    token_ids: list[int]
+    text: str
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Metrics(msgspec.Struct):
+    queue_ms: float
+    ttft_ms: float
+    e2e_ms: float
+    tpot_ms: float
+
+
+class Scheduling(msgspec.Struct):
+    priority_score: float
+    executor: str
+    preemptions: int
+
+
+class Completion(msgspec.Struct, tag="completion", tag_field="type"):
+    request_id: str
+    model: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    metrics: Metrics
+    scheduling: Scheduling
+
+
+class Error(msgspec.Struct, tag="error", tag_field="type"):
+    request_id: str | None
+    code: ErrorCode
+    message: str
+
+
+class Cancel(msgspec.Struct, tag="cancel", tag_field="type", forbid_unknown_fields=True):
+    request_id: RequestId
+
+
+class ProtocolError(Exception):
+    """A request that cannot be served, with the protocol error code and a message naming the cause."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code: ErrorCode = code
+        self.message = message
+
+    def to_error(self, request_id: str | None) -> Error:
+        return Error(request_id=request_id, code=self.code, message=self.message)
+
+
+_request_decoder = msgspec.json.Decoder(GenerateRequest)
+
+
+def decode_generate_request(payload: bytes | str) -> GenerateRequest:
+    """Parse and check a JSON GenerateRequest; every failure is a ProtocolError naming the field."""
+    try:
+        request = _request_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("invalid_request", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError("invalid_request", f"malformed JSON: {exc}") from None
+    request.check()
+    return request
