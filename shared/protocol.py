@@ -43,7 +43,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", forbid_u
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
-    seed: Annotated[int, msgspec.Meta(ge=0, lt=2**63)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False

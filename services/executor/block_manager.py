@@ -1,0 +1,120 @@
+"""The paged KV cache's bookkeeping: block ownership, an O(1) LRU free list, and prefix caching.
+
+A full block is identified by a chained hash h_i = H(h_{i-1}, tokens of block i), so equal hashes
+mean equal prefixes. Freed blocks keep their hash and content until they are reused: a later
+request whose prompt starts with the same blocks takes them back instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from services.executor.sequence import Sequence
+
+
+def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the least recently freed is taken first.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[bytes, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) + reserve <= len(self.free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give `seq` the blocks to hold `num_new_tokens` more tokens past those computed."""
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict its cached content
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash = None
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        """Claim the cached blocks that start `seq`'s tokens; returns how many tokens they hold.
+
+        At least one token is always left to compute, since the step must produce its logits.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_hashed_blocks = len(seq.block_table)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks whose tokens are all known and whose KV is written (or in flight)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        if num_full <= seq.num_hashed_blocks:
+            return
+        self._extend_hashes(seq, num_full)
+        for i in range(seq.num_hashed_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            block_hash = seq.block_hashes[i]
+            if block_hash not in self.hash_to_block:  # else an equal block is already cached
+                block.hash = block_hash
+                self.hash_to_block[block_hash] = block.block_id
+        seq.num_hashed_blocks = num_full
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks. The tail goes to the free list first, so it is evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), num_blocks):
+            parent = seq.block_hashes[i - 1] if i else b""
+            seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))

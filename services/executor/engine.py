@@ -1,0 +1,292 @@
+"""The engine: requests in, continuously batched steps, deltas and completions out.
+
+The step loop is an asyncio task; the model runs on one worker thread. With pipelining on, step
+N+1 is scheduled and its inputs prepared while step N executes, and step N's tokens are processed
+(detokenized, stop-checked, delivered) while step N+1 executes, so the model thread is not left
+waiting on Python bookkeeping between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from services.executor.attention import TorchBackend
+from services.executor.block_manager import BlockManager
+from services.executor.model import LlamaModel
+from services.executor.model_runner import ModelRunner, kv_cache_bytes_per_block
+from services.executor.request_state import RequestState
+from services.executor.scheduler import Scheduler
+from services.executor.sequence import SamplingParams, Sequence
+from services.executor.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.executor.weights import default_gguf_path, load_model_files, converted_gguf_dir
+from shared.config import EngineConfig
+from shared.protocol import Completion, Delta, Error, GenerateRequest, ProtocolError
+
+Output = Delta | Completion | Error
+OutputSink = Callable[[Output], None]
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # tokens run as prefill (recomputation after preemption included)
+    decode_tokens: int = 0
+    model_busy_s: float = 0.0  # model thread executing steps
+    model_idle_s: float = 0.0  # model thread waiting between consecutive steps while work remained
+    loop_cpu_s: float = 0.0  # scheduling, input preparation and output processing
+    _last_step_end: float | None = field(default=None, repr=False)
+
+
+@dataclass
+class _Step:
+    sampling_seqs: list[Sequence]  # in row order of the sampled tokens
+    future: asyncio.Future
+
+
+def _pick_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def _pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.dtype)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = _pick_device(config)
+        self.dtype = _pick_dtype(config, self.device)
+        model_config, weights, model_dir = load_model_files(
+            config.model, self.device, self.dtype, config.weights_cache_dir)
+        tokenizer_dir = model_dir or converted_gguf_dir(default_gguf_path(), config.weights_cache_dir)
+        self.tokenizer = Tokenizer(tokenizer_dir)
+        self.model_config = model_config
+        self.model_name = config.model
+        self.max_model_len = min(config.max_model_len or model_config.max_position,
+                                 model_config.max_position)
+        self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
+                             else model_config.eos_token_id)
+        backend = TorchBackend(config.block_size, self.device)
+        model = LlamaModel(model_config, weights, backend, self.max_model_len)
+        num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, backend, num_blocks, config.block_size, self.dtype,
+                                  self.device)
+        self.stats = EngineStats()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._requests: dict[str, RequestState] = {}
+        self._sinks: dict[str, OutputSink] = {}
+        self._arrivals = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    def _blocks_that_fit(self) -> int:
+        per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+        else:
+            budget = self.config.cpu_kv_cache_gib * 2**30
+        return max(2, int(budget // per_block))
+
+    # ------------------------------------------------------------------------------- requests
+
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            bad = [t for t in request.prompt_token_ids if t >= self.model_config.vocab_size]
+            if bad:
+                raise ProtocolError("invalid_request", f"`prompt_token_ids` has id {bad[0]} "
+                                    f">= vocab size {self.model_config.vocab_size}")
+            return list(request.prompt_token_ids)
+        if request.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in request.messages])
+            except ValueError as exc:
+                raise ProtocolError("invalid_request", f"`messages`: {exc}") from None
+        else:
+            text = request.prompt
+        return self.tokenizer.encode(text)
+
+    def add_request(self, request: GenerateRequest, sink: OutputSink,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request; its outputs go to `sink`. Raises ProtocolError."""
+        request.check()
+        if request.model is not None and request.model != self.model_name:
+            raise ProtocolError("unknown_model", f"`model` {request.model!r} is not served here "
+                                f"(this engine serves {self.model_name!r})")
+        request_id = request.request_id or f"req-{secrets.token_hex(8)}"
+        if request_id in self._requests:
+            raise ProtocolError("invalid_request", f"`request_id` {request_id!r} is already running")
+        prompt = self.tokenize(request)
+        if not prompt:
+            raise ProtocolError("invalid_request", "the prompt tokenizes to zero tokens")
+        total = len(prompt) + request.max_tokens
+        if total > self.max_model_len:
+            raise ProtocolError("prompt_too_long", f"prompt has {len(prompt)} tokens and "
+                                f"`max_tokens` is {request.max_tokens}: {total} > max_model_len "
+                                f"{self.max_model_len}")
+        blocks = -(-total // self.config.block_size)
+        usable = self.block_manager.num_blocks - self.scheduler.watermark_blocks
+        if blocks > usable:
+            raise ProtocolError("prompt_too_long", f"prompt + `max_tokens` needs {blocks} KV blocks;"
+                                f" the pool has {usable} usable")
+        bad_stop = [t for t in request.stop_token_ids if t >= self.model_config.vocab_size]
+        if bad_stop:
+            raise ProtocolError("invalid_request", f"`stop_token_ids` has id {bad_stop[0]} "
+                                f">= vocab size {self.model_config.vocab_size}")
+        sampling = SamplingParams(
+            max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+            top_k=request.top_k, min_p=request.min_p,
+            seed=request.seed if request.seed is not None else secrets.randbits(63),
+            stop=tuple(request.stop), stop_token_ids=frozenset(request.stop_token_ids),
+            ignore_eos=request.ignore_eos)
+        seq = Sequence(request_id, prompt, sampling, priority=request.priority,
+                       arrival_index=next(self._arrivals),
+                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        self._requests[request_id] = RequestState(
+            seq=seq, model=self.model_name, executor=self.config.executor_name,
+            detokenizer=IncrementalDetokenizer(self.tokenizer), eos_token_id=self.eos_token_id,
+            max_model_len=self.max_model_len, stream=request.stream)
+        self._sinks[request_id] = sink
+        self.scheduler.add(seq)
+        self._wakeup.set()
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now with finish_reason `cancelled`; False if it is not running here."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return False
+        self._finish(state)
+        self._wakeup.set()
+        return True
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
+        """Queue a request and yield its deltas (when streaming) and then its Completion."""
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        request_id = self.add_request(request, queue.put_nowait)
+        try:
+            while True:
+                output = await queue.get()
+                yield output
+                if not isinstance(output, Delta):
+                    return
+        finally:
+            if request_id in self._requests:  # the consumer went away early
+                self.abort(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------------------ step loop
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        self._worker.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        in_flight: _Step | None = None
+        while True:
+            started = time.perf_counter()
+            step = self._submit_step()
+            self.stats.loop_cpu_s += time.perf_counter() - started
+            if step is not None and not self.config.pipeline:
+                in_flight, step = step, None
+            processed = in_flight is not None
+            if in_flight is not None:
+                sampled = await in_flight.future
+                started = time.perf_counter()
+                self._process(in_flight, sampled)
+                self.stats.loop_cpu_s += time.perf_counter() - started
+            in_flight = step
+            if step is None and not processed:
+                # Nothing ran and nothing can: wait for a new request or an abort.
+                self.stats._last_step_end = None  # idle by choice is not a pipeline bubble
+                self._wakeup.clear()
+                await self._wakeup.wait()
+
+    def _submit_step(self) -> _Step | None:
+        if not self.scheduler.has_work():
+            return None
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
+        now = time.monotonic()
+        for item in batch:
+            state = self._requests[item.seq.request_id]
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now
+            if item.samples and item.num_new_tokens == 1:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prompt_tokens += item.num_new_tokens
+        inputs = self.runner.prepare(batch)
+        future = asyncio.wrap_future(self._worker.submit(self._execute, inputs))
+        return _Step([item.seq for item in batch if item.samples], future)
+
+    def _execute(self, inputs) -> list[int]:
+        """Model thread."""
+        start = time.perf_counter()
+        sampled = self.runner.execute(inputs)
+        end = time.perf_counter()
+        stats = self.stats
+        if stats._last_step_end is not None:
+            stats.model_idle_s += max(0.0, start - stats._last_step_end)
+        stats._last_step_end = end
+        stats.model_busy_s += end - start
+        stats.steps += 1
+        return sampled
+
+    def _process(self, step: _Step, sampled: list[int]) -> None:
+        for seq, token in zip(step.sampling_seqs, sampled):
+            state = self._requests.get(seq.request_id)
+            if state is None or state.seq is not seq:
+                continue  # finished earlier (a step past its end, or aborted)
+            state.append_token(token)
+            self.block_manager.commit_full_blocks(seq)
+            if state.finish_reason is not None:
+                self._finish(state)
+            elif state.stream:
+                delta = state.take_delta()
+                if delta is not None:
+                    self._sinks[seq.request_id](delta)
+
+    def _finish(self, state: RequestState) -> None:
+        seq = state.seq
+        self.scheduler.finish(seq)
+        self.runner.release(seq.request_id)
+        del self._requests[seq.request_id]
+        sink = self._sinks.pop(seq.request_id)
+        if state.stream:
+            delta = state.take_delta()
+            if delta is not None:
+                sink(delta)
+        sink(state.completion())

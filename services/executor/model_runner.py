@@ -1,0 +1,111 @@
+"""Runs one scheduled step: turns scheduled sequences into tensors, runs the model, samples.
+
+`prepare` runs on the engine loop's thread (it overlaps the previous step's execution); `execute`
+runs on the single model thread. A token sampled by the step in flight is not known when the next
+step is prepared: its slot in `input_ids` is filled on the model thread from that step's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.executor.attention import SeqSlice, TorchBackend
+from services.executor.model import LlamaModel
+from services.executor.sampler import SamplingBatch, make_generator, sample
+from services.executor.scheduler import ScheduledSeq
+from services.executor.weights import ModelConfig
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_meta: object
+    logits_indices: torch.Tensor
+    pending_dst: torch.Tensor | None  # rows of input_ids to take from the previous step's output
+    pending_src: torch.Tensor | None
+    sampling: SamplingBatch
+    num_tokens: int
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    return per_token * block_size * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, backend: TorchBackend, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        cfg = model.config
+        self.model = model
+        self.backend = backend
+        self.device = device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(cfg.num_layers)]
+        self.block_size = block_size
+        self._generators: dict[str, torch.Generator] = {}
+        self._last_sampled: torch.Tensor | None = None
+
+    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        slices: list[SeqSlice] = []
+        logits_indices: list[int] = []
+        pending_dst: list[int] = []
+        pending_src: list[int] = []
+        params, generators = [], []
+        for item in batch:
+            seq, start, n = item.seq, item.start_pos, item.num_new_tokens
+            q_start = len(input_ids)
+            known = seq.token_ids[start:start + n]
+            input_ids.extend(known)
+            if len(known) < n:  # the last input is the token sampled by the step in flight
+                assert len(known) == n - 1 and seq.sample_row >= 0
+                pending_dst.append(len(input_ids))
+                pending_src.append(seq.sample_row)
+                input_ids.append(0)
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            slices.append(SeqSlice(q_start, n, start + n, table))
+            if item.samples:
+                seq.sample_row = len(logits_indices)
+                logits_indices.append(len(input_ids) - 1)
+                params.append(seq.sampling)
+                generators.append(None if seq.sampling.greedy else self._generator(seq))
+        device = self.device
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            attn_meta=self.backend.prepare(slices, slots),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            pending_dst=torch.tensor(pending_dst, device=device) if pending_dst else None,
+            pending_src=torch.tensor(pending_src, device=device) if pending_src else None,
+            sampling=SamplingBatch(params, generators),
+            num_tokens=len(input_ids),
+        )
+
+    def execute(self, inputs: StepInputs) -> list[int]:
+        """Model thread: run the step and return the sampled token of each sampling row."""
+        if inputs.pending_dst is not None:
+            inputs.input_ids[inputs.pending_dst] = self._last_sampled[inputs.pending_src]
+        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
+                                    self.kv_caches, inputs.logits_indices)
+        sampled = sample(logits, inputs.sampling).to(self.device)
+        self._last_sampled = sampled
+        return sampled.tolist()
+
+    def _generator(self, seq) -> torch.Generator:
+        generator = self._generators.get(seq.request_id)
+        if generator is None:
+            generator = self._generators[seq.request_id] = make_generator(seq.sampling.seed)
+        return generator
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)

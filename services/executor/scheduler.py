@@ -1,0 +1,143 @@
+"""Token-level scheduler: decides, each step, which sequences run and how many tokens each gets.
+
+Running sequences first (decodes and unfinished prefill chunks), then waiting ones, all within a
+token budget and a sequence limit, so long prompts are prefilled in chunks beside ongoing decodes.
+When KV blocks run out it preempts by recompute: the lowest-priority, latest-admitted sequence
+gives its blocks back and returns to the waiting queue at its original place.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from services.executor.block_manager import BlockManager
+from services.executor.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    start_pos: int  # position of the first new token
+    samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, admission_watermark: float = 0.01):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Keep a few blocks free when admitting new work, so running decodes rarely get preempted.
+        self.watermark_blocks = int(admission_watermark * block_manager.num_blocks)
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.block_manager.free_seq(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        preempted = False
+        self.running.sort(key=Sequence.sort_key)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(self._tokens_to_run(seq), budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not bm.can_allocate(seq, num_new):
+                victim = self.running[-1]  # lowest priority, latest; never one already scheduled
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break
+            bm.allocate(seq, num_new)
+            scheduled[seq] = num_new
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if seq.num_pending:  # preempted while its last token was in flight: next step
+                break
+            if len(self.running) >= self.max_num_seqs:
+                victim = self._preempt_lower(seq)
+                if victim is None:
+                    break
+                budget += scheduled.pop(victim, 0)
+            if not seq.block_table:
+                cached = bm.take_cached_prefix(seq)
+                if not seq.admitted_once:
+                    seq.num_cached_tokens = cached
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_allocate(seq, num_new, reserve=self.watermark_blocks):
+                victim = self._preempt_lower(seq)
+                if victim is None:
+                    break
+                budget += scheduled.pop(victim, 0)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.can_allocate(seq, num_new, reserve=self.watermark_blocks):
+                bm.free_seq(seq)  # give back the cached prefix it claimed
+                break
+            bm.allocate(seq, num_new)
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_once = True
+            self.running.append(seq)
+            scheduled[seq] = num_new
+            budget -= num_new
+
+        batch = []
+        for seq, num_new in scheduled.items():
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += num_new
+            samples = seq.num_computed_tokens == seq.num_tokens
+            batch.append(ScheduledSeq(seq, num_new, start, samples))
+            if samples:
+                seq.num_pending += 1
+            bm.commit_full_blocks(seq)
+        return batch
+
+    def _tokens_to_run(self, seq: Sequence) -> int:
+        if seq.num_output_tokens >= seq.sampling.max_tokens:
+            return 0  # its last token is in flight; it finishes when that token is processed
+        return seq.num_tokens - seq.num_computed_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _preempt_lower(self, seq: Sequence) -> Sequence | None:
+        """Preempt the weakest running sequence if `seq` outranks it, and return it."""
+        if not self.running:
+            return None
+        victim = max(self.running, key=Sequence.sort_key)
+        if victim.priority >= seq.priority:
+            return None
+        self._preempt(victim)
+        return victim
