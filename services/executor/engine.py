@@ -226,6 +226,8 @@ class Engine:
                 started = time.perf_counter()
                 self._process(in_flight, sampled)
                 self.stats.loop_cpu_s += time.perf_counter() - started
+                # Awaiting a future that is already done does not yield: let other tasks run.
+                await asyncio.sleep(0)
             in_flight = step
             if step is None and not processed:
                 # Nothing ran and nothing can: wait for a new request or an abort.

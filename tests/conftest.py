@@ -1,0 +1,42 @@
+"""Shared test helpers: engines on the tiny random model and the real SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.executor.engine import Engine
+from shared.config import EngineConfig
+from shared.protocol import Completion, Delta, Error, GenerateRequest
+
+TINY = "dummy:tiny"
+
+
+def tiny_config(**overrides) -> EngineConfig:
+    settings = dict(model=TINY, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=256,
+                    block_size=16)
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+async def generate_all(engine: Engine, requests: list[GenerateRequest],
+                       timeout: float = 120.0) -> list[Completion | Error]:
+    """Submit all requests at once; their final outputs, in order."""
+    engine.start()
+
+    async def one(request: GenerateRequest):
+        final = None
+        async for output in engine.generate(request):
+            if not isinstance(output, Delta):
+                final = output
+        return final
+
+    return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), timeout)
+
+
+@pytest.fixture
+async def tiny_engine():
+    engine = Engine(tiny_config())
+    yield engine
+    await engine.stop()

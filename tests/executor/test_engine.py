@@ -1,0 +1,176 @@
+"""The engine end to end on the tiny random model: batching must never change the tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.executor.engine import Engine
+from shared.protocol import Completion, Delta, Error, GenerateRequest
+from tests.conftest import generate_all, tiny_config
+
+
+def prompts(n, seed=0, low=5, high=80):
+    rng = random.Random(seed)
+    return [[rng.randrange(17, 49152) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+def greedy(ids, max_tokens=24, **kw):
+    return GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0,
+                           ignore_eos=True, **kw)
+
+
+async def run(config, requests):
+    engine = Engine(config)
+    try:
+        return await generate_all(engine, requests), engine
+    finally:
+        await engine.stop()
+
+
+async def test_alone_equals_together():
+    batch = prompts(8)
+    together, _ = await run(tiny_config(), [greedy(p) for p in batch])
+    for p, out in zip(batch, together):
+        alone, _ = await run(tiny_config(), [greedy(p)])
+        assert alone[0].token_ids == out.token_ids
+        assert out.finish_reason == "length" and len(out.token_ids) == 24
+
+
+async def test_pipelined_equals_unpipelined():
+    requests = [greedy(p) for p in prompts(6, seed=1)]
+    on, _ = await run(tiny_config(pipeline=True), requests)
+    off, _ = await run(tiny_config(pipeline=False), requests)
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+
+
+async def test_prefix_cache_hit_reports_cached_tokens_and_same_tokens():
+    shared = prompts(1, seed=2, low=200, high=200)[0]
+    first = shared + [101, 102, 103]
+    second = shared + [201, 202]
+    engine = Engine(tiny_config())
+    try:
+        [a] = await generate_all(engine, [greedy(first)])
+        [b] = await generate_all(engine, [greedy(second)])
+    finally:
+        await engine.stop()
+    assert a.usage.cached_tokens == 0
+    assert b.usage.cached_tokens == 192  # 12 full blocks of 16 out of the 200 shared tokens
+    cold, _ = await run(tiny_config(enable_prefix_caching=False), [greedy(second)])
+    assert cold[0].usage.cached_tokens == 0
+    assert b.token_ids == cold[0].token_ids
+
+
+async def test_forced_preemption_gives_same_tokens():
+    batch = prompts(8, seed=3, low=20, high=60)
+    requests = [greedy(p, max_tokens=40) for p in batch]
+    roomy, _ = await run(tiny_config(), requests)
+    # 24 blocks of 16 cannot hold 8 sequences of up to 100 tokens: preemption is forced.
+    tight, engine = await run(tiny_config(num_kv_blocks=24), requests)
+    assert sum(c.scheduling.preemptions for c in tight) > 0
+    assert [c.token_ids for c in tight] == [c.token_ids for c in roomy]
+
+
+async def test_seeded_sampling_is_reproducible_and_batch_independent():
+    batch = prompts(4, seed=4)
+    sampled = [GenerateRequest(prompt_token_ids=p, max_tokens=16, temperature=1.0, top_k=50,
+                               top_p=0.9, seed=1234 + i, ignore_eos=True)
+               for i, p in enumerate(batch)]
+    together, _ = await run(tiny_config(), sampled)
+    alone, _ = await run(tiny_config(), [sampled[2]])
+    assert alone[0].token_ids == together[2].token_ids
+    other_seed = GenerateRequest(prompt_token_ids=batch[2], max_tokens=16, temperature=1.0,
+                                 top_k=50, top_p=0.9, seed=99, ignore_eos=True)
+    different, _ = await run(tiny_config(), [other_seed])
+    assert different[0].token_ids != together[2].token_ids
+
+
+async def test_stream_deltas_reassemble_to_completion(tiny_engine):
+    request = GenerateRequest(prompt="Hello there", max_tokens=20, temperature=0.0,
+                              ignore_eos=True, stream=True)
+    tiny_engine.start()
+    deltas, final = [], None
+    async for output in tiny_engine.generate(request):
+        if isinstance(output, Delta):
+            deltas.append(output)
+        else:
+            final = output
+    assert isinstance(final, Completion)
+    assert "".join(d.text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    index = 0
+    for d in deltas:
+        assert d.index == index
+        index += len(d.token_ids)
+
+
+async def test_stop_token_ids_and_max_tokens(tiny_engine):
+    [free] = await generate_all(tiny_engine, [greedy(prompts(1, seed=5)[0], max_tokens=12)])
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    [stopped] = await generate_all(tiny_engine, [greedy(prompts(1, seed=5)[0], max_tokens=12,
+                                                        stop_token_ids=[stop_at])])
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[:first + 1]
+
+
+async def test_stop_string_is_cut_from_text(tiny_engine):
+    request = GenerateRequest(prompt="abc", max_tokens=30, temperature=0.0, ignore_eos=True)
+    [free] = await generate_all(tiny_engine, [request])
+    text = free.text
+    assert len(text) > 12
+    stop = text[8:11]
+    cut = text.find(stop)
+    [stopped] = await generate_all(tiny_engine, [GenerateRequest(
+        prompt="abc", max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[:cut]
+
+
+async def test_abort_running_request(tiny_engine):
+    tiny_engine.start()
+    request = greedy(prompts(1, seed=6)[0], max_tokens=1900, request_id="long")
+    outputs = []
+
+    async def consume():
+        async for output in tiny_engine.generate(request):
+            outputs.append(output)
+
+    import asyncio
+
+    task = asyncio.create_task(consume())
+    for _ in range(1000):
+        if tiny_engine.stats.steps > 3 or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert tiny_engine.abort("long")
+    await asyncio.wait_for(task, 10)
+    assert outputs[-1].finish_reason == "cancelled"
+    assert 0 < len(outputs[-1].token_ids) < 1900
+    assert tiny_engine.block_manager.num_free_blocks == tiny_engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("request_kwargs, code, needle", [
+    (dict(prompt_token_ids=[1] * 3000, max_tokens=10), "prompt_too_long", "max_model_len"),
+    (dict(prompt="hi", model="other-model"), "unknown_model", "other-model"),
+    (dict(prompt_token_ids=[10**6]), "invalid_request", "prompt_token_ids"),
+    (dict(prompt="hi", stop_token_ids=[10**6]), "invalid_request", "stop_token_ids"),
+    (dict(prompt="hi", prompt_token_ids=[1]), "invalid_request", "exactly one"),
+])
+async def test_bad_requests_raise_protocol_errors(tiny_engine, request_kwargs, code, needle):
+    from shared.protocol import ProtocolError
+
+    with pytest.raises(ProtocolError) as info:
+        tiny_engine.add_request(GenerateRequest(**request_kwargs), lambda _: None)
+    assert info.value.code == code and needle in info.value.message
+    assert tiny_engine.num_unfinished == 0
+
+
+async def test_errors_leave_other_requests_untouched(tiny_engine):
+    good = greedy(prompts(1, seed=7)[0])
+    [expected] = await generate_all(tiny_engine, [good])
+    with pytest.raises(Exception):
+        tiny_engine.add_request(GenerateRequest(prompt=""), lambda _: None)
+    [again] = await generate_all(tiny_engine, [good])
+    assert again.token_ids == expected.token_ids and not isinstance(again, Error)
