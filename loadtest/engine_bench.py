@@ -138,8 +138,9 @@ def run_hf_static(requests: list[GenerateRequest], batch_size: int) -> dict:
             mask[i, width - len(r.prompt_token_ids):] = 1
         new = max(r.max_tokens for r in batch)
         with torch.inference_mode():
+            # eos_token_id=None: every row runs to `new` tokens, EOS included, like ignore_eos.
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, pad_token_id=pad)
+                                 do_sample=False, eos_token_id=None, pad_token_id=pad)
         for i, r in enumerate(batch):
             token_ids.append(out[i, width:width + r.max_tokens].tolist())
         useful += sum(r.max_tokens for r in batch)

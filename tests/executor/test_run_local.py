@@ -1,0 +1,48 @@
+"""`jetserve run-local` as a user runs it: a JSONL file in, one JSON line out per request."""
+
+import json
+import subprocess
+import sys
+
+
+def test_run_local_mixed_good_and_bad_lines(tmp_path):
+    lines = [
+        {"prompt": "Hello", "max_tokens": 8, "temperature": 0},
+        {"prompt": "", "max_tokens": 8},
+        {"prompt_token_ids": [17] * 2100, "max_tokens": 8},
+        {"prompt": "Hi", "max_tokens": 0},
+        {"prompt": "Hi", "temperature": -1},
+        {"prompt": "Hi", "top_p": 0},
+        {"prompt": "Hi", "top_p": 1.5},
+        {"prompt": "Hi", "max_tokens": 4, "speed": "fast"},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0,
+         "request_id": "chat"},
+    ]
+    raw = [json.dumps(line) for line in lines] + ["{not json", "[1, 2]"]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(raw) + "\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run-local", str(path), "--model", "dummy:tiny",
+         "--progress"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(out) == len(raw)
+    kinds = [o["type"] for o in out]
+    assert kinds == ["completion"] + ["error"] * 7 + ["completion", "error", "error"]
+    assert out[0]["usage"]["completion_tokens"] == 8 and out[0]["request_id"] == "line-1"
+    assert out[8]["request_id"] == "chat" and len(out[8]["token_ids"]) == 6
+    expectations = [
+        (1, "invalid_request", "`prompt` is empty"),
+        (2, "prompt_too_long", "max_model_len 2048"),
+        (3, "invalid_request", "$.max_tokens"),
+        (4, "invalid_request", "$.temperature"),
+        (5, "invalid_request", "$.top_p"),
+        (6, "invalid_request", "$.top_p"),
+        (7, "invalid_request", "unknown field `speed`"),
+        (9, "invalid_request", "malformed JSON"),
+        (10, "invalid_request", "Expected `object`"),
+    ]
+    for index, code, needle in expectations:
+        assert out[index]["code"] == code, out[index]
+        assert needle in out[index]["message"], out[index]
+    assert "11/11 requests" in result.stderr

@@ -1,0 +1,54 @@
+import math
+
+import torch
+
+from services.executor.sampler import SamplingBatch, make_generator, sample
+from services.executor.sequence import SamplingParams
+
+
+def batch_of(*params, seed=0):
+    return SamplingBatch(list(params), [None if p.greedy else make_generator(seed + i)
+                                        for i, p in enumerate(params)])
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    out = sample(logits, batch_of(*[SamplingParams(max_tokens=1, temperature=0.0)] * 4))
+    assert out.tolist() == logits.argmax(-1).tolist()
+
+
+def test_filters_that_keep_one_token_equal_greedy():
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(max_tokens=1, top_k=1), SamplingParams(max_tokens=1, top_p=1e-6),
+              SamplingParams(max_tokens=1, min_p=1.0)]
+    for _ in range(5):
+        assert sample(logits, batch_of(*params)).tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_k_never_leaves_the_top_k():
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(2))
+    top5 = set(logits[0].topk(5).indices.tolist())
+    generator = make_generator(3)
+    params = SamplingParams(max_tokens=1, temperature=2.0, top_k=5)
+    for _ in range(200):
+        token = sample(logits, SamplingBatch([params], [generator])).item()
+        assert token in top5
+
+
+def test_temperature_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # p = [0.25, 0.75]
+    generator = make_generator(4)
+    params = SamplingParams(max_tokens=1, temperature=1.0)
+    draws = [sample(logits, SamplingBatch([params], [generator])).item() for _ in range(4000)]
+    share = sum(draws) / len(draws)
+    assert 0.72 < share < 0.78
+
+
+def test_same_seed_same_tokens_regardless_of_neighbours():
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(5))
+    p = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)
+    alone = [sample(logits[1:2], SamplingBatch([p], [make_generator(42)])).item()]
+    mixed = sample(logits, SamplingBatch([SamplingParams(max_tokens=1, temperature=0.0), p,
+                                          SamplingParams(max_tokens=1, temperature=0.5)],
+                                         [None, make_generator(42), make_generator(7)]))
+    assert mixed[1].item() == alone[0]

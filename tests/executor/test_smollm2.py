@@ -1,0 +1,120 @@
+"""The engine on the real SmolLM2-135M-Instruct: parity with transformers and batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+import torch
+
+from services.executor.engine import Engine
+from services.executor.weights import default_gguf_path
+from shared.config import EngineConfig
+from shared.protocol import ChatMessage, GenerateRequest
+from tests.conftest import generate_all
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about autumn leaves falling in a quiet park.",
+    "Explain, step by step and in some detail, how a bicycle stays upright while it moves, and "
+    "why it falls over when it stops. Mention gyroscopic effects, trail and steering.",
+    "2+2=",
+    "List three fruits.",
+]
+RAW = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    ",
+    "In 1492, Columbus sailed across the Atlantic Ocean. " * 6 + "Historians now believe that",
+    "Once upon a time",
+    "Water boils at a temperature of",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(engine) -> list[list[int]]:
+    chats = [engine.tokenize(GenerateRequest(messages=[ChatMessage("user", q)])) for q in QUESTIONS]
+    return chats + [engine.tokenize(GenerateRequest(prompt=p)) for p in RAW]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine():
+    engine = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=512))
+    yield engine
+    await engine.stop()
+
+
+def greedy(ids, max_tokens=32):
+    return GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0,
+                           ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(prompts) -> list[list[int]]:
+    """transformers' greedy tokens on the same GGUF, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            # eos_token_id=None: no stop and no EOS suppression, like the engine's ignore_eos.
+            # The explicit mask matters: chat prompts contain <|im_end|>, the pad id, which
+            # transformers would otherwise mask out as padding.
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                 pad_token_id=2)
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+async def test_greedy_parity_with_transformers(engine, prompts, reference):
+    assert len({len(p) for p in prompts}) >= 8  # prompts of different lengths
+    completions = await generate_all(engine, [greedy(p) for p in prompts])
+    for ids, completion, expected in zip(prompts, completions, reference):
+        assert completion.token_ids == expected, f"prompt of {len(ids)} tokens diverged"
+
+
+async def test_capital_of_france(engine):
+    [answer] = await generate_all(engine, [GenerateRequest(
+        messages=[ChatMessage("user", "What is the capital of France?")], temperature=0.0,
+        max_tokens=32)])
+    assert "Paris" in answer.text and answer.finish_reason == "stop"
+
+
+async def test_alone_equals_together(engine, prompts, reference):
+    for ids, expected in zip(prompts[:3], reference[:3]):
+        [alone] = await generate_all(engine, [greedy(ids)])
+        assert alone.token_ids == expected
+
+
+async def test_prefix_cache_hit_same_tokens(engine, prompts):
+    system = ("You are a meticulous assistant. Answer briefly, cite no sources, and never "
+              "apologise. ") * 12
+    first = GenerateRequest(messages=[ChatMessage("system", system), ChatMessage("user", "Hi!")],
+                            max_tokens=24, temperature=0.0)
+    second = GenerateRequest(messages=[ChatMessage("system", system),
+                                       ChatMessage("user", "Name a colour.")],
+                             max_tokens=24, temperature=0.0)
+    [a] = await generate_all(engine, [first])
+    [b] = await generate_all(engine, [second])
+    assert a.usage.prompt_tokens > 200 and b.usage.cached_tokens >= 200
+    cold = Engine(EngineConfig(max_num_seqs=4, num_kv_blocks=128, enable_prefix_caching=False))
+    try:
+        [b_cold] = await generate_all(cold, [second])
+    finally:
+        await cold.stop()
+    assert b_cold.usage.cached_tokens == 0
+    assert b.token_ids == b_cold.token_ids
+
+
+async def test_forced_preemption_same_tokens(prompts, reference):
+    tight = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=24))
+    try:
+        completions = await generate_all(tight, [greedy(p) for p in prompts])
+    finally:
+        await tight.stop()
+    assert sum(c.scheduling.preemptions for c in completions) > 0
+    assert [c.token_ids for c in completions] == reference

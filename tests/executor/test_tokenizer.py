@@ -1,0 +1,35 @@
+import pytest
+
+from services.executor.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.executor.weights import converted_gguf_dir, default_gguf_path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(converted_gguf_dir(default_gguf_path(), None))
+
+
+def test_roundtrip_and_special_tokens(tokenizer):
+    text = "Hello, world! 12345 naïve café"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.encode("<|im_start|>") == [1]  # a control token is one id
+    assert tokenizer.encode("123") == [tokenizer.encode("1")[0], tokenizer.encode("2")[0],
+                                       tokenizer.encode("3")[0]]  # digits split one by one
+    assert tokenizer.eos_token_id == 2
+
+
+def test_chat_template_adds_generation_prompt(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_incremental_detokenization_never_splits_a_character(tokenizer):
+    text = "Zürich → 東京 🎉🚀 naïve"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add([t]) for t in ids]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == text
+    assert any(piece == "" for piece in pieces)  # some tokens held back mid-character
