@@ -154,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    defaults = EngineConfig()
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=defaults.max_num_batched_tokens)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-no-pipeline", action="store_true")

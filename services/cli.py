@@ -9,13 +9,16 @@ from shared.config import DEFAULT_MODEL, EngineConfig
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="SmolLM2-135M-Instruct (default), dummy:tiny, dummy:llama-3-8b, "
                              "a GGUF file or an HF directory")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=defaults.max_num_batched_tokens)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV pool size in blocks (default: what fits the memory budget)")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="run scheduling and output processing between steps, not beside them")

@@ -17,13 +17,13 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
-    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 64
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 128
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
     # KV pool: an explicit block count wins; else a share of free GPU memory, or a size on CPU.
     num_kv_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
-    cpu_kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    cpu_kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
     enable_prefix_caching: bool = True
     # Overlap CPU work of step N+1 and N with model execution of step N.
     pipeline: bool = True

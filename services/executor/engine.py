@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,8 @@ from services.executor.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.executor.weights import default_gguf_path, load_model_files, converted_gguf_dir
 from shared.config import EngineConfig
 from shared.protocol import Completion, Delta, Error, GenerateRequest, ProtocolError
+
+log = logging.getLogger(__name__)
 
 Output = Delta | Completion | Error
 OutputSink = Callable[[Output], None]
@@ -80,7 +83,7 @@ class Engine:
                                  model_config.max_position)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
                              else model_config.eos_token_id)
-        backend = TorchBackend(config.block_size, self.device)
+        backend = TorchBackend(config.block_size, self.device, self.dtype)
         model = LlamaModel(model_config, weights, backend, self.max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -222,7 +225,16 @@ class Engine:
                 in_flight, step = step, None
             processed = in_flight is not None
             if in_flight is not None:
-                sampled = await in_flight.future
+                try:
+                    sampled = await in_flight.future
+                except Exception as exc:  # a bug, not bad input: fail loudly, keep serving
+                    log.exception("model step failed")
+                    if step is not None:  # it read the failed step's state: drop it too
+                        await asyncio.wait([step.future])
+                        step.future.exception()
+                    self._fail_all(f"model step failed: {exc!r}")
+                    in_flight = None
+                    continue
                 started = time.perf_counter()
                 self._process(in_flight, sampled)
                 self.stats.loop_cpu_s += time.perf_counter() - started
@@ -280,6 +292,17 @@ class Engine:
                 delta = state.take_delta()
                 if delta is not None:
                     self._sinks[seq.request_id](delta)
+
+    def _fail_all(self, message: str) -> None:
+        """End every request with an `internal` Error and start from a clean state."""
+        for state in list(self._requests.values()):
+            seq = state.seq
+            self.scheduler.finish(seq)
+            self.runner.release(seq.request_id)
+            del self._requests[seq.request_id]
+            self._sinks.pop(seq.request_id)(Error(request_id=seq.request_id, code="internal",
+                                                  message=message))
+        self.runner.reset()
 
     def _finish(self, state: RequestState) -> None:
         seq = state.seq

@@ -109,3 +109,8 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Forget per-request state after a failed step (every request has been ended)."""
+        self._generators.clear()
+        self._last_sampled = None
