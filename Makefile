@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The venv's bin first: torch builds the CPU attention kernel with the ninja installed there.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed
 
 .PHONY: up test test-fast bench clean
