@@ -15,7 +15,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str = DEFAULT_MODEL  # a name, a GGUF path, an HF directory, or dummy:<shape>
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch"] = "auto"  # "triton" joins with kernels/
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 128
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512

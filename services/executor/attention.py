@@ -197,6 +197,5 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 
     index_select over whole blocks is a row memcpy, several times faster than advanced indexing.
     """
-    num_blocks, block_size = cache.shape[0], cache.shape[1]
-    rows = cache.view(num_blocks, -1).index_select(0, block_ids)
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids)
     return rows.view(-1, *cache.shape[2:])

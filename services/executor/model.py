@@ -44,8 +44,9 @@ class LlamaModel:
         self.norm = weights.pop("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            take = lambda name: weights.pop(p + name)  # noqa: E731
+            def take(name: str, prefix: str = f"model.layers.{i}.") -> torch.Tensor:
+                return weights.pop(prefix + name)
+
             self.layers.append(LayerWeights(
                 input_norm=take("input_layernorm.weight"),
                 qkv_proj=torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),

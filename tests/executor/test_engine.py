@@ -170,7 +170,9 @@ async def test_bad_requests_raise_protocol_errors(tiny_engine, request_kwargs, c
 async def test_errors_leave_other_requests_untouched(tiny_engine):
     good = greedy(prompts(1, seed=7)[0])
     [expected] = await generate_all(tiny_engine, [good])
-    with pytest.raises(Exception):
+    from shared.protocol import ProtocolError
+
+    with pytest.raises(ProtocolError):
         tiny_engine.add_request(GenerateRequest(prompt=""), lambda _: None)
     [again] = await generate_all(tiny_engine, [good])
     assert again.token_ids == expected.token_ids and not isinstance(again, Error)
