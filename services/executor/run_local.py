@@ -79,7 +79,7 @@ async def run_requests(engine: Engine, lines: list[str],
                 request.request_id = f"line-{index + 1}"
             engine.add_request(request, sink_for(index))
         except ProtocolError as exc:
-            finish(index, exc.to_error(_request_id_of(line)))
+            finish(index, exc.to_error(_request_id_of(line) or f"line-{index + 1}"))
     if remaining:
         await all_done.wait()
     return results  # type: ignore[return-value]

@@ -43,6 +43,7 @@ def test_run_local_mixed_good_and_bad_lines(tmp_path):
         (10, "invalid_request", "Expected `object`"),
     ]
     for index, code, needle in expectations:
+        assert out[index]["request_id"] == f"line-{index + 1}"
         assert out[index]["code"] == code, out[index]
         assert needle in out[index]["message"], out[index]
     assert "11/11 requests" in result.stderr
