@@ -113,6 +113,12 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, e.g. after a failed step left blocks registered unwritten."""
+        for block in self.blocks:
+            block.hash = None
+        self.hash_to_block.clear()
+
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_blocks):

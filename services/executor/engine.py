@@ -303,6 +303,8 @@ class Engine:
             self._sinks.pop(seq.request_id)(Error(request_id=seq.request_id, code="internal",
                                                   message=message))
         self.runner.reset()
+        # Blocks are registered when their step is scheduled: the failed steps never wrote them.
+        self.block_manager.reset_prefix_cache()
 
     def _finish(self, state: RequestState) -> None:
         seq = state.seq
@@ -311,7 +313,7 @@ class Engine:
         del self._requests[seq.request_id]
         sink = self._sinks.pop(seq.request_id)
         if state.stream:
-            delta = state.take_delta()
+            delta = state.take_delta(final=True)
             if delta is not None:
                 sink(delta)
         sink(state.completion())

@@ -61,10 +61,11 @@ class RequestState:
         self.text = self.text[:min(hits)]
         return True
 
-    def take_delta(self) -> Delta | None:
-        """New tokens and the text that is safe to send, since the last delta."""
+    def take_delta(self, final: bool = False) -> Delta | None:
+        """New tokens and the text that is safe to send, since the last delta; all of it when
+        the request is ending (finished or cancelled), so deltas add up to the Completion."""
         tokens = self.seq.output_token_ids
-        end = len(self.text) if self.finish_reason else max(
+        end = len(self.text) if final else max(
             self.emitted_text_len, len(self.text) - self.stop_holdback)
         if len(tokens) == self.emitted_tokens and end == self.emitted_text_len:
             return None

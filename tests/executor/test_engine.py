@@ -176,3 +176,48 @@ async def test_errors_leave_other_requests_untouched(tiny_engine):
         tiny_engine.add_request(GenerateRequest(prompt=""), lambda _: None)
     [again] = await generate_all(tiny_engine, [good])
     assert again.token_ids == expected.token_ids and not isinstance(again, Error)
+
+
+async def test_cancelled_stream_deltas_add_up_to_completion(tiny_engine):
+    import asyncio
+
+    tiny_engine.start()
+    request = GenerateRequest(prompt="Tell me a story", max_tokens=1000, temperature=0.8, seed=3,
+                              ignore_eos=True, stream=True, request_id="story",
+                              stop=["a stop string far longer than any token"])
+    outputs = []
+
+    async def consume():
+        async for output in tiny_engine.generate(request):
+            outputs.append(output)
+            if len(outputs) == 10:
+                tiny_engine.abort("story")
+
+    await asyncio.wait_for(consume(), 30)
+    final = outputs[-1]
+    assert isinstance(final, Completion) and final.finish_reason == "cancelled"
+    assert "".join(o.text for o in outputs[:-1]) == final.text
+    assert [t for o in outputs[:-1] for t in o.token_ids] == final.token_ids
+
+
+async def test_failed_step_ends_requests_and_keeps_serving(tiny_engine):
+    model = tiny_engine.runner.model
+    real_forward = model.forward
+    calls = 0
+
+    def failing_once(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("injected failure")
+        return real_forward(*args, **kwargs)
+
+    model.forward = failing_once
+    ids = prompts(1, seed=8, low=65, high=65)[0]
+    [failed] = await generate_all(tiny_engine, [greedy(ids)])
+    assert isinstance(failed, Error) and failed.code == "internal"
+    assert "injected failure" in failed.message
+    # The failed step's blocks were registered in the prefix cache but never written.
+    assert tiny_engine.block_manager.hash_to_block == {}
+    [ok] = await generate_all(tiny_engine, [greedy(ids)])
+    assert isinstance(ok, Completion) and ok.usage.cached_tokens == 0 and len(ok.token_ids) == 24
