@@ -24,7 +24,7 @@ import torch
 
 from services.executor.engine import Engine
 from services.executor.run_local import run_requests
-from services.executor.weights import ModelConfig, default_gguf_path
+from services.executor.weights import ModelConfig, default_gguf_path, load_model_config
 from shared.config import EngineConfig
 from shared.protocol import Completion, GenerateRequest
 
@@ -166,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
-    probe = Engine(config)  # for the model shape; its weights are freed before the runs
-    model_config = probe.model_config
-    del probe
+    model_config, _ = load_model_config(args.model)
     requests = make_workload(args.num_requests, args.seed, model_config.vocab_size)
     flops = workload_flops(model_config, requests)
     matmul = matmul_flops_per_s()

@@ -94,7 +94,6 @@ class Engine:
         self.stats = EngineStats()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._requests: dict[str, RequestState] = {}
-        self._sinks: dict[str, OutputSink] = {}
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -166,8 +165,7 @@ class Engine:
         self._requests[request_id] = RequestState(
             seq=seq, model=self.model_name, executor=self.config.executor_name,
             detokenizer=IncrementalDetokenizer(self.tokenizer), eos_token_id=self.eos_token_id,
-            max_model_len=self.max_model_len, stream=request.stream)
-        self._sinks[request_id] = sink
+            max_model_len=self.max_model_len, stream=request.stream, sink=sink)
         self.scheduler.add(seq)
         self._wakeup.set()
         return request_id
@@ -291,29 +289,27 @@ class Engine:
             elif state.stream:
                 delta = state.take_delta()
                 if delta is not None:
-                    self._sinks[seq.request_id](delta)
+                    state.sink(delta)
 
     def _fail_all(self, message: str) -> None:
         """End every request with an `internal` Error and start from a clean state."""
         for state in list(self._requests.values()):
-            seq = state.seq
-            self.scheduler.finish(seq)
-            self.runner.release(seq.request_id)
-            del self._requests[seq.request_id]
-            self._sinks.pop(seq.request_id)(Error(request_id=seq.request_id, code="internal",
-                                                  message=message))
+            self._retire(state)
+            state.sink(Error(request_id=state.seq.request_id, code="internal", message=message))
         self.runner.reset()
         # Blocks are registered when their step is scheduled: the failed steps never wrote them.
         self.block_manager.reset_prefix_cache()
 
     def _finish(self, state: RequestState) -> None:
-        seq = state.seq
-        self.scheduler.finish(seq)
-        self.runner.release(seq.request_id)
-        del self._requests[seq.request_id]
-        sink = self._sinks.pop(seq.request_id)
+        self._retire(state)
         if state.stream:
             delta = state.take_delta(final=True)
             if delta is not None:
-                sink(delta)
-        sink(state.completion())
+                state.sink(delta)
+        state.sink(state.completion())
+
+    def _retire(self, state: RequestState) -> None:
+        """Free everything the engine holds for a request that is ending."""
+        self.scheduler.finish(state.seq)
+        self.runner.release(state.seq.request_id)
+        del self._requests[state.seq.request_id]

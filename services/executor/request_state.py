@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.executor.sequence import Sequence
@@ -19,6 +20,7 @@ class RequestState:
     eos_token_id: int | None
     max_model_len: int
     stream: bool
+    sink: Callable[[object], None]  # receives this request's Deltas and its final output
     text: str = ""
     emitted_text_len: int = 0  # characters already sent in deltas
     emitted_tokens: int = 0

@@ -277,13 +277,20 @@ def converted_gguf_dir(gguf_path: Path, cache_dir: str | None) -> Path:
     return directory
 
 
+def load_model_config(model: str, cache_dir: str | None = None) -> tuple[ModelConfig, Path | None]:
+    """The model's shape, and the HF directory holding its files (None for a dummy model)."""
+    source = resolve_model_path(model)
+    if isinstance(source, str):
+        return dummy_config(source.removeprefix("dummy:")), None
+    directory = converted_gguf_dir(source, cache_dir) if source.is_file() else source
+    return hf_config(directory), directory
+
+
 def load_model_files(model: str, device: torch.device, dtype: torch.dtype,
                      cache_dir: str | None = None
                      ) -> tuple[ModelConfig, dict[str, torch.Tensor], Path | None]:
     """Config, HF-named weights, and the directory holding the tokenizer (None: the default's)."""
-    source = resolve_model_path(model)
-    if isinstance(source, str):  # dummy
-        config = dummy_config(source.removeprefix("dummy:"))
+    config, directory = load_model_config(model, cache_dir)
+    if directory is None:
         return config, dummy_weights(config, device, dtype), None
-    directory = converted_gguf_dir(source, cache_dir) if source.is_file() else source
-    return hf_config(directory), hf_weights(directory, device, dtype), directory
+    return config, hf_weights(directory, device, dtype), directory
