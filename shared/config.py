@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
@@ -30,3 +33,142 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # torch intra-op threads on CPU
     weights_cache_dir: str | None = None  # where a converted GGUF is cached as safetensors
     executor_name: str = "executor-0"
+
+
+# ------------------------------------------------------------------------ jetserve.yaml (services)
+
+
+class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    url: str = "nats://127.0.0.1:4222"
+    prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")] = "llm"
+    results_max_age_s: Annotated[float, msgspec.Meta(gt=0)] = 24 * 3600.0
+    # A held durable request is kept alive with in-progress acks well inside this window.
+    ack_wait_s: Annotated[float, msgspec.Meta(ge=1)] = 30.0
+    duplicate_window_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # internal request/reply hops
+
+
+class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str = DEFAULT_MODEL
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attention_backend: Literal["auto", "torch"] = "auto"
+    max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
+    weights_cache_dir: str | None = None
+    num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    num_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    cpu_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    enable_prefix_caching: bool = True
+
+
+class RequestLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Admission and the global queue."""
+
+    max_pending_requests: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+    # Per-tenant token bucket over prompt + max_tokens; None turns rate limiting off.
+    rate_limit_tokens_per_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    rate_limit_burst_tokens: Annotated[int, msgspec.Meta(ge=1)] = 100_000
+
+
+class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Each executor's batch limits, and how far the batcher fills executors ahead."""
+
+    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 128
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
+    # Requests an executor may hold beyond max_num_seqs, so a finished slot refills at once.
+    executor_queue_depth: Annotated[int, msgspec.Meta(ge=0)] = 4
+
+
+class TokenLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pipeline: bool = True
+
+
+class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    request_level: RequestLevel = msgspec.field(default_factory=RequestLevel)
+    batch_level: BatchLevel = msgspec.field(default_factory=BatchLevel)
+    token_level: TokenLevel = msgspec.field(default_factory=TokenLevel)
+
+
+class DistributedSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    heartbeat_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # then an executor is dead
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # SIGTERM: let running finish
+
+
+class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"  # auto: console on a terminal
+
+
+class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The whole of jetserve.yaml. Every key may be overridden by an environment variable
+    `JETSERVE_<SECTION>__<KEY>` (e.g. `JETSERVE_KV_CACHE__BLOCK_SIZE=32`); `NATS_URL` sets
+    `nats.url`."""
+
+    nats: NatsSection = msgspec.field(default_factory=NatsSection)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    kv_cache: KvCacheSection = msgspec.field(default_factory=KvCacheSection)
+    scheduler: SchedulerSection = msgspec.field(default_factory=SchedulerSection)
+    distributed: DistributedSection = msgspec.field(default_factory=DistributedSection)
+    monitoring: MonitoringSection = msgspec.field(default_factory=MonitoringSection)
+
+    def engine_config(self, executor_name: str) -> EngineConfig:
+        model, kv, batch = self.model, self.kv_cache, self.scheduler.batch_level
+        return EngineConfig(
+            model=model.name, device=model.device, dtype=model.dtype,
+            attention_backend=model.attention_backend, max_model_len=model.max_model_len,
+            max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=batch.max_num_batched_tokens,
+            block_size=kv.block_size, num_kv_blocks=kv.num_blocks,
+            gpu_memory_utilization=kv.gpu_memory_utilization, cpu_kv_cache_gib=kv.cpu_cache_gib,
+            enable_prefix_caching=kv.enable_prefix_caching,
+            pipeline=self.scheduler.token_level.pipeline, num_threads=model.num_threads,
+            weights_cache_dir=model.weights_cache_dir, executor_name=executor_name)
+
+
+class ConfigError(Exception):
+    """A configuration file or variable that does not validate; the message names the key."""
+
+
+ENV_PREFIX = "JETSERVE_"
+
+
+def load_config(path: str | None = None, environ: Mapping[str, str] | None = None) -> JetserveConfig:
+    """jetserve.yaml (when given), then environment overrides, validated as one tree."""
+    import yaml
+
+    environ = os.environ if environ is None else environ
+    tree: dict = {}
+    if path:
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping")
+    overrides = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+    if environ.get("NATS_URL"):
+        overrides.setdefault(f"{ENV_PREFIX}NATS__URL", environ["NATS_URL"])
+    for name, raw in sorted(overrides.items()):
+        keys = name.removeprefix(ENV_PREFIX).lower().split("__")
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: `{key}` is not a section")
+        node[keys[-1]] = yaml.safe_load(raw) if raw else None  # typed like YAML: 32, true, null
+    try:
+        return msgspec.convert(tree, JetserveConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None
+
+
+def env_overrides(settings: Mapping[str, object]) -> dict[str, str]:
+    """`{"kv_cache.block_size": 32}` as the environment variables load_config reads."""
+    return {ENV_PREFIX + key.upper().replace(".", "__"):
+            "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            for key, value in settings.items()}

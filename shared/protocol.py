@@ -144,3 +144,34 @@ def decode_generate_request(payload: bytes | str) -> GenerateRequest:
         raise ProtocolError("invalid_request", f"malformed JSON: {exc}") from None
     request.check()
     return request
+
+
+# The `Nats-Service-Error-Code` of each error code on request/reply (the micro convention is
+# numeric, HTTP-like).
+SERVICE_ERROR_CODES: dict[str, str] = {
+    "invalid_request": "400",
+    "unknown_model": "404",
+    "prompt_too_long": "413",
+    "rate_limited": "429",
+    "cancelled": "499",
+    "internal": "500",
+    "overloaded": "503",
+}
+
+
+def service_error_headers(error: Error) -> dict[str, str]:
+    description = " ".join(f"{error.code}: {error.message}".split())  # headers are one line
+    return {"Nats-Service-Error": description,
+            "Nats-Service-Error-Code": SERVICE_ERROR_CODES[error.code]}
+
+
+_cancel_decoder = msgspec.json.Decoder(Cancel)
+
+
+def decode_cancel(payload: bytes | str) -> Cancel:
+    try:
+        return _cancel_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("invalid_request", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError("invalid_request", f"malformed JSON: {exc}") from None

@@ -23,11 +23,12 @@ from services.executor.attention import TorchBackend
 from services.executor.block_manager import BlockManager
 from services.executor.model import LlamaModel
 from services.executor.model_runner import ModelRunner, kv_cache_bytes_per_block
+from services.executor.preprocess import check_limits, prompt_token_ids
 from services.executor.request_state import RequestState
 from services.executor.scheduler import Scheduler
 from services.executor.sequence import SamplingParams, Sequence
 from services.executor.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.executor.weights import default_gguf_path, load_model_files, converted_gguf_dir
+from services.executor.weights import load_model_files, tokenizer_dir
 from shared.config import EngineConfig
 from shared.protocol import Completion, Delta, Error, GenerateRequest, ProtocolError
 
@@ -75,8 +76,7 @@ class Engine:
         self.dtype = _pick_dtype(config, self.device)
         model_config, weights, model_dir = load_model_files(
             config.model, self.device, self.dtype, config.weights_cache_dir)
-        tokenizer_dir = model_dir or converted_gguf_dir(default_gguf_path(), config.weights_cache_dir)
-        self.tokenizer = Tokenizer(tokenizer_dir)
+        self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.weights_cache_dir))
         self.model_config = model_config
         self.model_name = config.model
         self.max_model_len = min(config.max_model_len or model_config.max_position,
@@ -110,21 +110,7 @@ class Engine:
     # ------------------------------------------------------------------------------- requests
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            bad = [t for t in request.prompt_token_ids if t >= self.model_config.vocab_size]
-            if bad:
-                raise ProtocolError("invalid_request", f"`prompt_token_ids` has id {bad[0]} "
-                                    f">= vocab size {self.model_config.vocab_size}")
-            return list(request.prompt_token_ids)
-        if request.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in request.messages])
-            except ValueError as exc:
-                raise ProtocolError("invalid_request", f"`messages`: {exc}") from None
-        else:
-            text = request.prompt
-        return self.tokenizer.encode(text)
+        return prompt_token_ids(self.tokenizer, request, self.model_config.vocab_size)
 
     def add_request(self, request: GenerateRequest, sink: OutputSink,
                     arrival_time: float | None = None) -> str:
@@ -137,22 +123,13 @@ class Engine:
         if request_id in self._requests:
             raise ProtocolError("invalid_request", f"`request_id` {request_id!r} is already running")
         prompt = self.tokenize(request)
-        if not prompt:
-            raise ProtocolError("invalid_request", "the prompt tokenizes to zero tokens")
+        check_limits(request, len(prompt), self.max_model_len, self.model_config.vocab_size)
         total = len(prompt) + request.max_tokens
-        if total > self.max_model_len:
-            raise ProtocolError("prompt_too_long", f"prompt has {len(prompt)} tokens and "
-                                f"`max_tokens` is {request.max_tokens}: {total} > max_model_len "
-                                f"{self.max_model_len}")
         blocks = -(-total // self.config.block_size)
         usable = self.block_manager.num_blocks - self.scheduler.watermark_blocks
         if blocks > usable:
             raise ProtocolError("prompt_too_long", f"prompt + `max_tokens` needs {blocks} KV blocks;"
                                 f" the pool has {usable} usable")
-        bad_stop = [t for t in request.stop_token_ids if t >= self.model_config.vocab_size]
-        if bad_stop:
-            raise ProtocolError("invalid_request", f"`stop_token_ids` has id {bad_stop[0]} "
-                                f">= vocab size {self.model_config.vocab_size}")
         sampling = SamplingParams(
             max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k, min_p=request.min_p,

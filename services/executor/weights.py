@@ -294,3 +294,8 @@ def load_model_files(model: str, device: torch.device, dtype: torch.dtype,
     if directory is None:
         return config, dummy_weights(config, device, dtype), None
     return config, hf_weights(directory, device, dtype), directory
+
+
+def tokenizer_dir(model_dir: Path | None, cache_dir: str | None = None) -> Path:
+    """Where a model's tokenizer files are: its own directory; dummy models use the default's."""
+    return model_dir or converted_gguf_dir(default_gguf_path(), cache_dir)

@@ -1,0 +1,3 @@
+from services.admission.service import main
+
+main()

@@ -1,0 +1,278 @@
+"""The admission service: the edge of jetserve.
+
+Request/reply generates (`llm.generate.<tenant>`) and durable submissions (`llm.requests.<tenant>`,
+stream LLM_REQUESTS) are validated, tokenized, checked against the model's limits and the tenant's
+rate limit, given an id, a seed and an arrival time, and handed to priority. A durable request's
+message is held here (kept alive with in-progress acks) and acknowledged only once its final
+result is stored in LLM_RESULTS; a redelivered one whose result exists is only acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import msgspec
+import structlog
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
+from nats.micro import Request
+
+from services.admission.rate_limit import TokenBuckets
+from services.executor.preprocess import check_limits, prompt_token_ids
+from services.executor.tokenizer import Tokenizer
+from services.executor.weights import load_model_config, tokenizer_dir
+from shared.bus import Outbox, add_micro_service, ensure_streams, json_encode, serve_forever
+from shared.config import JetserveConfig
+from shared.messages import Done, SubmitReply, WorkItem, decoder, encode
+from shared.protocol import (Error, GenerateRequest, ProtocolError, decode_generate_request,
+                             service_error_headers)
+from shared.subjects import (ADMISSION_CONSUMER, DURABLE_ID_PATTERN, REQUESTS_STREAM,
+                             RESULTS_STREAM, TENANT_PATTERN, Subjects)
+from shared.telemetry import SpanKind, carrier_of, context_from
+
+log = structlog.get_logger()
+
+_submit_reply = decoder(SubmitReply)
+_done = decoder(Done)
+DURABLE_FETCH_BATCH = 64
+
+
+class Admission:
+    def __init__(self, config: JetserveConfig, nc, js, tracer):
+        self.config, self.nc, self.js, self.tracer = config, nc, js, tracer
+        self.subjects = Subjects(config.nats.prefix)
+        self.outbox = Outbox(nc, js, self.subjects)
+        model = config.model
+        self.model_name = model.name
+        model_config, model_dir = load_model_config(model.name, model.weights_cache_dir)
+        self.tokenizer = Tokenizer(tokenizer_dir(model_dir, model.weights_cache_dir))
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = min(model.max_model_len or model_config.max_position,
+                                 model_config.max_position)
+        limits = config.scheduler.request_level
+        self.buckets = (TokenBuckets(limits.rate_limit_tokens_per_s, limits.rate_limit_burst_tokens)
+                        if limits.rate_limit_tokens_per_s else None)
+        self.held: dict[str, object] = {}  # durable request id -> its LLM_REQUESTS message
+        self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
+                           redelivered_with_result=0)
+        self.errors_by_code: dict[str, int] = {}
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        await ensure_streams(self.js, self.config)
+        self.service = await add_micro_service(self.nc, "admission", "validates and tokenizes",
+                                               self.stats)
+        await self.service.add_endpoint(name="generate", subject=self.subjects.generate(),
+                                        handler=self.on_generate)
+        await self.nc.subscribe(self.subjects.admission_done, cb=self.on_done)
+        self.consumer = await self.js.pull_subscribe(
+            self.subjects.requests(">"), durable=ADMISSION_CONSUMER, stream=REQUESTS_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
+                                  ack_wait=self.config.nats.ack_wait_s, max_deliver=-1))
+        self.tasks = [asyncio.create_task(self.durable_loop(), name="durable"),
+                      asyncio.create_task(self.keep_alive_loop(), name="keep-alive")]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.consumer.unsubscribe()  # a pull subscription would stall the drain
+        await self.service.stop()
+
+    def stats(self) -> dict:
+        return {**self.counts, "durable_held": len(self.held), "errors": self.errors_by_code,
+                "model": self.model_name}
+
+    # --------------------------------------------------------------------------- validation
+
+    def admit(self, tenant: str, payload: bytes, durable: bool) -> WorkItem:
+        """A valid, tokenized WorkItem, or a ProtocolError that names the field or limit."""
+        if not TENANT_PATTERN.fullmatch(tenant):
+            raise ProtocolError("invalid_request", f"tenant {tenant!r} (the subject's last token) "
+                                f"must match [A-Za-z0-9_-]{{1,64}}")
+        request = decode_generate_request(payload)
+        if request.model is not None and request.model != self.model_name:
+            raise ProtocolError("unknown_model", f"`model` {request.model!r} is not served; "
+                                f"served: {self.model_name!r}")
+        if durable and (request.request_id is None
+                        or not DURABLE_ID_PATTERN.fullmatch(request.request_id)):
+            raise ProtocolError("invalid_request", "`request_id` is required on a durable "
+                                "submission and must match [A-Za-z0-9_-]{1,128}")
+        prompt = prompt_token_ids(self.tokenizer, request, self.vocab_size)
+        check_limits(request, len(prompt), self.max_model_len, self.vocab_size)
+        if self.buckets is not None:
+            self.check_rate(tenant, len(prompt) + request.max_tokens)
+        now = time.time()
+        request = msgspec.structs.replace(
+            request, prompt=None, messages=None, prompt_token_ids=prompt, model=self.model_name,
+            request_id=request.request_id or f"req-{secrets.token_hex(8)}",
+            seed=request.seed if request.seed is not None else secrets.randbits(63))
+        return WorkItem(request=request, tenant=tenant, arrival_time=now, durable=durable,
+                        deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None)
+
+    def check_rate(self, tenant: str, tokens: int) -> None:
+        if tokens > self.buckets.burst:
+            raise ProtocolError("rate_limited", f"the request may use {tokens} tokens (prompt + "
+                                f"`max_tokens`), more than the burst {int(self.buckets.burst)}")
+        wait_s = self.buckets.take(tenant, tokens)
+        if wait_s:
+            raise ProtocolError("rate_limited", f"tenant {tenant!r} is over "
+                                f"{self.buckets.rate:g} tokens/s; retry in {wait_s:.2f} s")
+
+    async def to_priority(self, item: WorkItem) -> Error | None:
+        """Queue the item at priority; an Error (`overloaded`, `internal`) when it was not taken."""
+        try:
+            reply = await self.nc.request(self.subjects.priority_submit, encode(item),
+                                          timeout=self.config.nats.request_timeout_s,
+                                          headers=item.trace)
+        except (NatsTimeoutError, NoRespondersError) as exc:
+            return Error(request_id=item.request_id, code="overloaded",
+                         message=f"the priority service is not answering ({type(exc).__name__})")
+        return _submit_reply.decode(reply.data).error
+
+    def count_error(self, code: str) -> None:
+        self.counts["rejected"] += 1
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+
+    # ---------------------------------------------------------------------- request / reply
+
+    async def on_generate(self, request: Request) -> None:
+        msg = request._msg
+        tenant = self.subjects.tenant_of(msg.subject)
+        with self.tracer.start_as_current_span(
+                "admission", context=context_from(msg.headers), kind=SpanKind.SERVER,
+                attributes={"tenant": tenant}) as span:
+            try:
+                item = self.admit(tenant, msg.data, durable=False)
+                span.set_attributes({"request_id": item.request_id,
+                                     "prompt_tokens": item.num_prompt_tokens})
+                item.reply_to = msg.reply
+                item.trace = carrier_of(span)
+                error = await self.to_priority(item)
+            except ProtocolError as exc:
+                error = exc.to_error(_peek(msg.data)[0])
+            if error is None:
+                self.counts["admitted"] += 1
+                return
+            span.set_attribute("error", error.code)
+            self.count_error(error.code)
+            if msg.reply:
+                await self.nc.publish(msg.reply, json_encode(error),
+                                      headers=service_error_headers(error))
+                if _peek(msg.data)[1]:  # it asked for a stream: the sentinel ends it
+                    await self.nc.publish(msg.reply, b"")
+
+    # ------------------------------------------------------------------------ durable path
+
+    async def durable_loop(self) -> None:
+        while True:
+            try:
+                messages = await self.consumer.fetch(DURABLE_FETCH_BATCH, timeout=1.0)
+            except NatsTimeoutError:
+                continue
+            except Exception as exc:  # reconnecting: try again shortly
+                log.warning("durable fetch failed", error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in messages:
+                try:
+                    await self.on_durable(msg)
+                except Exception:
+                    log.exception("durable request failed; it will be redelivered")
+
+    async def on_durable(self, msg) -> None:
+        tenant = self.subjects.tenant_of(msg.subject)
+        headers = msg.headers or {}
+        claimed_id = headers.get("Nats-Msg-Id") or _peek(msg.data)[0]
+        if (len(msg.subject.split(".")) != 3 or not TENANT_PATTERN.fullmatch(tenant)
+                or not claimed_id or not DURABLE_ID_PATTERN.fullmatch(claimed_id)):
+            # No result subject can name it: nothing to answer, so it is dropped (and logged).
+            log.warning("durable request without a valid tenant or request id dropped",
+                        subject=msg.subject, request_id=claimed_id)
+            self.count_error("invalid_request")
+            await msg.term()
+            return
+        if claimed_id in self.held:
+            self.held[claimed_id] = msg  # redelivered while still running: keep the new handle
+            return
+        if await self.has_result(tenant, claimed_id):
+            self.counts["redelivered_with_result"] += 1
+            await msg.ack()
+            return
+        with self.tracer.start_as_current_span(
+                "admission", context=context_from(headers), kind=SpanKind.SERVER,
+                attributes={"tenant": tenant, "request_id": claimed_id, "durable": True}) as span:
+            try:
+                item = self.admit(tenant, msg.data, durable=True)
+                if item.request_id != claimed_id:
+                    raise ProtocolError("invalid_request", f"header Nats-Msg-Id {claimed_id!r} "
+                                        f"must equal `request_id` {item.request_id!r}")
+            except ProtocolError as exc:
+                span.set_attribute("error", exc.code)
+                self.count_error(exc.code)
+                error = exc.to_error(claimed_id)
+                await self.outbox.store_result(tenant, claimed_id, error, carrier_of(span))
+                await msg.ack()
+                return
+            item.trace = carrier_of(span)
+            self.held[claimed_id] = msg
+            error = await self.to_priority(item)
+        if error is not None:  # queue full or priority down: durable, so retry later
+            del self.held[claimed_id]
+            await msg.nak(delay=1.0)
+            return
+        self.counts["durable_admitted"] += 1
+
+    async def has_result(self, tenant: str, request_id: str) -> bool:
+        try:
+            await self.js.get_last_msg(RESULTS_STREAM, self.subjects.results(tenant, request_id))
+        except NotFoundError:
+            return False
+        return True
+
+    async def on_done(self, msg) -> None:
+        done = _done.decode(msg.data)
+        held = self.held.pop(done.request_id, None)
+        if held is not None:  # another admission instance may hold it
+            await held.ack()
+            self.counts["durable_acked"] += 1
+
+    async def keep_alive_loop(self) -> None:
+        """In-progress acks for every held request, well inside ack_wait."""
+        while True:
+            await asyncio.sleep(self.config.nats.ack_wait_s / 3)
+            for msg in list(self.held.values()):
+                try:
+                    await msg.in_progress()
+                except Exception as exc:
+                    log.warning("in-progress ack failed", error=repr(exc))
+
+
+def _peek(payload: bytes) -> tuple[str | None, bool]:
+    """`request_id` and `stream` of a payload that may not validate, so its Error can still
+    name the request and end a stream with the sentinel."""
+    try:
+        value = msgspec.json.decode(payload)
+    except msgspec.DecodeError:
+        return None, False
+    if not isinstance(value, dict):
+        return None, False
+    request_id = value.get("request_id")
+    if not (isinstance(request_id, str) and len(request_id) <= 128):
+        request_id = None
+    return request_id, value.get("stream") is True
+
+
+async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
+    admission = Admission(config, nc, js, tracer)
+    await admission.start()
+    log.info("ready", model=admission.model_name, max_model_len=admission.max_model_len)
+    await stop.wait()
+    await admission.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(serve_forever("admission", serve, argv))

@@ -1,0 +1,3 @@
+from services.batcher.service import main
+
+main()

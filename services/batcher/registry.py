@@ -1,0 +1,71 @@
+"""What the batcher knows of each executor, from heartbeats: load, room, liveness; and routing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.messages import Heartbeat
+
+
+@dataclass
+class ExecutorState:
+    heartbeat: Heartbeat
+    last_seen: float  # monotonic
+    sent_total: int  # assignments sent to this executor since it started
+
+    @property
+    def in_transit(self) -> int:
+        """Assignments sent but not yet counted by the executor's latest heartbeat."""
+        return max(0, self.sent_total - self.heartbeat.assigned_total)
+
+    @property
+    def load(self) -> int:
+        return self.heartbeat.running + self.heartbeat.waiting + self.in_transit
+
+    @property
+    def free_slots(self) -> int:
+        hb = self.heartbeat
+        return max(0, hb.max_num_seqs + hb.queue_depth - self.load)
+
+
+class ExecutorRegistry:
+    def __init__(self):
+        self.executors: dict[str, ExecutorState] = {}
+
+    def update(self, heartbeat: Heartbeat, now: float) -> bool:
+        """Record a heartbeat; True when the executor is new (or restarted)."""
+        state = self.executors.get(heartbeat.executor)
+        if state is None or state.heartbeat.started_at != heartbeat.started_at:
+            self.executors[heartbeat.executor] = ExecutorState(heartbeat, now,
+                                                               heartbeat.assigned_total)
+            return True
+        state.heartbeat, state.last_seen = heartbeat, now
+        return False
+
+    def expire(self, now: float, timeout: float) -> list[str]:
+        """Forget executors whose heartbeats stopped; their names."""
+        dead = [name for name, s in self.executors.items() if now - s.last_seen > timeout]
+        for name in dead:
+            del self.executors[name]
+        return dead
+
+    def free_slots(self) -> int:
+        return sum(state.free_slots for state in self.executors.values())
+
+    def pick(self, model: str | None) -> str | None:
+        """The least loaded executor of `model` with room (relative to its size), then the one
+        with the most free KV blocks."""
+        candidates = [s for s in self.executors.values()
+                      if s.free_slots > 0 and (model is None or s.heartbeat.model == model)]
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda s: (s.load / s.heartbeat.max_num_seqs,
+                                              -s.heartbeat.free_kv_blocks))
+        best.sent_total += 1
+        return best.heartbeat.executor
+
+    def unsend(self, name: str) -> None:
+        """An assignment that did not reach the executor."""
+        state = self.executors.get(name)
+        if state is not None:
+            state.sent_total -= 1

@@ -1,0 +1,162 @@
+"""The batcher service: pulls the best waiting requests from priority whenever executors have room
+(`llm.internal.priority.next`) and assigns each to an executor (`llm.internal.executor.<n>.assign`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+
+from services.batcher.registry import ExecutorRegistry
+from shared.bus import Outbox, add_micro_service, json_encode, serve_forever
+from shared.config import JetserveConfig
+from shared.messages import (AssignReply, Heartbeat, NextReply, NextRequest, SubmitReply, WorkItem,
+                             decoder, encode)
+from shared.protocol import Error
+from shared.subjects import Subjects
+from shared.telemetry import carrier_of, context_from
+
+log = structlog.get_logger()
+
+_heartbeat = decoder(Heartbeat)
+_next_reply = decoder(NextReply)
+_assign_reply = decoder(AssignReply)
+_submit_reply = decoder(SubmitReply)
+
+PULL_WAIT_MS = 500  # how long one pull waits at priority for a request to arrive
+
+
+class BatcherService:
+    def __init__(self, config: JetserveConfig, nc, js, tracer):
+        self.config, self.nc, self.tracer = config, nc, tracer
+        self.subjects = Subjects(config.nats.prefix)
+        self.outbox = Outbox(nc, js, self.subjects)
+        self.timeout = config.nats.request_timeout_s
+        self.registry = ExecutorRegistry()
+        self.room = asyncio.Event()  # set when an executor may have free slots
+        self.counts = dict(pulled=0, assigned=0, requeued=0, executors_lost=0)
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self.service = await add_micro_service(self.nc, "batcher", "routes requests to executors",
+                                               self.stats)
+        await self.service.add_endpoint(name="executors", subject=self.subjects.batcher_executors,
+                                        handler=self.on_executors)
+        await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
+        self.tasks = [asyncio.create_task(self.dispatch_loop(), name="dispatch"),
+                      asyncio.create_task(self.liveness_loop(), name="liveness")]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.service.stop()
+
+    def stats(self) -> dict:
+        return {**self.counts, "free_slots": self.registry.free_slots(), "executors": {
+            name: {"model": s.heartbeat.model, "running": s.heartbeat.running,
+                   "waiting": s.heartbeat.waiting, "in_transit": s.in_transit,
+                   "free_kv_blocks": s.heartbeat.free_kv_blocks,
+                   "total_kv_blocks": s.heartbeat.total_kv_blocks,
+                   "step_ms": round(s.heartbeat.step_ms, 3)}
+            for name, s in self.registry.executors.items()}}
+
+    async def on_executors(self, request) -> None:
+        """The live executors and their load (what `jetserve status` shows)."""
+        await request.respond(json_encode(self.stats()["executors"]))
+
+    async def on_heartbeat(self, msg) -> None:
+        heartbeat = _heartbeat.decode(msg.data)
+        if self.registry.update(heartbeat, time.monotonic()):
+            log.info("executor joined", executor=heartbeat.executor, model=heartbeat.model,
+                     max_num_seqs=heartbeat.max_num_seqs)
+        if self.registry.free_slots():
+            self.room.set()
+
+    async def liveness_loop(self) -> None:
+        distributed = self.config.distributed
+        while True:
+            await asyncio.sleep(distributed.heartbeat_interval_s)
+            for name in self.registry.expire(time.monotonic(), distributed.heartbeat_timeout_s):
+                self.counts["executors_lost"] += 1
+                log.warning("executor lost: no heartbeat", executor=name,
+                            timeout_s=distributed.heartbeat_timeout_s)
+
+    async def dispatch_loop(self) -> None:
+        """Pull only as many requests as executors have room for: the rest keep waiting at
+        priority, where a later, more urgent request can still overtake them."""
+        while True:
+            free = self.registry.free_slots()
+            if free == 0:
+                self.room.clear()
+                try:
+                    await asyncio.wait_for(self.room.wait(), 1.0)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                reply = await self.nc.request(
+                    self.subjects.priority_next,
+                    encode(NextRequest(max_items=free, wait_ms=PULL_WAIT_MS)),
+                    timeout=PULL_WAIT_MS / 1e3 + self.timeout)
+            except (NatsTimeoutError, NoRespondersError) as exc:
+                log.warning("priority did not answer a pull", error=repr(exc))
+                await asyncio.sleep(0.2)
+                continue
+            items = _next_reply.decode(reply.data).items
+            self.counts["pulled"] += len(items)
+            if items:
+                await asyncio.gather(*(self.assign(item) for item in items))
+
+    async def assign(self, item: WorkItem) -> None:
+        executor = self.registry.pick(item.request.model)
+        if executor is None:  # room vanished (an executor died): back to the queue
+            await self.requeue(item)
+            return
+        with self.tracer.start_as_current_span(
+                "batcher.route", context=context_from(item.trace),
+                attributes={"request_id": item.request_id, "executor": executor}) as span:
+            item.trace = carrier_of(span)
+            try:
+                reply = await self.nc.request(self.subjects.executor_assign(executor), encode(item),
+                                              timeout=self.timeout, headers=item.trace)
+                answer = _assign_reply.decode(reply.data)
+            except (NatsTimeoutError, NoRespondersError) as exc:
+                answer = AssignReply(accepted=False, reason=repr(exc))
+            if answer.accepted:
+                self.counts["assigned"] += 1
+                return
+            span.set_attribute("rejected", answer.reason)
+        log.warning("assignment failed", executor=executor, request_id=item.request_id,
+                    reason=answer.reason)
+        self.registry.unsend(executor)
+        await self.requeue(item)
+
+    async def requeue(self, item: WorkItem) -> None:
+        self.counts["requeued"] += 1
+        try:
+            reply = await self.nc.request(self.subjects.priority_submit, encode(item),
+                                          timeout=self.timeout, headers=item.trace)
+            if _submit_reply.decode(reply.data).error is None:
+                return
+            message = "the waiting queue refused the request back"
+        except (NatsTimeoutError, NoRespondersError) as exc:
+            message = f"the priority service did not take the request back: {exc!r}"
+        log.error("request failed: could not requeue", request_id=item.request_id)
+        await self.outbox.final(item, Error(request_id=item.request_id, code="internal",
+                                            message=message))
+
+
+async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
+    service = BatcherService(config, nc, js, tracer)
+    await service.start()
+    log.info("ready")
+    await stop.wait()
+    await service.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(serve_forever("batcher", serve, argv))

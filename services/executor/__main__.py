@@ -1,0 +1,3 @@
+from services.executor.service import main
+
+main()

@@ -1,0 +1,45 @@
+"""From a GenerateRequest to prompt token ids, and the limits every request must meet.
+
+Admission runs this at the edge; the engine runs it again for requests handed to it directly.
+"""
+
+from __future__ import annotations
+
+from services.executor.tokenizer import Tokenizer
+from shared.protocol import GenerateRequest, ProtocolError
+
+
+def prompt_token_ids(tokenizer: Tokenizer, request: GenerateRequest, vocab_size: int) -> list[int]:
+    """The prompt as token ids (chat template applied to `messages`); raises ProtocolError."""
+    if request.prompt_token_ids is not None:
+        _check_ids("prompt_token_ids", request.prompt_token_ids, vocab_size)
+        prompt = list(request.prompt_token_ids)
+    elif request.messages is not None:
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.messages])
+        except ValueError as exc:
+            raise ProtocolError("invalid_request", f"`messages`: {exc}") from None
+        prompt = tokenizer.encode(text)
+    else:
+        prompt = tokenizer.encode(request.prompt)
+    if not prompt:
+        raise ProtocolError("invalid_request", "the prompt tokenizes to zero tokens")
+    return prompt
+
+
+def check_limits(request: GenerateRequest, num_prompt_tokens: int, max_model_len: int,
+                 vocab_size: int) -> None:
+    total = num_prompt_tokens + request.max_tokens
+    if total > max_model_len:
+        raise ProtocolError("prompt_too_long", f"prompt has {num_prompt_tokens} tokens and "
+                            f"`max_tokens` is {request.max_tokens}: {total} > max_model_len "
+                            f"{max_model_len}")
+    _check_ids("stop_token_ids", request.stop_token_ids, vocab_size)
+
+
+def _check_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if t >= vocab_size]
+    if bad:
+        raise ProtocolError("invalid_request", f"`{field}` has id {bad[0]} >= vocab size "
+                            f"{vocab_size}")

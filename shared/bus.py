@@ -1,0 +1,188 @@
+"""NATS plumbing every service shares: connecting, the JetStream streams, running until SIGTERM,
+and delivering a request's outputs to wherever its client listens."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from shared.config import JetserveConfig, NatsSection
+from shared.messages import Done, WorkItem, encode
+from shared.protocol import (Completion, Delta, Error, Metrics, Scheduling, Usage,
+                             service_error_headers)
+from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM, Subjects
+
+log = structlog.get_logger()
+
+json_encode = msgspec.json.Encoder().encode
+
+
+async def connect(section: NatsSection, name: str) -> Client:
+    """A connection that keeps reconnecting (a restarting nats-server is not a reason to die)."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats error", error=repr(exc))
+
+    async def on_disconnect() -> None:
+        log.warning("nats disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected")
+
+    return await nats.connect(
+        section.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        connect_timeout=5, allow_reconnect=True, error_cb=on_error,
+        disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+
+
+async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
+    """Create LLM_REQUESTS and LLM_RESULTS when absent; leave existing ones as they are."""
+    subjects = Subjects(config.nats.prefix)
+    window = config.nats.duplicate_window_s
+    wanted = [
+        StreamConfig(name=REQUESTS_STREAM, subjects=[subjects.requests(">")],
+                     retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
+                     max_msgs=config.scheduler.request_level.max_pending_requests,
+                     discard=DiscardPolicy.NEW, duplicate_window=window),
+        StreamConfig(name=RESULTS_STREAM, subjects=[subjects.results(">", "").rstrip(".")],
+                     retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                     max_age=config.nats.results_max_age_s, duplicate_window=window),
+    ]
+    for stream in wanted:
+        try:
+            await js.stream_info(stream.name)
+        except NotFoundError:
+            try:
+                await js.add_stream(stream)
+            except Exception as exc:  # another service created it first
+                if "already in use" not in str(exc):
+                    raise
+
+
+async def run_until_stopped(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run `serve(stop)` until SIGTERM or SIGINT sets `stop`; the service then drains."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("starting", service=name)
+    await serve(stop)
+    log.info("stopped", service=name)
+
+
+def cancelled_completion(item: WorkItem, executor: str = "") -> Completion:
+    """The final output of a request cancelled before any executor ran it."""
+    waited_ms = 1e3 * max(0.0, time.time() - item.arrival_time)
+    return Completion(
+        request_id=item.request_id, model=item.request.model or "", text="", token_ids=[],
+        finish_reason="cancelled",
+        usage=Usage(prompt_tokens=item.num_prompt_tokens, completion_tokens=0, cached_tokens=0),
+        metrics=Metrics(queue_ms=waited_ms, ttft_ms=0.0, e2e_ms=waited_ms, tpot_ms=0.0),
+        scheduling=Scheduling(priority_score=item.priority_score, executor=executor, preemptions=0))
+
+
+class Outbox:
+    """Sends a request's Deltas and its final Completion or Error where its client listens:
+    the reply inbox (request/reply; Error headers; empty sentinel after a stream) or, for a
+    durable request, llm.stream.* and the LLM_RESULTS stream, then tells admission to ack."""
+
+    def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects):
+        self.nc, self.js, self.subjects = nc, js, subjects
+
+    async def delta(self, item: WorkItem, delta: Delta) -> None:
+        subject = (self.subjects.stream(item.tenant, item.request_id) if item.durable
+                   else item.reply_to)
+        if subject:
+            await self.nc.publish(subject, json_encode(delta))
+
+    async def store_result(self, tenant: str, request_id: str, output: Completion | Error,
+                           headers: dict[str, str] | None = None) -> None:
+        """The durable request's one final output, into LLM_RESULTS. Nats-Msg-Id makes a second
+        result for the same request a duplicate, not a copy."""
+        await self.js.publish(self.subjects.results(tenant, request_id), json_encode(output),
+                              headers={**(headers or {}), "Nats-Msg-Id": request_id})
+
+    async def final(self, item: WorkItem, output: Completion | Error,
+                    headers: dict[str, str] | None = None) -> None:
+        if item.durable:
+            await self.store_result(item.tenant, item.request_id, output, headers)
+            await self.nc.publish(self.subjects.admission_done,
+                                  encode(Done(request_id=item.request_id, tenant=item.tenant)))
+        elif item.reply_to:
+            if isinstance(output, Error):
+                headers = {**(headers or {}), **service_error_headers(output)}
+            await self.nc.publish(item.reply_to, json_encode(output), headers=headers)
+            if item.request.stream:
+                await self.nc.publish(item.reply_to, b"")  # end of a request-many stream
+
+
+async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]],
+                        argv: list[str] | None = None) -> None:
+    """The common `main()` of a service: options, config, logging, tracing, connection, then
+    `serve(config, nc, js, tracer, stop, args)` until SIGTERM; then drain and flush spans."""
+    import argparse
+
+    from shared.config import ConfigError, load_config
+    from shared.logs import setup_logging
+    from shared.telemetry import setup_tracing, shutdown_tracing
+
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service_name}")
+    parser.add_argument("--config", help="jetserve.yaml (environment variables override it)")
+    parser.add_argument("--name", help="instance name (executors: the name heartbeats carry)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        raise SystemExit(f"{service_name}: {exc}") from None
+    setup_logging(service_name, config.monitoring)
+    tracer = setup_tracing(service_name)
+    nc = await connect(config.nats, service_name)
+    js = nc.jetstream()
+    try:
+        await run_until_stopped(service_name, lambda stop: serve(config, nc, js, tracer, stop, args))
+    finally:
+        try:
+            await asyncio.wait_for(nc.drain(), 10)
+        except Exception as exc:  # already closed, or the server is gone
+            log.warning("drain failed", error=repr(exc))
+        shutdown_tracing()
+
+
+async def add_micro_service(nc: Client, name: str, description: str,
+                            stats: Callable[[], dict]):
+    """A `nats.micro` service: $SRV.PING/INFO/STATS answer; `stats()` is each endpoint's data."""
+    from nats import micro
+
+    return await micro.add_service(nc, name=name, version="0.1.0", description=description,
+                                   stats_handler=lambda _endpoint: stats())
+
+
+async def discover(nc: Client, verb: str = "PING", name: str | None = None,
+                   wait_s: float = 0.3) -> list[dict]:
+    """Every micro service's answer to `$SRV.<verb>[.<name>]`, gathered for `wait_s`."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    answers = []
+    try:
+        await nc.publish(f"$SRV.{verb}" + (f".{name}" if name else ""), b"", reply=inbox)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except Exception:  # nats' TimeoutError: no more answers
+                break
+            if msg.data:  # an empty one is the server's "no responders" status
+                answers.append(msgspec.json.decode(msg.data))
+    finally:
+        await sub.unsubscribe()
+    return answers

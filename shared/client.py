@@ -1,0 +1,99 @@
+"""A small asyncio client of the public protocol: generate, stream, durable submit, cancel.
+
+    async with await JetserveClient.connect("nats://127.0.0.1:4222", tenant="acme") as client:
+        completion = await client.generate(GenerateRequest(prompt="Hello", max_tokens=16))
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from shared.protocol import Cancel, Completion, Delta, Error, GenerateRequest
+from shared.subjects import Subjects
+
+Output = Delta | Completion | Error
+_decode_output = msgspec.json.Decoder(Output).decode
+_encode = msgspec.json.Encoder().encode
+
+
+class JetserveClient:
+    def __init__(self, nc: Client, tenant: str = "default", prefix: str = "llm"):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.tenant = tenant
+        self.subjects = Subjects(prefix)
+
+    @classmethod
+    async def connect(cls, url: str, tenant: str = "default", prefix: str = "llm") -> JetserveClient:
+        return cls(await nats.connect(url, name="jetserve-client"), tenant, prefix)
+
+    async def close(self) -> None:
+        await self.nc.drain()
+
+    async def __aenter__(self) -> JetserveClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def generate(self, request: GenerateRequest, timeout: float = 600.0) -> Completion | Error:
+        """One request, one reply (`stream` is turned off)."""
+        request = msgspec.structs.replace(request, stream=False)
+        reply = await self.nc.request(self.subjects.generate(self.tenant), _encode(request),
+                                      timeout=timeout)
+        return _decode_output(reply.data)
+
+    async def stream(self, request: GenerateRequest, timeout: float = 600.0,
+                     idle_timeout: float = 120.0) -> AsyncIterator[Output]:
+        """Deltas as they come, then the Completion or Error (the sentinel after it is not
+        awaited). `idle_timeout` bounds the wait for each message, `timeout` the whole request."""
+        request = msgspec.structs.replace(request, stream=True)
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        try:
+            await self.nc.publish(self.subjects.generate(self.tenant), _encode(request), reply=inbox)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while True:
+                wait = min(idle_timeout, deadline - loop.time())
+                msg = await sub.next_msg(timeout=max(wait, 0.001))
+                if not msg.data:  # the sentinel: the stream is over
+                    return
+                output = _decode_output(msg.data)
+                yield output
+                if not isinstance(output, Delta):
+                    return
+        finally:
+            await sub.unsubscribe()
+
+    async def submit(self, request: GenerateRequest):
+        """Durable submission into LLM_REQUESTS; returns the PubAck (durably accepted)."""
+        if not request.request_id:
+            raise ValueError("a durable submission needs a request_id")
+        return await self.js.publish(self.subjects.requests(self.tenant), _encode(request),
+                                     headers={"Nats-Msg-Id": request.request_id})
+
+    async def result(self, request_id: str, timeout: float = 600.0) -> Completion | Error:
+        """The final output of a durable request, from LLM_RESULTS (waits until it is stored)."""
+        sub = await self.js.subscribe(
+            self.subjects.results(self.tenant, request_id), ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT))
+        try:
+            msg = await sub.next_msg(timeout=timeout)
+            return _decode_output(msg.data)
+        finally:
+            await sub.unsubscribe()
+
+    async def stream_deltas(self, request_id: str):
+        """A subscription to a durable streaming request's deltas (subscribe before submitting)."""
+        return await self.nc.subscribe(self.subjects.stream(self.tenant, request_id))
+
+    async def cancel(self, request_id: str) -> None:
+        await self.nc.publish(self.subjects.cancel(self.tenant), _encode(Cancel(request_id)))
+        await self.nc.flush()

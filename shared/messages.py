@@ -1,0 +1,81 @@
+"""Internal messages between the services (msgpack on `llm.internal.*` subjects)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.protocol import Error, GenerateRequest
+
+
+class WorkItem(msgspec.Struct, kw_only=True):
+    """An admitted request on its way through priority and batcher to an executor."""
+
+    # Tokenized: `prompt_token_ids` is set (prompt and messages cleared); request_id and seed given.
+    request: GenerateRequest
+    tenant: str
+    arrival_time: float  # wall clock (s since the epoch), stamped by admission
+    deadline: float | None = None  # wall clock; from deadline_ms
+    reply_to: str | None = None  # the client's inbox on llm.generate; None for a durable request
+    durable: bool = False
+    trace: dict[str, str] = {}  # W3C trace context of the latest hop's span
+    priority_score: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+
+class SubmitReply(msgspec.Struct):
+    """priority's answer to admission: queued, or an Error (`overloaded`) to pass on."""
+
+    error: Error | None = None
+
+
+class NextRequest(msgspec.Struct):
+    """batcher asks priority for the best `max_items` requests, waiting up to `wait_ms` for one."""
+
+    max_items: int
+    wait_ms: int
+
+
+class NextReply(msgspec.Struct):
+    items: list[WorkItem]
+
+
+class AssignReply(msgspec.Struct):
+    accepted: bool
+    reason: str = ""
+
+
+class Heartbeat(msgspec.Struct, kw_only=True):
+    """An executor's load, published every interval and whenever a request starts or ends."""
+
+    executor: str
+    model: str
+    max_num_seqs: int
+    queue_depth: int  # requests it accepts beyond max_num_seqs
+    running: int
+    waiting: int
+    assigned_total: int  # assignments received since start (the batcher counts those in flight)
+    free_kv_blocks: int
+    total_kv_blocks: int
+    step_ms: float  # mean model step time over the last interval
+    started_at: float  # wall clock; a restart shows as a new value
+
+
+class Done(msgspec.Struct):
+    """A durable request's result is stored in LLM_RESULTS: its holder acks the request."""
+
+    request_id: str
+    tenant: str
+
+
+encode = msgspec.msgpack.Encoder().encode
+
+
+def decoder(kind: type) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(kind)

@@ -1,0 +1,65 @@
+"""Every NATS subject and stream jetserve uses, built from one configurable prefix (default `llm`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+REQUESTS_STREAM = "LLM_REQUESTS"
+RESULTS_STREAM = "LLM_RESULTS"
+ADMISSION_CONSUMER = "admission"
+
+# A tenant comes from the subject, never the payload, so NATS permissions can confine it.
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# A durable request id becomes a subject token of llm.results.<tenant>.<request_id>.
+DURABLE_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = "llm"
+
+    # ------------------------------------------------------------------ public (protocol v1)
+    def generate(self, tenant: str = "*") -> str:
+        return f"{self.prefix}.generate.{tenant}"
+
+    def requests(self, tenant: str = "*") -> str:
+        return f"{self.prefix}.requests.{tenant}"
+
+    def results(self, tenant: str = "*", request_id: str = "*") -> str:
+        return f"{self.prefix}.results.{tenant}.{request_id}"
+
+    def stream(self, tenant: str, request_id: str) -> str:
+        return f"{self.prefix}.stream.{tenant}.{request_id}"
+
+    def cancel(self, tenant: str = "*") -> str:
+        return f"{self.prefix}.cancel.{tenant}"
+
+    def tenant_of(self, subject: str) -> str:
+        """The tenant token of a public subject (`llm.<verb>.<tenant>[...]`)."""
+        parts = subject.split(".")
+        return parts[2] if len(parts) >= 3 else ""
+
+    # --------------------------------------------------------------------------- internal
+    @property
+    def priority_submit(self) -> str:
+        return f"{self.prefix}.internal.priority.submit"
+
+    @property
+    def priority_next(self) -> str:
+        return f"{self.prefix}.internal.priority.next"
+
+    def executor_assign(self, executor: str) -> str:
+        return f"{self.prefix}.internal.executor.{executor}.assign"
+
+    @property
+    def batcher_executors(self) -> str:
+        return f"{self.prefix}.internal.batcher.executors"
+
+    @property
+    def heartbeat(self) -> str:
+        return f"{self.prefix}.internal.heartbeat"
+
+    @property
+    def admission_done(self) -> str:
+        return f"{self.prefix}.internal.admission.done"

@@ -1,0 +1,54 @@
+"""OpenTelemetry tracing: one trace per request, W3C trace context carried in NATS headers.
+
+Spans are exported over OTLP when the standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or
+`..._TRACES_ENDPOINT`) variable is set; otherwise they are still made, so context propagates.
+"""
+
+from __future__ import annotations
+
+import os
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagate import extract, inject
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, SpanKind
+
+__all__ = ["SpanKind", "Span", "setup_tracing", "context_from", "context_of", "carrier_of", "shutdown_tracing"]
+
+
+def setup_tracing(service_name: str) -> trace.Tracer:
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    exporting = (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    if exporting and os.environ.get("OTEL_SDK_DISABLED", "").lower() != "true":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)
+    return trace.get_tracer(service_name)
+
+
+def shutdown_tracing() -> None:
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.shutdown()  # flushes spans still batched
+
+
+def context_from(carrier: dict[str, str] | None) -> otel_context.Context:
+    """The trace context a message carries (NATS headers or a WorkItem's `trace`)."""
+    return extract(carrier or {})
+
+
+def context_of(span: Span) -> otel_context.Context:
+    """A context whose current span is `span`: the parent for spans made beside it."""
+    return trace.set_span_in_context(span)
+
+
+def carrier_of(span: Span, headers: dict[str, str] | None = None) -> dict[str, str]:
+    """`headers` (or a new dict) with the W3C `traceparent` of `span` added."""
+    carrier = dict(headers or {})
+    inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
