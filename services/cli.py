@@ -1,8 +1,9 @@
-"""The `jetserve` command line."""
+"""The `jetserve` command line: serve the pipeline, talk to it, or run an engine in-process."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 from shared.config import DEFAULT_MODEL, EngineConfig
@@ -31,9 +32,50 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         device=args.device, pipeline=not args.no_pipeline)
 
 
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", help="default: nats.url of the config (NATS_URL), "
+                                           "nats://127.0.0.1:4222")
+    parser.add_argument("--config", help="jetserve.yaml")
+    parser.add_argument("--tenant", default="default")
+
+
+def _request_options(parser: argparse.ArgumentParser) -> None:
+    _client_options(parser)
+    parser.add_argument("prompt")
+    parser.add_argument("--priority", type=int, default=5, help="0-10, higher first")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=None, help="0 is greedy")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--model", default=None, help="default: what the stack serves")
+    parser.add_argument("--raw", action="store_true",
+                        help="send PROMPT as plain text to complete, not as a chat message")
+    parser.add_argument("--timeout", type=float, default=600.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jetserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="serve: nats-server (embedded unless --nats-url) and "
+                                        "the four services as processes")
+    up.add_argument("--nats-url", help="use this NATS server instead of starting one")
+    up.add_argument("--nats-port", type=int, default=4222)
+    up.add_argument("--state-dir", default=".jetserve", help="JetStream data and logs")
+    up.add_argument("--executors", type=int, default=1)
+    up.add_argument("--model", default=None, help=f"default: the config's, else {DEFAULT_MODEL}")
+    up.add_argument("--config", help="jetserve.yaml (environment variables override it)")
+
+    generate = commands.add_parser("generate", help="one request over llm.generate.<tenant>")
+    _request_options(generate)
+    generate.add_argument("--stream", action="store_true", help="print text as it arrives")
+
+    submit = commands.add_parser("submit", help="a durable request over llm.requests.<tenant>; "
+                                                "waits for its result in LLM_RESULTS")
+    _request_options(submit)
+    submit.add_argument("--request-id", default=None, help="default: a random one")
+
+    status = commands.add_parser("status", help="services, executors and queue depths")
+    _client_options(status)
 
     run_local = commands.add_parser(
         "run-local", help="run a JSONL file of GenerateRequests through an in-process engine")
@@ -46,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         from services.executor import run_local as command
 
         return command.main(args.requests, engine_config(args), args.progress)
-    return 2
+    from services import commands as client_commands
+
+    return asyncio.run(getattr(client_commands, args.command.replace("-", "_"))(args))
 
 
 if __name__ == "__main__":

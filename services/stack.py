@@ -60,11 +60,12 @@ class Stack:
         return {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
                 **env_overrides({**self.settings, "nats.url": self.url})}
 
-    async def _spawn(self, name: str, argv: list[str]) -> None:
+    async def _spawn(self, name: str, argv: list[str], log_dir: Path | None = None) -> None:
         output = None
-        if self.log_dir:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            output = open(self.log_dir / f"{name}.log", "ab")
+        log_dir = log_dir or self.log_dir
+        if log_dir:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            output = open(log_dir / f"{name}.log", "ab")
         self.processes[name] = await asyncio.create_subprocess_exec(
             *argv, env=self._env(), stdout=output, stderr=output, start_new_session=True)
         if output:
@@ -77,7 +78,7 @@ class Stack:
                 data.mkdir(parents=True, exist_ok=True)
                 await self._spawn("nats-server", [
                     nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats_port), "-js",
-                    "-sd", str(data)])
+                    "-sd", str(data)], log_dir=self.log_dir or self.state_dir)
             config = ["--config", self.config_path] if self.config_path else []
             for service in SERVICES:
                 await self._spawn(service, [sys.executable, "-m", f"services.{service}", *config])

@@ -105,7 +105,10 @@ class Engine:
             budget = free - (1 - self.config.gpu_memory_utilization) * total
         else:
             budget = self.config.cpu_kv_cache_gib * 2**30
-        return max(2, int(budget // per_block))
+        # More than every sequence at full length can use is memory for nothing (prefix caching
+        # aside): a tiny model would otherwise take the whole budget.
+        most_useful = 2 * self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return max(2, min(int(budget // per_block), most_useful))
 
     # ------------------------------------------------------------------------------- requests
 

@@ -1,0 +1,143 @@
+"""What `jetserve up | generate | submit | status` do (the argument parsing is in cli.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import signal
+import sys
+
+import msgspec
+
+from services.stack import SERVICES, Stack
+from shared.bus import discover
+from shared.client import JetserveClient
+from shared.config import ConfigError, load_config
+from shared.protocol import ChatMessage, Completion, Delta, Error, GenerateRequest
+from shared.subjects import Subjects
+
+
+def _config(args):
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+async def up(args) -> int:
+    config = _config(args)
+    model = args.model or config.model.name
+    stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
+                  executors=args.executors, config_path=args.config,
+                  settings={"model.name": model})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"jetserve: starting {'embedded nats-server, ' if stack.embedded else ''}"
+          f"{', '.join(SERVICES)} and {args.executors} executor(s) with {model}", flush=True)
+    starting = asyncio.create_task(stack.start())
+    await asyncio.wait([starting, asyncio.create_task(stop.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await stack.stop()
+        return 130
+    if starting.exception() is not None:
+        print(f"jetserve: failed to start: {starting.exception()}", file=sys.stderr)
+        return 1
+    print(f"jetserve ready on {stack.url} (model {model}); try: jetserve generate "
+          f"\"What is the capital of France?\"   Ctrl-C stops.", flush=True)
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except TimeoutError:
+            dead = [n for n, p in stack.processes.items() if p.returncode is not None]
+            if dead:
+                print(f"jetserve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                break
+    print("jetserve: stopping", flush=True)
+    await stack.stop()
+    print("jetserve: stopped", flush=True)
+    return 0
+
+
+def _request(args, request_id: str | None = None) -> GenerateRequest:
+    fields = dict(max_tokens=args.max_tokens, priority=args.priority, model=args.model,
+                  request_id=request_id, seed=args.seed)
+    if args.temperature is not None:
+        fields["temperature"] = args.temperature
+    if args.raw:
+        return GenerateRequest(prompt=args.prompt, **fields)
+    return GenerateRequest(messages=[ChatMessage(role="user", content=args.prompt)], **fields)
+
+
+async def _connect(args) -> JetserveClient:
+    config = _config(args)
+    return await JetserveClient.connect(args.nats_url or config.nats.url, tenant=args.tenant,
+                                        prefix=config.nats.prefix)
+
+
+def _report(final: Completion | Error, printed_text: bool) -> int:
+    if isinstance(final, Error):
+        print(f"error ({final.code}): {final.message}", file=sys.stderr)
+        return 1
+    if not printed_text:
+        print(final.text, end="")
+    print(flush=True)
+    return 0
+
+
+async def generate(args) -> int:
+    async with await _connect(args) as client:
+        request = _request(args)
+        if not args.stream:
+            return _report(await client.generate(request, timeout=args.timeout), False)
+        async with contextlib.aclosing(client.stream(request, timeout=args.timeout)) as outputs:
+            async for output in outputs:
+                if isinstance(output, Delta):
+                    print(output.text, end="", flush=True)
+                else:
+                    return _report(output, True)
+        return 1
+
+
+async def submit(args) -> int:
+    async with await _connect(args) as client:
+        request = _request(args, args.request_id or f"cli-{secrets.token_hex(8)}")
+        ack = await client.submit(request)
+        print(f"accepted: {request.request_id} (stream {ack.stream}, seq {ack.seq}"
+              f"{', duplicate' if ack.duplicate else ''})", file=sys.stderr)
+        return _report(await client.result(request.request_id, timeout=args.timeout), False)
+
+
+async def status(args) -> int:
+    async with await _connect(args) as client:
+        stats = await discover(client.nc, "STATS", wait_s=0.5)
+        if not stats:
+            print("no jetserve services answer on this NATS server", file=sys.stderr)
+            return 1
+        print(f"{'service':<10} {'id':<24} {'started':<28} details")
+        for entry in sorted(stats, key=lambda e: e["name"]):
+            data = next((ep.get("data") for ep in entry.get("endpoints") or []
+                         if ep.get("data")), {}) or {}
+            print(f"{entry['name']:<10} {entry['id']:<24} {entry['started']:<28} "
+                  f"{_summary(entry['name'], data)}")
+        reply = await client.nc.request(Subjects(client.subjects.prefix).batcher_executors, b"",
+                                        timeout=2)
+        executors = msgspec.json.decode(reply.data)
+        print(f"\n{'executor':<14} {'model':<24} {'running':>7} {'waiting':>7} {'kv usage':>9}")
+        for name, e in sorted(executors.items()):
+            usage = 1 - e["free_kv_blocks"] / max(1, e["total_kv_blocks"])
+            print(f"{name:<14} {e['model']:<24} {e['running']:>7} {e['waiting']:>7} "
+                  f"{usage:>8.1%}")
+        return 0
+
+
+def _summary(name: str, data: dict) -> str:
+    keys = {"admission": ("admitted", "durable_admitted", "durable_held", "rejected"),
+            "priority": ("queue_depth", "submitted", "dispatched", "cancelled"),
+            "batcher": ("free_slots", "pulled", "assigned", "requeued"),
+            "executor": ("executor", "running", "waiting", "kv_usage", "completed")}.get(name, ())
+    return " ".join(f"{key}={data[key]}" for key in keys if key in data)

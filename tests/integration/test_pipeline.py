@@ -1,0 +1,237 @@
+"""The public protocol end to end: four services as processes over a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from shared.bus import discover
+from shared.client import JetserveClient
+from shared.protocol import Completion, Delta, Error, GenerateRequest
+from shared.subjects import RESULTS_STREAM
+from tests.integration.conftest import running_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+decode_output = msgspec.json.Decoder(Delta | Completion | Error).decode
+
+# One executor that runs two sequences at a time and holds no queue of its own, so requests
+# beyond two wait at priority (where order and cancels are decided).
+SMALL_EXECUTOR = {"scheduler.batch_level.max_num_seqs": 2,
+                  "scheduler.batch_level.executor_queue_depth": 0}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory):
+    async with running_stack(tmp_path_factory.mktemp("pipeline"), settings=SMALL_EXECUTOR) as s:
+        yield s
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(stack):
+    client = await JetserveClient.connect(stack.url, tenant="acme")
+    yield client
+    await client.close()
+
+
+def long_request(request_id: str, max_tokens: int, priority: int = 5) -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, prompt="Count with me: one two three",
+                           max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                           priority=priority)
+
+
+async def test_generate_returns_a_completion(client):
+    completion = await client.generate(
+        GenerateRequest(prompt="Hello there", max_tokens=8, ignore_eos=True), timeout=30)
+    assert isinstance(completion, Completion), completion
+    assert completion.finish_reason == "length"
+    assert len(completion.token_ids) == completion.usage.completion_tokens == 8
+    assert completion.usage.prompt_tokens == 2
+    assert completion.model == "dummy:tiny"
+    assert completion.scheduling.executor == "executor-0"
+    assert completion.request_id.startswith("req-")
+    assert 0 <= completion.metrics.queue_ms <= completion.metrics.ttft_ms <= completion.metrics.e2e_ms
+
+
+async def test_stream_deltas_reassemble_and_the_sentinel_comes_last(client):
+    request = GenerateRequest(request_id="stream-1", prompt="Tell me a story", max_tokens=24,
+                              ignore_eos=True, stream=True, seed=7)
+    inbox = client.nc.new_inbox()
+    sub = await client.nc.subscribe(inbox)
+    await client.nc.publish(client.subjects.generate("acme"), msgspec.json.encode(request),
+                            reply=inbox)
+    messages = []
+    while True:
+        msg = await sub.next_msg(timeout=30)
+        messages.append(msg.data)
+        if not msg.data:
+            break
+    await sub.unsubscribe()
+    assert messages[-1] == b""
+    outputs = [decode_output(data) for data in messages[:-1]]
+    *deltas, completion = outputs
+    assert isinstance(completion, Completion) and all(isinstance(d, Delta) for d in deltas)
+    assert len(deltas) >= 2
+    index = 0
+    for delta in deltas:
+        assert delta.request_id == "stream-1"
+        assert delta.index == index  # contiguous: each delta starts where the last ended
+        index += len(delta.token_ids)
+    assert [t for d in deltas for t in d.token_ids] == completion.token_ids
+    assert "".join(d.text for d in deltas) == completion.text
+    # The same seed on the non-streaming path samples the same tokens.
+    again = await client.generate(msgspec.structs.replace(request, request_id="stream-2",
+                                                          temperature=1.0), timeout=30)
+    first = await client.generate(msgspec.structs.replace(request, request_id="stream-3",
+                                                          temperature=1.0), timeout=30)
+    assert again.token_ids == first.token_ids
+
+
+async def test_durable_submit_stores_one_result(client):
+    request = GenerateRequest(request_id="durable-1", prompt="Remember this", max_tokens=6,
+                              ignore_eos=True)
+    ack = await client.submit(request)
+    assert ack.stream == "LLM_REQUESTS" and not ack.duplicate
+    result = await client.result("durable-1", timeout=30)
+    assert isinstance(result, Completion), result
+    assert result.request_id == "durable-1" and len(result.token_ids) == 6
+    # A resubmission is deduplicated by JetStream (Nats-Msg-Id) and never runs twice.
+    assert (await client.submit(request)).duplicate
+    stored = await client.js.get_last_msg(RESULTS_STREAM, "llm.results.acme.durable-1")
+    assert decode_output(stored.data) == result
+    info = await client.js.stream_info(RESULTS_STREAM, subjects_filter="llm.results.acme.durable-1")
+    assert info.state.subjects == {"llm.results.acme.durable-1": 1}
+
+
+async def test_durable_submit_without_request_id_is_rejected_by_the_server(client):
+    # The client library refuses, so publish directly: admission stores an Error under the
+    # Nats-Msg-Id it was given.
+    payload = msgspec.json.encode({"type": "generate", "prompt": "hi", "max_tokens": 2})
+    await client.js.publish("llm.requests.acme", payload, headers={"Nats-Msg-Id": "no-id-1"})
+    result = await client.result("no-id-1", timeout=30)
+    assert isinstance(result, Error) and result.code == "invalid_request"
+    assert "request_id" in result.message
+
+
+async def test_cancel_a_running_request(client):
+    final = None
+    count = 0
+    async for output in client.stream(long_request("cancel-running", 1500), timeout=60):
+        if isinstance(output, Delta):
+            count += 1
+            if count == 1:
+                await client.cancel("cancel-running")
+        else:
+            final = output
+    assert isinstance(final, Completion) and final.finish_reason == "cancelled"
+    assert 0 < final.usage.completion_tokens < 1500
+
+
+async def priority_queue_depth(client) -> int:
+    [stats] = await discover(client.nc, "STATS", "priority", wait_s=0.3)
+    return next(ep["data"]["queue_depth"] for ep in stats["endpoints"] if ep.get("data"))
+
+
+async def test_cancel_a_queued_request(client):
+    # Fill the executor's two slots, then queue a third request at priority and cancel it there.
+    running = [asyncio.create_task(client.generate(long_request(f"fill-{i}", 1500), timeout=60))
+               for i in range(2)]
+    await asyncio.sleep(0.5)
+    queued = asyncio.create_task(client.generate(long_request("cancel-queued", 1500), timeout=60))
+    for _ in range(50):
+        if await priority_queue_depth(client) == 1:
+            break
+        await asyncio.sleep(0.1)
+    assert await priority_queue_depth(client) == 1
+    await client.cancel("cancel-queued")
+    final = await queued
+    assert isinstance(final, Completion) and final.finish_reason == "cancelled"
+    assert final.token_ids == [] and final.scheduling.executor == ""
+    for i in range(2):
+        await client.cancel(f"fill-{i}")
+    assert [r.finish_reason for r in await asyncio.gather(*running)] == ["cancelled"] * 2
+
+
+async def test_a_later_urgent_request_overtakes_queued_ones(client):
+    """Two slots busy (one ends before the other); four priority-1 requests wait, then one
+    priority-9 request arrives: it runs in the first slot that frees, before all four."""
+    finished: list[str] = []
+
+    async def run(request: GenerateRequest):
+        completion = await client.generate(request, timeout=120)
+        assert isinstance(completion, Completion), completion
+        finished.append(request.request_id)
+
+    tasks = [asyncio.create_task(run(long_request("busy-a", 1000, priority=1))),
+             asyncio.create_task(run(long_request("busy-b", 1600, priority=1)))]
+    await asyncio.sleep(0.3)
+    for i in range(4):
+        tasks.append(asyncio.create_task(run(long_request(f"low-{i}", 60, priority=1))))
+    await asyncio.sleep(0.3)
+    assert await priority_queue_depth(client) == 4
+    tasks.append(asyncio.create_task(run(long_request("urgent", 60, priority=9))))
+    await asyncio.gather(*tasks)
+    assert finished.index("urgent") < min(finished.index(f"low-{i}") for i in range(4)), finished
+
+
+BAD_PAYLOADS = {
+    "malformed JSON": (b'{"type": "generate", "prompt": "hi"', "invalid_request", "malformed JSON"),
+    "a JSON array": (b'[1, 2, 3]', "invalid_request", "Expected `object`"),
+    "an unknown field": (b'{"type": "generate", "prompt": "hi", "temprature": 0.5}',
+                         "invalid_request", "temprature"),
+    "a wrong type": (b'{"type": "generate", "prompt": "hi", "max_tokens": "ten"}',
+                     "invalid_request", "$.max_tokens"),
+    "an out-of-range value": (b'{"type": "generate", "prompt": "hi", "top_p": 1.5}',
+                              "invalid_request", "$.top_p"),
+    "an unknown model": (b'{"type": "generate", "prompt": "hi", "model": "gpt-9"}',
+                         "unknown_model", "gpt-9"),
+    "an over-long prompt": (msgspec.json.encode({"type": "generate", "prompt": "hello " * 3000}),
+                            "prompt_too_long", "max_model_len 2048"),
+    "no prompt": (b'{"type": "generate", "max_tokens": 4}', "invalid_request", "exactly one of"),
+}
+
+
+async def bad_reply(client, payload: bytes, tenant: str = "acme"):
+    reply = await client.nc.request(f"llm.generate.{tenant}", payload, timeout=10)
+    return decode_output(reply.data), reply.headers or {}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PAYLOADS))
+async def test_bad_input_gets_a_clear_error(client, case):
+    payload, code, needle = BAD_PAYLOADS[case]
+    error, headers = await bad_reply(client, payload)
+    assert isinstance(error, Error) and error.code == code, error
+    assert needle in error.message, error.message
+    assert headers["Nats-Service-Error-Code"] in ("400", "404", "413")
+    assert headers["Nats-Service-Error"].startswith(code)
+
+
+async def test_an_invalid_tenant_is_rejected(client):
+    error, headers = await bad_reply(client, b'{"type": "generate", "prompt": "hi"}', "bad!tenant")
+    assert isinstance(error, Error) and error.code == "invalid_request"
+    assert "tenant 'bad!tenant'" in error.message and headers["Nats-Service-Error-Code"] == "400"
+
+
+async def test_a_flood_of_bad_input_breaks_nothing(client, stack):
+    infos_before = {i["id"]: i["name"] for i in await discover(client.nc, "INFO", wait_s=0.5)}
+    payloads = [BAD_PAYLOADS[k][0] for k in sorted(BAD_PAYLOADS)]
+    fuzz = [payloads[i % len(payloads)] for i in range(450)] + [
+        msgspec.json.encode({"type": "generate", "prompt": "hi", "max_tokens": -i}) for i in range(25)
+    ] + [bytes([i % 256]) * (i + 1) for i in range(25)]
+    assert len(fuzz) == 500
+    started = time.monotonic()
+    replies = await asyncio.gather(*(bad_reply(client, p) for p in fuzz))
+    assert all(isinstance(error, Error) for error, _ in replies)
+    assert {error.code for error, _ in replies} == {"invalid_request", "unknown_model",
+                                                    "prompt_too_long"}
+    assert time.monotonic() - started < 60
+    completion = await client.generate(GenerateRequest(prompt="still fine?", max_tokens=4),
+                                       timeout=30)
+    assert isinstance(completion, Completion) and len(completion.token_ids) == 4
+    infos_after = {i["id"]: i["name"] for i in await discover(client.nc, "INFO", wait_s=0.5)}
+    assert infos_after == infos_before  # same service instances: nothing restarted
+    assert all(p.returncode is None for p in stack.processes.values())
