@@ -1,0 +1,91 @@
+"""One generate request is one trace: spans from all four services, each hop parented by the last.
+
+The services export over OTLP/HTTP (the standard OTEL_* variables) to a receiver in this test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from services.stack import free_port
+from shared.client import JetserveClient
+from shared.protocol import Completion, GenerateRequest
+from tests.integration.conftest import running_stack
+
+
+class OtlpReceiver:
+    """Collects spans posted to /v1/traces as (service, name, trace id, span id, parent id)."""
+
+    def __init__(self):
+        self.spans: list[dict] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest.FromString(body)
+                for resource_spans in request.resource_spans:
+                    service = next(a.value.string_value for a in resource_spans.resource.attributes
+                                   if a.key == "service.name")
+                    for scope in resource_spans.scope_spans:
+                        for span in scope.spans:
+                            receiver.spans.append(dict(
+                                service=service, name=span.name, trace_id=span.trace_id.hex(),
+                                span_id=span.span_id.hex(), parent_id=span.parent_span_id.hex(),
+                                start=span.start_time_unix_nano, end=span.end_time_unix_nano))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_one_request_is_one_trace_across_all_four_services(tmp_path):
+    receiver = OtlpReceiver()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    try:
+        async with running_stack(tmp_path, env=env) as stack:
+            async with await JetserveClient.connect(stack.url, tenant="traced") as client:
+                completion = await client.generate(
+                    GenerateRequest(request_id="traced-1", prompt="Trace me", max_tokens=4),
+                    timeout=30)
+                assert isinstance(completion, Completion)
+                names = {"admission", "priority.queue", "batcher.route", "executor.generate",
+                         "prefill", "decode"}
+                for _ in range(100):  # exported in batches every 100 ms
+                    if names <= {s["name"] for s in receiver.spans}:
+                        break
+                    await asyncio.sleep(0.1)
+    finally:
+        receiver.close()
+
+    admission = next(s for s in receiver.spans if s["name"] == "admission")
+    trace = [s for s in receiver.spans if s["trace_id"] == admission["trace_id"]]
+    by_name = {s["name"]: s for s in trace}
+    assert set(by_name) == names, sorted(by_name)
+    assert {s["service"] for s in trace} == {"admission", "priority", "batcher", "executor"}
+    assert admission["parent_id"] == ""  # the client sent no trace context: admission is the root
+    for child, parent in [("priority.queue", "admission"), ("batcher.route", "priority.queue"),
+                          ("executor.generate", "batcher.route"), ("prefill", "executor.generate"),
+                          ("decode", "executor.generate")]:
+        assert by_name[child]["parent_id"] == by_name[parent]["span_id"], child
+    assert by_name["prefill"]["end"] <= by_name["decode"]["start"] + 1_000_000
+    assert by_name["priority.queue"]["start"] <= by_name["executor.generate"]["start"]
