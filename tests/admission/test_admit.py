@@ -1,0 +1,65 @@
+"""Admission's validation at the edge, without a server: what becomes a WorkItem, what an Error."""
+
+import time
+
+import msgspec
+import pytest
+
+from services.admission.service import Admission
+from shared.config import load_config
+from shared.protocol import ProtocolError
+
+
+@pytest.fixture(scope="module")
+def admission():
+    config = load_config(None, {"JETSERVE_MODEL__NAME": "dummy:tiny",
+                                "JETSERVE_SCHEDULER__REQUEST_LEVEL__RATE_LIMIT_TOKENS_PER_S": "10",
+                                "JETSERVE_SCHEDULER__REQUEST_LEVEL__RATE_LIMIT_BURST_TOKENS":
+                                    "300"})
+    return Admission(config, nc=None, js=None, tracer=None)
+
+
+def payload(**fields) -> bytes:
+    return msgspec.json.encode({"type": "generate", **fields})
+
+
+def test_a_request_becomes_a_tokenized_work_item(admission):
+    item = admission.admit("t1", payload(messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, deadline_ms=2000), durable=False)
+    request = item.request
+    assert request.messages is None and request.prompt is None
+    assert request.prompt_token_ids == admission.tokenizer.encode(
+        admission.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    assert request.model == "dummy:tiny"
+    assert request.request_id.startswith("req-") and request.seed is not None
+    assert item.tenant == "t1" and abs(item.arrival_time - time.time()) < 5
+    assert item.deadline == pytest.approx(item.arrival_time + 2.0)
+
+
+def test_a_given_seed_and_id_are_kept(admission):
+    item = admission.admit("t1", payload(prompt="Hi", max_tokens=4, seed=11, request_id="r-1"),
+                           durable=True)
+    assert (item.request.seed, item.request_id, item.durable) == (11, "r-1", True)
+
+
+@pytest.mark.parametrize("tenant, fields, durable, code, needle", [
+    ("a.b", dict(prompt="x"), False, "invalid_request", "tenant 'a.b'"),
+    ("t", dict(prompt="x", model="other"), False, "unknown_model", "'other' is not served"),
+    ("t", dict(prompt="x"), True, "invalid_request", "`request_id` is required"),
+    ("t", dict(prompt="x", request_id="has.dot"), True, "invalid_request", "must match"),
+    ("t", dict(prompt="x", max_tokens=2048), False, "prompt_too_long", "max_model_len 2048"),
+    ("t", dict(prompt_token_ids=[1, 10**6]), False, "invalid_request", "vocab size"),
+    ("t", dict(prompt="x", max_tokens=500), False, "rate_limited", "more than the burst 300"),
+])
+def test_rejections_name_the_cause(admission, tenant, fields, durable, code, needle):
+    with pytest.raises(ProtocolError) as error:
+        admission.admit(tenant, payload(**fields), durable)
+    assert error.value.code == code and needle in error.value.message
+
+
+def test_rate_limit_is_per_tenant(admission):
+    admission.admit("heavy", payload(prompt="x", max_tokens=290), durable=False)
+    with pytest.raises(ProtocolError) as error:
+        admission.admit("heavy", payload(prompt="x", max_tokens=100), durable=False)
+    assert error.value.code == "rate_limited" and "retry in" in error.value.message
+    admission.admit("light", payload(prompt="x", max_tokens=100), durable=False)

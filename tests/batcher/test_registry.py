@@ -1,0 +1,51 @@
+from services.batcher.registry import ExecutorRegistry
+from shared.messages import Heartbeat
+
+
+def heartbeat(name: str, running: int = 0, waiting: int = 0, assigned: int = 0,
+              max_num_seqs: int = 4, free_kv: int = 100, started_at: float = 1.0,
+              model: str = "m") -> Heartbeat:
+    return Heartbeat(executor=name, model=model, max_num_seqs=max_num_seqs, queue_depth=1,
+                     running=running, waiting=waiting, assigned_total=assigned,
+                     free_kv_blocks=free_kv, total_kv_blocks=100, step_ms=1.0,
+                     started_at=started_at)
+
+
+def test_room_counts_assignments_in_transit():
+    registry = ExecutorRegistry()
+    assert registry.update(heartbeat("e0", running=2), now=0.0)
+    assert registry.free_slots() == 3  # 4 seqs + 1 queued - 2 running
+    assert registry.pick("m") == "e0"
+    assert registry.free_slots() == 2  # sent, not yet in a heartbeat
+    registry.update(heartbeat("e0", running=3, assigned=1), now=0.1)
+    assert registry.executors["e0"].in_transit == 0 and registry.free_slots() == 2
+
+
+def test_pick_prefers_the_least_loaded_then_free_kv():
+    registry = ExecutorRegistry()
+    registry.update(heartbeat("busy", running=3), 0.0)
+    registry.update(heartbeat("idle", running=0, free_kv=10), 0.0)
+    registry.update(heartbeat("idle-more-kv", running=0, free_kv=90), 0.0)
+    registry.update(heartbeat("other-model", running=0, model="x"), 0.0)
+    picks = [registry.pick("m") for _ in range(4)]
+    assert picks[:2] == ["idle-more-kv", "idle"]
+    assert "other-model" not in picks
+
+
+def test_full_executors_get_nothing():
+    registry = ExecutorRegistry()
+    registry.update(heartbeat("e0", running=4, waiting=1), 0.0)
+    assert registry.free_slots() == 0 and registry.pick("m") is None
+
+
+def test_silent_executors_expire_and_a_restart_resets_counts():
+    registry = ExecutorRegistry()
+    registry.update(heartbeat("e0"), 0.0)
+    registry.update(heartbeat("e1"), 4.0)
+    assert registry.expire(now=5.5, timeout=5.0) == ["e0"]
+    registry.pick("m")
+    assert registry.executors["e1"].in_transit == 1
+    assert registry.update(heartbeat("e1", started_at=2.0), 6.0)  # a new process
+    assert registry.executors["e1"].in_transit == 0
+    registry.unsend("e1")
+    assert registry.executors["e1"].in_transit == 0

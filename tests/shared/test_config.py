@@ -1,0 +1,50 @@
+import pytest
+
+from shared.config import ConfigError, env_overrides, load_config
+
+
+def test_defaults_need_no_file():
+    config = load_config(None, {})
+    assert config.nats.url == "nats://127.0.0.1:4222" and config.nats.prefix == "llm"
+    assert config.engine_config("executor-3").executor_name == "executor-3"
+
+
+def test_yaml_then_environment(tmp_path):
+    path = tmp_path / "jetserve.yaml"
+    path.write_text("kv_cache:\n  block_size: 32\nscheduler:\n  batch_level:\n    max_num_seqs: 8\n")
+    config = load_config(str(path), {"JETSERVE_SCHEDULER__BATCH_LEVEL__MAX_NUM_SEQS": "4",
+                                     "NATS_URL": "nats://example:4223"})
+    assert config.kv_cache.block_size == 32
+    assert config.scheduler.batch_level.max_num_seqs == 4  # the environment wins
+    assert config.nats.url == "nats://example:4223"
+    engine = config.engine_config("e")
+    assert (engine.block_size, engine.max_num_seqs) == (32, 4)
+
+
+@pytest.mark.parametrize("environ, needle", [
+    ({"JETSERVE_KV_CACHE__BLOCK_SIZE": "big"}, "$.kv_cache.block_size"),
+    ({"JETSERVE_KV_CACHE__BLOKSIZE": "8"}, "unknown field `bloksize` - at `$.kv_cache`"),
+    ({"JETSERVE_NATS__PREFIX": "a.b"}, "$.nats.prefix"),
+    ({"JETSERVE_SCHEDULER__REQUEST_LEVEL__MAX_PENDING_REQUESTS": "0"},
+     "$.scheduler.request_level.max_pending_requests"),
+])
+def test_errors_name_the_key(environ, needle):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, environ)
+    assert needle in str(error.value)
+
+
+def test_a_bad_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="bad.yaml: the top level must be a mapping"):
+        load_config(str(path), {})
+
+
+def test_env_overrides_round_trip():
+    environ = env_overrides({"model.name": "dummy:tiny", "token_level_off": None,
+                             "scheduler.token_level.pipeline": False})
+    assert environ == {"JETSERVE_MODEL__NAME": "dummy:tiny", "JETSERVE_TOKEN_LEVEL_OFF": "null",
+                       "JETSERVE_SCHEDULER__TOKEN_LEVEL__PIPELINE": "false"}
+    config = load_config(None, {k: v for k, v in environ.items() if "OFF" not in k})
+    assert config.model.name == "dummy:tiny" and config.scheduler.token_level.pipeline is False
