@@ -269,7 +269,7 @@ def _peek(payload: bytes) -> tuple[str | None, bool]:
 async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
     admission = Admission(config, nc, js, tracer)
     await admission.start()
-    log.info("ready", model=admission.model_name, max_model_len=admission.max_model_len)
+    log.info("serving", model=admission.model_name, max_model_len=admission.max_model_len)
     await stop.wait()
     await admission.stop()
 

@@ -153,7 +153,7 @@ class BatcherService:
 async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
     service = BatcherService(config, nc, js, tracer)
     await service.start()
-    log.info("ready")
+    log.info("serving")
     await stop.wait()
     await service.stop()
 

@@ -18,7 +18,7 @@ from shared.config import JetserveConfig
 from shared.messages import AssignReply, Heartbeat, WorkItem, decoder, encode
 from shared.protocol import Completion, Delta, Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
-from shared.telemetry import Span, context_from, context_of
+from shared.telemetry import Span, carrier_of, context_from, context_of
 
 log = structlog.get_logger()
 
@@ -138,7 +138,7 @@ class ExecutorService:
             else:
                 self.counts["errors"] += 1
             try:
-                await self.outbox.final(item, output)
+                await self.outbox.final(item, output, carrier_of(running.span) if running else None)
             except Exception:  # the client's result must not take the executor down with it
                 log.exception("could not deliver a final output", request_id=item.request_id)
             if running is not None:
@@ -195,7 +195,7 @@ async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
     name = args.name or "executor-0"
     service = ExecutorService(config, nc, js, tracer, name)
     await service.start()
-    log.info("ready", executor=name, model=service.engine.model_name,
+    log.info("serving", executor=name, model=service.engine.model_name,
              kv_blocks=service.engine.block_manager.num_blocks)
     await stop.wait()
     await service.stop(config.distributed.drain_timeout_s)

@@ -54,12 +54,16 @@ class PriorityService:
             await self.outbox.final(item, cancelled_completion(item))
             await request.respond(encode(SubmitReply()))
             return
-        if self.queue.full or item.request_id in self.queue:
+        error = None
+        if item.request_id in self.queue:
+            error = Error(request_id=item.request_id, code="invalid_request",
+                          message=f"`request_id` {item.request_id!r} is already waiting")
+        elif self.queue.full:
             self.counts["overloaded"] += 1
             error = Error(request_id=item.request_id, code="overloaded",
                           message=f"the waiting queue is full (max_pending_requests "
-                                  f"{self.queue.capacity})" if self.queue.full else
-                                  f"`request_id` {item.request_id!r} is already waiting")
+                                  f"{self.queue.capacity})")
+        if error is not None:
             await request.respond(encode(SubmitReply(error=error)))
             return
         self.queue.push(item)
@@ -110,7 +114,7 @@ class PriorityService:
 async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
     service = PriorityService(config, nc, js, tracer)
     await service.start()
-    log.info("ready", subjects=[service.subjects.priority_submit, service.subjects.priority_next])
+    log.info("serving", subjects=[service.subjects.priority_submit, service.subjects.priority_next])
     await stop.wait()
     await service.service.stop()
 

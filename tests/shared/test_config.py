@@ -48,3 +48,16 @@ def test_env_overrides_round_trip():
                        "JETSERVE_SCHEDULER__TOKEN_LEVEL__PIPELINE": "false"}
     config = load_config(None, {k: v for k, v in environ.items() if "OFF" not in k})
     assert config.model.name == "dummy:tiny" and config.scheduler.token_level.pipeline is False
+
+
+def test_the_example_file_is_every_default():
+    from pathlib import Path
+
+    import msgspec
+    import yaml
+
+    from shared.config import JetserveConfig
+
+    path = Path(__file__).resolve().parents[2] / "jetserve.example.yaml"
+    assert load_config(str(path), {}) == JetserveConfig()
+    assert yaml.safe_load(path.read_text()) == msgspec.to_builtins(JetserveConfig())

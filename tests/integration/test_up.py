@@ -1,0 +1,71 @@
+"""`jetserve up` as a user runs it: ready line, requests, status, and a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from services.stack import free_port
+from tests.integration.test_cli_smollm2 import jetserve_command
+
+
+def processes_using(nats_url: str) -> list[int]:
+    """Live processes started for this stack (their environment names its NATS URL)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if f"JETSERVE_NATS__URL={nats_url}".encode() in environ.split(b"\0"):
+                found.append(int(entry.name))
+    return found
+
+
+async def run(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *jetserve_command(), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+@pytest.mark.asyncio
+async def test_up_serves_until_sigterm(tmp_path):
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    env = {**os.environ, "JETSERVE_KV_CACHE__NUM_BLOCKS": "256"}
+    up = await asyncio.create_subprocess_exec(
+        *jetserve_command(), "up", "--nats-port", str(port), "--state-dir", str(tmp_path),
+        "--model", "dummy:tiny", "--executors", "2", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    lines = []
+    try:
+        while True:
+            line = (await asyncio.wait_for(up.stdout.readline(), 120)).decode()
+            assert line, "jetserve up exited:\n" + "".join(lines)
+            lines.append(line)
+            if line.startswith("jetserve ready"):
+                break
+        assert url in line
+        code, out, err = await run("generate", "--nats-url", url, "--raw", "--max-tokens", "5",
+                                   "Hello")
+        assert code == 0 and out.strip(), err
+        code, out, err = await run("status", "--nats-url", url)
+        assert code == 0, err
+        for name in ("admission", "priority", "batcher", "executor-0", "executor-1",
+                     "queue_depth=0", "kv usage"):
+            assert name in out, out
+        assert len(processes_using(url)) == 6  # nats-server, three services, two executors
+    finally:
+        if up.returncode is None:
+            up.send_signal(signal.SIGTERM)
+        rest = await asyncio.wait_for(up.stdout.read(), 60)
+        await asyncio.wait_for(up.wait(), 60)
+    assert up.returncode == 0, rest.decode()[-2000:]
+    assert "jetserve: stopped" in rest.decode()
+    assert processes_using(url) == []
