@@ -18,8 +18,15 @@ from nats.js.errors import NotFoundError
 
 from shared.config import JetserveConfig, NatsSection
 from shared.messages import Done, WorkItem, encode
-from shared.protocol import (Completion, Delta, Error, Metrics, Scheduling, Usage,
-                             service_error_headers)
+from shared.protocol import (
+    Completion,
+    Delta,
+    Error,
+    Metrics,
+    Scheduling,
+    Usage,
+    service_error_headers,
+)
 from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM, Subjects
 
 log = structlog.get_logger()

@@ -24,7 +24,9 @@ def setup_tracing(service_name: str) -> trace.Tracer:
     exporting = (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
                  or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
     if exporting and os.environ.get("OTEL_SDK_DISABLED", "").lower() != "true":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter,
+        )
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)

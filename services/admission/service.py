@@ -15,7 +15,8 @@ import time
 
 import msgspec
 import structlog
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 from nats.micro import Request
@@ -24,13 +25,29 @@ from services.admission.rate_limit import TokenBuckets
 from services.executor.preprocess import check_limits, prompt_token_ids
 from services.executor.tokenizer import Tokenizer
 from services.executor.weights import load_model_config, tokenizer_dir
-from shared.bus import Outbox, add_micro_service, ensure_streams, json_encode, serve_forever
+from shared.bus import (
+    Outbox,
+    add_micro_service,
+    ensure_streams,
+    json_encode,
+    serve_forever,
+)
 from shared.config import JetserveConfig
 from shared.messages import Done, SubmitReply, WorkItem, decoder, encode
-from shared.protocol import (Error, GenerateRequest, ProtocolError, decode_generate_request,
-                             service_error_headers)
-from shared.subjects import (ADMISSION_CONSUMER, DURABLE_ID_PATTERN, REQUESTS_STREAM,
-                             RESULTS_STREAM, TENANT_PATTERN, Subjects)
+from shared.protocol import (
+    Error,
+    ProtocolError,
+    decode_generate_request,
+    service_error_headers,
+)
+from shared.subjects import (
+    ADMISSION_CONSUMER,
+    DURABLE_ID_PATTERN,
+    REQUESTS_STREAM,
+    RESULTS_STREAM,
+    TENANT_PATTERN,
+    Subjects,
+)
 from shared.telemetry import SpanKind, carrier_of, context_from
 
 log = structlog.get_logger()

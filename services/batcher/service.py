@@ -8,13 +8,22 @@ import asyncio
 import time
 
 import structlog
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.batcher.registry import ExecutorRegistry
 from shared.bus import Outbox, add_micro_service, json_encode, serve_forever
 from shared.config import JetserveConfig
-from shared.messages import (AssignReply, Heartbeat, NextReply, NextRequest, SubmitReply, WorkItem,
-                             decoder, encode)
+from shared.messages import (
+    AssignReply,
+    Heartbeat,
+    NextReply,
+    NextRequest,
+    SubmitReply,
+    WorkItem,
+    decoder,
+    encode,
+)
 from shared.protocol import Error
 from shared.subjects import Subjects
 from shared.telemetry import carrier_of, context_from

@@ -14,7 +14,13 @@ import msgspec
 
 from services.executor.engine import Engine, Output
 from shared.config import EngineConfig
-from shared.protocol import Completion, Delta, Error, ProtocolError, decode_generate_request
+from shared.protocol import (
+    Completion,
+    Delta,
+    Error,
+    ProtocolError,
+    decode_generate_request,
+)
 
 
 def _request_id_of(line: str) -> str | None:

@@ -12,7 +12,7 @@ import bisect
 from dataclasses import dataclass
 
 from services.executor.block_manager import BlockManager
-from services.executor.sequence import Sequence, SeqStatus
+from services.executor.sequence import SeqStatus, Sequence
 
 
 @dataclass

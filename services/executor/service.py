@@ -42,6 +42,7 @@ class ExecutorService:
         self.outputs: asyncio.Queue[tuple[WorkItem, Output]] = asyncio.Queue()
         self.cancels = RecentCancels()
         self.load_changed = asyncio.Event()
+        self.idle = asyncio.Event()  # set when the last running request ends
         self.assigned_total = 0
         self.started_at = time.time()
         self.counts = dict(completed=0, cancelled=0, errors=0)
@@ -61,9 +62,12 @@ class ExecutorService:
     async def stop(self, drain_timeout_s: float) -> None:
         """Take no new work, let running requests finish (up to the timeout), then stop."""
         await self.service.stop()
-        deadline = time.monotonic() + drain_timeout_s
-        while self.running and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        if self.running:
+            self.idle.clear()
+            try:
+                await asyncio.wait_for(self.idle.wait(), drain_timeout_s)
+            except TimeoutError:
+                log.warning("drain timed out; cancelling", running=len(self.running))
         for request_id in list(self.running):
             self.engine.abort(request_id)
         await asyncio.sleep(0.05)  # let the publisher send what the aborts produced
@@ -143,6 +147,8 @@ class ExecutorService:
                 log.exception("could not deliver a final output", request_id=item.request_id)
             if running is not None:
                 self._end_span(running.span, item, output)
+            if not self.running:
+                self.idle.set()
             self.load_changed.set()
 
     def _end_span(self, span: Span, item: WorkItem, output: Completion | Error) -> None:
@@ -153,7 +159,7 @@ class ExecutorService:
                                  "finish_reason": output.finish_reason})
             # Prefill and decode as child spans, placed on the wall clock from the metrics.
             arrival_ns = int(item.arrival_time * 1e9)
-            at = lambda ms: arrival_ns + int(ms * 1e6)  # noqa: E731
+            at = lambda ms: arrival_ns + int(ms * 1e6)
             if output.usage.completion_tokens:
                 for name, start, end in (("prefill", m.queue_ms, m.ttft_ms),
                                          ("decode", m.ttft_ms, m.e2e_ms)):

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 _CONTROL_TOKEN = 3  # GGUF token_type for special tokens (<|im_start|>, ...)
 

@@ -13,7 +13,14 @@ from services.priority.queue import WaitingQueue
 from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_forever
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
-from shared.messages import NextReply, NextRequest, SubmitReply, WorkItem, decoder, encode
+from shared.messages import (
+    NextReply,
+    NextRequest,
+    SubmitReply,
+    WorkItem,
+    decoder,
+    encode,
+)
 from shared.protocol import Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from

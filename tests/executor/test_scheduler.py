@@ -1,6 +1,6 @@
 from services.executor.block_manager import BlockManager
 from services.executor.scheduler import Scheduler
-from services.executor.sequence import SamplingParams, Sequence, SeqStatus
+from services.executor.sequence import SamplingParams, SeqStatus, Sequence
 
 _count = iter(range(10**6))
 

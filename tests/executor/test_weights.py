@@ -1,8 +1,14 @@
 import numpy as np
 import torch
 
-from services.executor.weights import (ModelConfig, converted_gguf_dir, default_gguf_path,
-                                       dummy_config, load_model_files, unpermute_rotary)
+from services.executor.weights import (
+    ModelConfig,
+    converted_gguf_dir,
+    default_gguf_path,
+    dummy_config,
+    load_model_files,
+    unpermute_rotary,
+)
 
 
 def llama_cpp_permute(weight, num_heads):
