@@ -67,6 +67,15 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     started_at: float  # wall clock; a restart shows as a new value
 
 
+class Holding(msgspec.Struct):
+    """The durable requests a service holds right now (priority: waiting; an executor: running),
+    published every heartbeat interval. Admission keeps a durable request alive only while some
+    service reports it, so a request lost with a dead service is redelivered and run again."""
+
+    holder: str
+    requests: list[tuple[str, str]]  # (tenant, request_id)
+
+
 class Done(msgspec.Struct):
     """A durable request's result is stored in LLM_RESULTS: its holder acks the request."""
 

@@ -61,5 +61,9 @@ class Subjects:
         return f"{self.prefix}.internal.heartbeat"
 
     @property
+    def holding(self) -> str:
+        return f"{self.prefix}.internal.holding"
+
+    @property
     def admission_done(self) -> str:
         return f"{self.prefix}.internal.admission.done"

@@ -4,7 +4,9 @@ Request/reply generates (`llm.generate.<tenant>`) and durable submissions (`llm.
 stream LLM_REQUESTS) are validated, tokenized, checked against the model's limits and the tenant's
 rate limit, given an id, a seed and an arrival time, and handed to priority. A durable request's
 message is held here (kept alive with in-progress acks) and acknowledged only once its final
-result is stored in LLM_RESULTS; a redelivered one whose result exists is only acknowledged.
+result is stored in LLM_RESULTS; a redelivered one whose result exists is only acknowledged. A
+held request that no service reports holding (priority's queue, an executor) for longer than the
+heartbeat timeout was lost with a dead service: it is handed back to JetStream to run again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from dataclasses import dataclass
 
 import msgspec
 import structlog
@@ -33,7 +36,7 @@ from shared.bus import (
     serve_forever,
 )
 from shared.config import JetserveConfig
-from shared.messages import Done, SubmitReply, WorkItem, decoder, encode
+from shared.messages import Done, Holding, SubmitReply, WorkItem, decoder, encode
 from shared.protocol import (
     Error,
     ProtocolError,
@@ -54,6 +57,7 @@ log = structlog.get_logger()
 
 _submit_reply = decoder(SubmitReply)
 _done = decoder(Done)
+_holding = decoder(Holding)
 DURABLE_FETCH_BATCH = 64
 
 
@@ -72,9 +76,10 @@ class Admission:
         limits = config.scheduler.request_level
         self.buckets = (TokenBuckets(limits.rate_limit_tokens_per_s, limits.rate_limit_burst_tokens)
                         if limits.rate_limit_tokens_per_s else None)
-        self.held: dict[str, object] = {}  # durable request id -> its LLM_REQUESTS message
+        self.held: dict[tuple[str, str], _Held] = {}  # (tenant, request_id) -> its message
+        self.last_reported: dict[tuple[str, str], float] = {}  # when a holder last reported it
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
-                           redelivered_with_result=0)
+                           redelivered_with_result=0, durable_redelivered=0)
         self.errors_by_code: dict[str, int] = {}
         self.tasks: list[asyncio.Task] = []
 
@@ -85,6 +90,7 @@ class Admission:
         await self.service.add_endpoint(name="generate", subject=self.subjects.generate(),
                                         handler=self.on_generate)
         await self.nc.subscribe(self.subjects.admission_done, cb=self.on_done)
+        await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)
         self.consumer = await self.js.pull_subscribe(
             self.subjects.requests(">"), durable=ADMISSION_CONSUMER, stream=REQUESTS_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
@@ -212,8 +218,9 @@ class Admission:
             self.count_error("invalid_request")
             await msg.term()
             return
-        if claimed_id in self.held:
-            self.held[claimed_id] = msg  # redelivered while still running: keep the new handle
+        key = (tenant, claimed_id)
+        if key in self.held:
+            self.held[key].msg = msg  # redelivered while still running: keep the new handle
             return
         if await self.has_result(tenant, claimed_id):
             self.counts["redelivered_with_result"] += 1
@@ -235,10 +242,10 @@ class Admission:
                 await msg.ack()
                 return
             item.trace = carrier_of(span)
-            self.held[claimed_id] = msg
+            self.held[key] = _Held(msg, time.monotonic())
             error = await self.to_priority(item)
         if error is not None:  # queue full or priority down: durable, so retry later
-            del self.held[claimed_id]
+            del self.held[key]
             await msg.nak(delay=1.0)
             return
         self.counts["durable_admitted"] += 1
@@ -252,20 +259,53 @@ class Admission:
 
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)
-        held = self.held.pop(done.request_id, None)
+        key = (done.tenant, done.request_id)
+        held = self.held.pop(key, None)
+        self.last_reported.pop(key, None)
         if held is not None:  # another admission instance may hold it
-            await held.ack()
+            await held.msg.ack()
             self.counts["durable_acked"] += 1
 
+    async def on_holding(self, msg) -> None:
+        now = time.monotonic()
+        for tenant, request_id in _holding.decode(msg.data).requests:
+            self.last_reported[(tenant, request_id)] = now
+
     async def keep_alive_loop(self) -> None:
-        """In-progress acks for every held request, well inside ack_wait."""
+        """In-progress acks for every held request, well inside ack_wait; a request no service
+        has reported for longer than the heartbeat timeout is handed back for redelivery."""
+        distributed = self.config.distributed
+        progress_every = self.config.nats.ack_wait_s / 3
+        last_progress = time.monotonic()
         while True:
-            await asyncio.sleep(self.config.nats.ack_wait_s / 3)
-            for msg in list(self.held.values()):
-                try:
-                    await msg.in_progress()
-                except Exception as exc:
-                    log.warning("in-progress ack failed", error=repr(exc))
+            await asyncio.sleep(distributed.heartbeat_interval_s)
+            now = time.monotonic()
+            for key, held in list(self.held.items()):
+                seen = max(held.since, self.last_reported.get(key, 0.0))
+                if now - seen > distributed.heartbeat_timeout_s:
+                    log.warning("durable request lost with its holder; redelivering",
+                                tenant=key[0], request_id=key[1])
+                    self.counts["durable_redelivered"] += 1
+                    del self.held[key]
+                    self.last_reported.pop(key, None)
+                    await _quietly(held.msg.nak())
+            if now - last_progress >= progress_every:
+                last_progress = now
+                for held in list(self.held.values()):
+                    await _quietly(held.msg.in_progress())
+
+
+@dataclass
+class _Held:
+    msg: object  # the LLM_REQUESTS message, acked once the result is stored
+    since: float  # when it was handed to priority (monotonic)
+
+
+async def _quietly(ack) -> None:
+    try:
+        await ack
+    except Exception as exc:  # the server will redeliver anyway
+        log.warning("ack failed", error=repr(exc))
 
 
 def _peek(payload: bytes) -> tuple[str | None, bool]:

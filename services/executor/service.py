@@ -15,7 +15,7 @@ from services.executor.engine import Engine, Output
 from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_forever
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
-from shared.messages import AssignReply, Heartbeat, WorkItem, decoder, encode
+from shared.messages import AssignReply, Heartbeat, Holding, WorkItem, decoder, encode
 from shared.protocol import Completion, Delta, Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from, context_of
@@ -172,6 +172,7 @@ class ExecutorService:
     async def heartbeat_loop(self) -> None:
         interval = self.config.distributed.heartbeat_interval_s
         last_busy, last_steps = 0.0, 0
+        last_holding = 0.0
         while True:
             try:
                 await asyncio.wait_for(self.load_changed.wait(), interval)
@@ -183,6 +184,12 @@ class ExecutorService:
             step_ms = 1e3 * (stats.model_busy_s - last_busy) / steps if steps else 0.0
             last_busy, last_steps = stats.model_busy_s, stats.steps
             await self.nc.publish(self.subjects.heartbeat, encode(self.heartbeat(step_ms)))
+            if time.monotonic() - last_holding >= interval:
+                last_holding = time.monotonic()
+                durable = [(r.item.tenant, r.item.request_id) for r in self.running.values()
+                           if r.item.durable]
+                await self.nc.publish(self.subjects.holding,
+                                      encode(Holding(holder=self.name, requests=durable)))
             await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
 
     def heartbeat(self, step_ms: float) -> Heartbeat:

@@ -64,6 +64,9 @@ class WaitingQueue:
         del self._by_id[request_id]
         return entry.item
 
+    def items(self) -> list[WorkItem]:
+        return [entry.item for entry in self._by_id.values()]
+
     def depth_by_priority(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for entry in self._by_id.values():

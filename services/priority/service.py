@@ -41,6 +41,7 @@ class PriorityService:
         self.arrived = asyncio.Event()
         self.wait_spans: dict[str, Span] = {}  # the queue wait of each waiting request
         self.counts = dict(submitted=0, dispatched=0, cancelled=0, overloaded=0)
+        self.heartbeat_interval_s = config.distributed.heartbeat_interval_s
 
     async def start(self) -> None:
         service = await add_micro_service(self.nc, "priority", "global waiting queue", self.stats)
@@ -50,6 +51,20 @@ class PriorityService:
                                    handler=self.on_next)
         await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
         self.service = service
+        self.reporter = asyncio.create_task(self.report_holding(), name="holding")
+
+    async def stop(self) -> None:
+        self.reporter.cancel()
+        await asyncio.gather(self.reporter, return_exceptions=True)
+        await self.service.stop()
+
+    async def report_holding(self) -> None:
+        """Tell admission which durable requests wait here (it redelivers ones nobody holds)."""
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            durable = [(i.tenant, i.request_id) for i in self.queue.items() if i.durable]
+            await self.nc.publish(self.subjects.holding,
+                                  encode(Holding(holder="priority", requests=durable)))
 
     def stats(self) -> dict:
         return {"queue_depth": len(self.queue), "queue_by_priority": self.queue.depth_by_priority(),
@@ -123,7 +138,7 @@ async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
     await service.start()
     log.info("serving", subjects=[service.subjects.priority_submit, service.subjects.priority_next])
     await stop.wait()
-    await service.service.stop()
+    await service.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
