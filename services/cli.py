@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from shared.config import DEFAULT_MODEL, EngineConfig
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     up = commands.add_parser("up", help="serve: nats-server (embedded unless --nats-url) and "
                                         "the four services as processes")
-    up.add_argument("--nats-url", help="use this NATS server instead of starting one")
+    up.add_argument("--nats-url", default=os.environ.get("NATS_URL"),
+                    help="use this NATS server instead of starting one (default: $NATS_URL)")
     up.add_argument("--nats-port", type=int, default=4222)
     up.add_argument("--state-dir", default=".jetserve", help="JetStream data and logs")
     up.add_argument("--executors", type=int, default=1)

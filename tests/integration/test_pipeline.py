@@ -107,6 +107,21 @@ async def test_durable_submit_stores_one_result(client):
     assert info.state.subjects == {"llm.results.acme.durable-1": 1}
 
 
+async def test_durable_stream_deltas_add_up_to_the_stored_result(client):
+    deltas = await client.stream_deltas("durable-stream-1")
+    await client.submit(GenerateRequest(request_id="durable-stream-1", prompt="Stream and store",
+                                        max_tokens=12, ignore_eos=True, stream=True))
+    result = await client.result("durable-stream-1", timeout=30)
+    received = []
+    while sum(len(d.token_ids) for d in received) < 12:
+        received.append(decode_output((await deltas.next_msg(timeout=10)).data))
+    await deltas.unsubscribe()
+    assert isinstance(result, Completion)
+    assert [d.index for d in received] == sorted(d.index for d in received)
+    assert [t for d in received for t in d.token_ids] == result.token_ids
+    assert "".join(d.text for d in received) == result.text
+
+
 async def test_durable_submit_without_request_id_is_rejected_by_the_server(client):
     # The client library refuses, so publish directly: admission stores an Error under the
     # Nats-Msg-Id it was given.

@@ -9,6 +9,7 @@ import asyncio
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import msgspec
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -18,6 +19,11 @@ from services.stack import free_port
 from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest
 from tests.integration.conftest import running_stack
+
+
+CALLER_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CALLER_SPAN_ID = "b7ad6b7169203331"
+CALLER_TRACEPARENT = f"00-{CALLER_TRACE_ID}-{CALLER_SPAN_ID}-01"
 
 
 class OtlpReceiver:
@@ -70,16 +76,21 @@ async def test_one_request_is_one_trace_across_all_four_services(tmp_path):
                     GenerateRequest(request_id="traced-1", prompt="Trace me", max_tokens=4),
                     timeout=30)
                 assert isinstance(completion, Completion)
+                # A caller's own trace context joins the request to the caller's trace.
+                request = GenerateRequest(request_id="traced-2", prompt="Join me", max_tokens=2)
+                await client.nc.request("llm.generate.traced", msgspec.json.encode(request),
+                                        headers={"traceparent": CALLER_TRACEPARENT}, timeout=30)
                 names = {"admission", "priority.queue", "batcher.route", "executor.generate",
                          "prefill", "decode"}
                 for _ in range(100):  # exported in batches every 100 ms
-                    if names <= {s["name"] for s in receiver.spans}:
+                    if len([s for s in receiver.spans if s["name"] == "decode"]) == 2:
                         break
                     await asyncio.sleep(0.1)
     finally:
         receiver.close()
 
-    admission = next(s for s in receiver.spans if s["name"] == "admission")
+    admission = next(s for s in receiver.spans
+                     if s["name"] == "admission" and s["trace_id"] != CALLER_TRACE_ID)
     trace = [s for s in receiver.spans if s["trace_id"] == admission["trace_id"]]
     by_name = {s["name"]: s for s in trace}
     assert set(by_name) == names, sorted(by_name)
@@ -91,3 +102,7 @@ async def test_one_request_is_one_trace_across_all_four_services(tmp_path):
         assert by_name[child]["parent_id"] == by_name[parent]["span_id"], child
     assert by_name["prefill"]["end"] <= by_name["decode"]["start"] + 1_000_000
     assert by_name["priority.queue"]["start"] <= by_name["executor.generate"]["start"]
+
+    joined = [s for s in receiver.spans if s["trace_id"] == CALLER_TRACE_ID]
+    assert {s["name"] for s in joined} == names
+    assert next(s for s in joined if s["name"] == "admission")["parent_id"] == CALLER_SPAN_ID
