@@ -122,10 +122,11 @@ class Cancel(msgspec.Struct, tag="cancel", tag_field="type", forbid_unknown_fiel
 class ProtocolError(Exception):
     """A request that cannot be served, with the protocol error code and a message naming the cause."""
 
-    def __init__(self, code: ErrorCode, message: str):
+    def __init__(self, code: ErrorCode, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.code: ErrorCode = code
         self.message = message
+        self.retry_after_s = retry_after_s  # set when the same request may succeed later
 
     def to_error(self, request_id: str | None) -> Error:
         return Error(request_id=request_id, code=self.code, message=self.message)

@@ -79,7 +79,8 @@ class Admission:
         self.held: dict[tuple[str, str], _Held] = {}  # (tenant, request_id) -> its message
         self.last_reported: dict[tuple[str, str], float] = {}  # when a holder last reported it
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
-                           redelivered_with_result=0, durable_redelivered=0)
+                           redelivered_with_result=0, durable_redelivered=0,
+                           durable_delayed=0)
         self.errors_by_code: dict[str, int] = {}
         self.tasks: list[asyncio.Task] = []
 
@@ -143,7 +144,8 @@ class Admission:
         wait_s = self.buckets.take(tenant, tokens)
         if wait_s:
             raise ProtocolError("rate_limited", f"tenant {tenant!r} is over "
-                                f"{self.buckets.rate:g} tokens/s; retry in {wait_s:.2f} s")
+                                f"{self.buckets.rate:g} tokens/s; retry in {wait_s:.2f} s",
+                                retry_after_s=wait_s)
 
     async def to_priority(self, item: WorkItem) -> Error | None:
         """Queue the item at priority; an Error (`overloaded`, `internal`) when it was not taken."""
@@ -236,6 +238,10 @@ class Admission:
                                         f"must equal `request_id` {item.request_id!r}")
             except ProtocolError as exc:
                 span.set_attribute("error", exc.code)
+                if exc.retry_after_s is not None:  # rate limited: a durable request waits its turn
+                    self.counts["durable_delayed"] += 1
+                    await msg.nak(delay=exc.retry_after_s)
+                    return
                 self.count_error(exc.code)
                 error = exc.to_error(claimed_id)
                 await self.outbox.store_result(tenant, claimed_id, error, carrier_of(span))

@@ -62,4 +62,5 @@ def test_rate_limit_is_per_tenant(admission):
     with pytest.raises(ProtocolError) as error:
         admission.admit("heavy", payload(prompt="x", max_tokens=100), durable=False)
     assert error.value.code == "rate_limited" and "retry in" in error.value.message
+    assert 0 < error.value.retry_after_s <= 10  # 90 tokens short at 10 tokens/s
     admission.admit("light", payload(prompt="x", max_tokens=100), durable=False)
