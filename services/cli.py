@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     status = commands.add_parser("status", help="services, executors and queue depths")
     _client_options(status)
 
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    from loadtest.serve import add_arguments
+
+    add_arguments(bench_commands.add_parser(
+        "serve", help="load a stack over the public protocol and measure it"))
+
     run_local = commands.add_parser(
         "run-local", help="run a JSONL file of GenerateRequests through an in-process engine")
     run_local.add_argument("requests", help="JSONL file, one GenerateRequest per line")
@@ -86,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     _engine_options(run_local)
 
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from loadtest import serve
+
+        return serve.main(args)
     if args.command == "run-local":
         from services.executor import run_local as command
 

@@ -1,0 +1,160 @@
+"""Per-request records on the client's clock, and the figures a benchmark run reports.
+
+TTFT: send to first Delta. E2E: send to the final message. TPOT: (E2E - TTFT) / (output tokens
+- 1). ITL: every gap between consecutive Deltas. Percentiles interpolate linearly between the
+closest ranks (numpy's default), so p50 of [1, 2, 3, 4] is 2.5.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+STATS = ("mean", "p50", "p90", "p99")
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    tenant: str
+    priority: int
+    send_time: float  # seconds from the start of the run
+    prompt_tokens: int = 0
+    deadline_ms: float | None = None
+    delta_times: list[float] = field(default_factory=list)
+    delta_tokens: list[int] = field(default_factory=list)
+    end_time: float | None = None  # None: still outstanding when the run ended
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None  # the Error's code
+
+    @property
+    def ok(self) -> bool:
+        return self.end_time is not None and self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.delta_times[0] - self.send_time if self.ok and self.delta_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.end_time - self.send_time if self.ok else None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2 or self.ttft is None:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.delta_times, self.delta_times[1:])] if self.ok else []
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def distribution(values_s: list[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 in milliseconds."""
+    values = [1e3 * v for v in values_s]
+    return {"mean": sum(values) / len(values) if values else None,
+            "p50": percentile(values, 50), "p90": percentile(values, 90),
+            "p99": percentile(values, 99), "count": len(values)}
+
+
+def jain_index(values: list[float]) -> float | None:
+    """(Σx)² / (n·Σx²): 1 when all are equal, 1/n when one takes everything."""
+    if not values or not any(values):
+        return None
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Goodput limits in ms; a request counts only if it meets every one given."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    @classmethod
+    def parse(cls, items: list[str] | None) -> Slo | None:
+        """`["ttft:500", "tpot:50"]` -> Slo(ttft_ms=500, tpot_ms=50)."""
+        if not items:
+            return None
+        limits = {}
+        for item in items:
+            name, _, value = item.partition(":")
+            if name not in ("ttft", "tpot", "e2e") or not value:
+                raise ValueError(f"--goodput {item!r}: expected ttft:MS, tpot:MS or e2e:MS")
+            limits[f"{name}_ms"] = float(value)
+        return cls(**limits)
+
+    def met(self, record: RequestRecord) -> bool:
+        if not record.ok:
+            return False
+        checks = [(self.ttft_ms, record.ttft), (self.e2e_ms, record.e2e)]
+        if record.tpot is not None:  # a one-token request has no TPOT to hold to a limit
+            checks.append((self.tpot_ms, record.tpot))
+        return all(limit is None or (value is not None and 1e3 * value <= limit)
+                   for limit, value in checks)
+
+
+def latency_figures(records: list[RequestRecord], duration_s: float,
+                    slo: Slo | None) -> dict:
+    """The figures of one group of requests (a run, a priority class, a tenant)."""
+    done = [r for r in records if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    figures = {
+        "requests": len(records), "completed": len(done),
+        "failed": sum(1 for r in records if r.error is not None),
+        "outstanding": sum(1 for r in records if r.end_time is None),
+        "output_tokens": output_tokens,
+        "request_throughput": len(done) / duration_s if duration_s else None,
+        "output_throughput": output_tokens / duration_s if duration_s else None,
+        "ttft_ms": distribution([r.ttft for r in done if r.ttft is not None]),
+        "tpot_ms": distribution([r.tpot for r in done if r.tpot is not None]),
+        "itl_ms": distribution([gap for r in done for gap in r.itls]),
+        "e2e_ms": distribution([r.e2e for r in done]),
+    }
+    with_deadline = [r for r in records if r.deadline_ms is not None]
+    if with_deadline:
+        met = sum(1 for r in with_deadline if r.ok and 1e3 * r.e2e <= r.deadline_ms)
+        figures["deadline_met_fraction"] = met / len(with_deadline)
+    if slo is not None:
+        good = sum(1 for r in done if slo.met(r))
+        figures["goodput"] = good / duration_s if duration_s else None
+        figures["goodput_fraction"] = good / len(records) if records else None
+    return figures
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None = None) -> dict:
+    """Every figure of a run: overall, per priority class, per tenant; fairness; errors."""
+    tenants = sorted({r.tenant for r in records})
+    served = {t: sum(r.output_tokens for r in records if r.tenant == t and r.ok) for t in tenants}
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    summary = latency_figures(records, duration_s, slo)
+    summary.update({
+        "duration_s": duration_s,
+        "total_token_throughput": (sum(r.prompt_tokens + r.output_tokens for r in records if r.ok)
+                                   / duration_s if duration_s else None),
+        "errors": errors,
+        "outstanding_request_ids": [r.request_id for r in records if r.end_time is None],
+        "per_priority": {str(p): latency_figures([r for r in records if r.priority == p],
+                                                 duration_s, slo)
+                         for p in sorted({r.priority for r in records}, reverse=True)},
+        "per_tenant": {t: latency_figures([r for r in records if r.tenant == t], duration_s, slo)
+                       for t in tenants},
+        "tenant_served_tokens": served,
+        "jain_fairness": jain_index(list(served.values())),
+    })
+    return summary

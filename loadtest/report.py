@@ -1,0 +1,83 @@
+"""The summary table of a `jetserve bench serve` run, and two runs side by side."""
+
+from __future__ import annotations
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}"
+
+
+def print_summary(result: dict) -> None:
+    s, p = result["summary"], result["parameters"]
+    title = f" jetserve bench serve {result.get('label') or ''}".rstrip() + " "
+    print(f"{title:=^72}")
+    print(f"dataset {p['dataset']}, rate {p['request_rate']}/s, burstiness {p['burstiness']}, "
+          f"max concurrency {p['max_concurrency'] or '-'}, seed {p['seed']}")
+    rows = [("requests completed / sent", f"{s['completed']} / {s['requests']}"),
+            ("failed", s["failed"]), ("outstanding at the end", s["outstanding"]),
+            ("duration (s)", _fmt(s["duration_s"], 2)),
+            ("request throughput (req/s)", _fmt(s["request_throughput"], 2)),
+            ("output token throughput (tok/s)", _fmt(s["output_throughput"])),
+            ("total token throughput (tok/s)", _fmt(s["total_token_throughput"]))]
+    if "goodput" in s:
+        rows.append(("goodput (req/s)", f"{_fmt(s['goodput'], 2)}  "
+                                        f"({_fmt(100 * s['goodput_fraction'])} % of requests)"))
+    if len(s["per_tenant"]) > 1:
+        rows.append(("Jain fairness, tenants' served tokens", _fmt(s["jain_fairness"], 3)))
+    for label, value in rows:
+        print(f"{label:<40}{value!s:>32}")
+    print(f"{'latency (ms)':<16}{'mean':>12}{'p50':>12}{'p90':>12}{'p99':>12}{'n':>8}")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        d = s[f"{name}_ms"]
+        print(f"{name.upper():<16}" + "".join(f"{_fmt(d[k]):>12}" for k in ("mean", "p50", "p90",
+                                                                             "p99"))
+              + f"{d['count']:>8}")
+    for group, title in (("per_priority", "priority"), ("per_tenant", "tenant")):
+        if len(s[group]) < 2:
+            continue
+        print(f"{title:<10}{'done':>8}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
+              f"{'TPOT p50':>10}{'TPOT p99':>10}{'E2E p50':>10}{'deadline':>9}")
+        for key, g in s[group].items():
+            deadline = g.get("deadline_met_fraction")
+            print(f"{key:<10}{g['completed']:>8}{_fmt(g['output_throughput']):>10}"
+                  f"{_fmt(g['ttft_ms']['p50']):>10}{_fmt(g['ttft_ms']['p99']):>10}"
+                  f"{_fmt(g['tpot_ms']['p50']):>10}{_fmt(g['tpot_ms']['p99']):>10}"
+                  f"{_fmt(g['e2e_ms']['p50']):>10}"
+                  f"{'-' if deadline is None else f'{100 * deadline:.0f} %':>9}")
+    if s["errors"]:
+        print("errors: " + ", ".join(f"{code} {n}" for code, n in sorted(s["errors"].items())))
+    if s["outstanding_request_ids"]:
+        ids = s["outstanding_request_ids"]
+        print(f"outstanding: {', '.join(ids[:10])}{' ...' if len(ids) > 10 else ''}")
+    print("=" * 72)
+
+
+COMPARED = [("output tok/s", ("output_throughput",)), ("request/s", ("request_throughput",)),
+            ("goodput req/s", ("goodput",)), ("TTFT p50 ms", ("ttft_ms", "p50")),
+            ("TTFT p99 ms", ("ttft_ms", "p99")), ("TPOT p50 ms", ("tpot_ms", "p50")),
+            ("TPOT p99 ms", ("tpot_ms", "p99")), ("ITL p99 ms", ("itl_ms", "p99")),
+            ("E2E p50 ms", ("e2e_ms", "p50")), ("E2E p99 ms", ("e2e_ms", "p99")),
+            ("failed", ("failed",)), ("outstanding", ("outstanding",)),
+            ("Jain fairness", ("jain_fairness",))]
+
+
+def _get(summary: dict, path: tuple[str, ...]):
+    value = summary
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def print_comparison(a: dict, b: dict) -> None:
+    name_a = a.get("label") or "A"
+    name_b = b.get("label") or "B"
+    print(f"{'':<16}{name_a:>16}{name_b:>16}{'B / A':>10}")
+    for label, path in COMPARED:
+        va, vb = _get(a["summary"], path), _get(b["summary"], path)
+        ratio = f"{vb / va:.3f}" if isinstance(va, int | float) and isinstance(
+            vb, int | float) and va else "-"
+        print(f"{label:<16}{_fmt(va, 2):>16}{_fmt(vb, 2):>16}{ratio:>10}")

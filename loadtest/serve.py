@@ -1,0 +1,304 @@
+"""`jetserve bench serve`: load a running jetserve (or one it starts) through the public NATS
+protocol, like a user's client, and measure what every request saw.
+
+    jetserve bench serve --embedded --model dummy:tiny --num-requests 200 --request-rate 20 \\
+        --priority-mix 9:0.2,5:0.5,1:0.3 --tenant-mix a:0.5,b:0.5 --goodput ttft:500 \\
+        --result-json results/run.json --plot results/run.png
+    jetserve bench serve --compare results/a.json results/b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import msgspec
+
+from loadtest.arrivals import arrival_offsets, draw, parse_mix
+from loadtest.datasets import (jsonl_dataset, random_dataset, sharegpt_dataset,
+                               shared_prefix_dataset, with_ids)
+from loadtest.metrics import RequestRecord, Slo, summarize
+from loadtest.report import print_comparison, print_summary
+from shared.client import JetserveClient
+from shared.protocol import Delta, Error, GenerateRequest
+
+SAMPLE_EVERY_S = 0.25  # queue depth and progress
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("target")
+    target.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    target.add_argument("--embedded", action="store_true",
+                        help="start nats-server and the four services for this run")
+    target.add_argument("--model", default="SmolLM2-135M-Instruct",
+                        help="the model served (embedded) and whose vocabulary random prompts use")
+    target.add_argument("--executors", type=int, default=1, help="with --embedded")
+    target.add_argument("--config", help="jetserve.yaml for the embedded services")
+    target.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="embedded config override, e.g. scheduler.batch_level.max_num_seqs=8")
+
+    load = parser.add_argument_group("arrivals")
+    load.add_argument("--request-rate", type=float, default=math.inf,
+                      help="requests per second (default inf: all at t=0)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps: 1 is Poisson, < 1 burstier")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="at most this many requests in flight")
+    load.add_argument("--num-requests", type=int, default=None, help="default 100")
+    load.add_argument("--duration", type=float, default=None, help="send for this many seconds")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--drain-timeout", type=float, default=600.0,
+                      help="after the last send, wait this long for outstanding requests")
+
+    data = parser.add_argument_group("dataset")
+    data.add_argument("--dataset", choices=["random", "shared-prefix", "jsonl", "sharegpt"],
+                      default="random")
+    data.add_argument("--dataset-path", type=Path, help="for jsonl and sharegpt")
+    data.add_argument("--input-len-range", type=int, nargs=2, default=[32, 512], metavar=("A", "B"))
+    data.add_argument("--output-len-range", type=int, nargs=2, default=[16, 256],
+                      metavar=("C", "D"))
+    data.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: groups")
+    data.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: prefix tokens")
+    data.add_argument("--sharegpt-max-output", type=int, default=512)
+    data.add_argument("--ignore-eos", action="store_true", help="sharegpt: run to max_tokens")
+    data.add_argument("--temperature", type=float, default=0.0)
+
+    mix = parser.add_argument_group("mixes")
+    mix.add_argument("--priority-mix", help="e.g. 9:0.2,5:0.5,1:0.3 (default: all priority 5)")
+    mix.add_argument("--tenant-mix", help="e.g. a:0.5,b:0.5 (default: one tenant, bench)")
+    mix.add_argument("--deadline-ms", help="per priority class, e.g. 9:2000,5:10000")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--goodput", nargs="+", metavar="NAME:MS",
+                     help="SLOs a request must all meet to count: ttft:MS tpot:MS e2e:MS")
+    out.add_argument("--result-json", type=Path)
+    out.add_argument("--plot", type=Path, help="PNG: latency CDFs per priority, throughput and "
+                                               "queue depth over time")
+    out.add_argument("--label", default="", help="a name for this run in tables and --compare")
+    out.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"),
+                        help="print two earlier runs side by side, run nothing")
+
+
+def build_requests(args, rng: random.Random) -> list[GenerateRequest]:
+    n = args.num_requests or 100
+    if args.duration is not None and not math.isinf(args.request_rate):
+        n = max(n, int(args.request_rate * args.duration * 1.5) + 1)  # few repeats
+    if args.dataset in ("random", "shared-prefix"):
+        from services.executor.weights import load_model_config
+
+        vocab = load_model_config(args.model)[0].vocab_size
+        if args.dataset == "random":
+            requests = random_dataset(n, tuple(args.input_len_range),
+                                      tuple(args.output_len_range), vocab, rng)
+        else:
+            requests = shared_prefix_dataset(n, args.prefix_groups, args.prefix_len,
+                                             tuple(args.input_len_range),
+                                             tuple(args.output_len_range), vocab, rng)
+    elif args.dataset_path is None:
+        raise SystemExit(f"--dataset {args.dataset} needs --dataset-path")
+    elif args.dataset == "jsonl":
+        requests = jsonl_dataset(args.dataset_path)
+    else:
+        from services.executor.tokenizer import Tokenizer
+        from services.executor.weights import load_model_config, tokenizer_dir
+
+        tokenizer = Tokenizer(tokenizer_dir(load_model_config(args.model)[1]))
+        requests = sharegpt_dataset(args.dataset_path, lambda t: len(tokenizer.encode(t)),
+                                    args.sharegpt_max_output, args.ignore_eos)
+    if not requests:
+        raise SystemExit("the dataset has no requests")
+    if args.dataset in ("random", "shared-prefix", "sharegpt"):
+        requests = [msgspec.structs.replace(r, temperature=args.temperature) for r in requests]
+    return requests
+
+
+def plan(args, rng: random.Random) -> tuple[list[float], list[tuple[GenerateRequest, str]]]:
+    """Send times and (request, tenant) for each; the dataset repeats if the run needs more."""
+    if args.duration is not None and args.num_requests is not None:
+        raise SystemExit("give --num-requests or --duration, not both")
+    dataset = build_requests(args, rng)
+    offsets = arrival_offsets(
+        args.request_rate, args.burstiness, rng, duration_s=args.duration,
+        num_requests=None if args.duration is not None else args.num_requests or len(dataset))
+    priorities = parse_mix(args.priority_mix, int)
+    tenants = parse_mix(args.tenant_mix)
+    deadlines = per_class(args.deadline_ms)
+    run_id = f"bench{args.seed}-{int(time.time())}"
+    repeated = [dataset[i % len(dataset)] for i in range(len(offsets))]
+    chosen = []
+    for request in with_ids(repeated, run_id):
+        priority = draw(priorities, rng) if priorities else request.priority
+        request = msgspec.structs.replace(request, priority=priority,
+                                          deadline_ms=deadlines.get(priority, request.deadline_ms))
+        chosen.append((request, draw(tenants, rng) if tenants else "bench"))
+    return offsets, chosen
+
+
+def per_class(text: str | None) -> dict[int, float]:
+    """`"9:2000,5:10000"` -> {9: 2000.0, 5: 10000.0}."""
+    if not text:
+        return {}
+    try:
+        return {int(k): float(v) for k, v in (part.split(":") for part in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"--deadline-ms {text!r}: expected PRIORITY:MS,...") from None
+
+
+async def one_request(client: JetserveClient, request: GenerateRequest, record: RequestRecord,
+                      clock) -> None:
+    try:
+        async with contextlib.aclosing(client.stream(request, timeout=3600)) as outputs:
+            async for output in outputs:
+                now = clock()
+                if isinstance(output, Delta):
+                    record.delta_times.append(now)
+                    record.delta_tokens.append(len(output.token_ids))
+                    continue
+                record.end_time = now
+                if isinstance(output, Error):
+                    record.error = output.code
+                else:
+                    record.output_tokens = output.usage.completion_tokens
+                    record.prompt_tokens = output.usage.prompt_tokens
+                    record.finish_reason = output.finish_reason
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a timeout or a lost connection is this request's error
+        record.end_time = clock()
+        record.error = f"client:{type(exc).__name__}"
+
+
+async def sample_queue(nc, clock, records, timeline: list[dict], stop: asyncio.Event,
+                       progress: bool, total: int) -> None:
+    while not stop.is_set():
+        depth = None
+        try:
+            reply = await nc.request("$SRV.STATS.priority", b"", timeout=1.0)
+            depth = next((ep["data"]["queue_depth"] for ep in json.loads(reply.data)["endpoints"]
+                          if ep.get("data")), None)
+        except Exception:  # a sample lost is a gap in the plot, not a failed run
+            pass
+        done = sum(1 for r in records if r.end_time is not None)
+        timeline.append({"t": clock(), "queue_depth": depth, "outstanding": len(records) - done,
+                         "output_tokens": sum(sum(r.delta_tokens) for r in records)})
+        if progress:
+            errors = sum(1 for r in records if r.error)
+            bar = "#" * int(30 * done / max(1, total))
+            print(f"\r[{bar:<30}] sent {len(records)}/{total} done {done} errors {errors} "
+                  f"queue {depth if depth is not None else '?'}   ", end="", file=sys.stderr,
+                  flush=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
+    if progress:
+        print(file=sys.stderr)
+
+
+async def run(args, url: str) -> dict:
+    rng = random.Random(args.seed)
+    offsets, planned = plan(args, rng)
+    nc_client = await JetserveClient.connect(url)
+    clients = {t: JetserveClient(nc_client.nc, tenant=t) for t in {t for _, t in planned}}
+    records: list[RequestRecord] = []
+    timeline: list[dict] = []
+    start = time.perf_counter()
+    clock = lambda: time.perf_counter() - start  # noqa: E731
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_queue(nc_client.nc, clock, records, timeline, stop,
+                                               not args.no_progress, len(planned)))
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    tasks = []
+
+    async def limited(request, record, client):
+        try:
+            await one_request(client, request, record, clock)
+        finally:
+            if limit:
+                limit.release()
+
+    for offset, (request, tenant) in zip(offsets, planned):
+        delay = offset - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if limit:
+            await limit.acquire()
+        record = RequestRecord(request_id=request.request_id, tenant=tenant,
+                               priority=request.priority, send_time=clock(),
+                               prompt_tokens=len(request.prompt_token_ids or []),
+                               deadline_ms=request.deadline_ms)
+        records.append(record)
+        tasks.append(asyncio.create_task(limited(request, record, clients[tenant])))
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=args.drain_timeout)
+        for task in pending:  # reported as outstanding, not dropped
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    stop.set()
+    await sampler
+    await nc_client.close()
+    ends = [r.end_time for r in records if r.end_time is not None]
+    duration = max(ends) if ends else clock()
+    return {"label": args.label, "summary": summarize(records, duration, Slo.parse(args.goodput)),
+            "parameters": _parameters(args, url), "timeline": timeline,
+            "requests": [asdict(r) for r in records]}
+
+
+def _parameters(args, url: str) -> dict:
+    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+              if k not in ("compare", "func")}
+    params["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
+    params.update(nats_url=url, machine=platform.platform(), python=platform.python_version(),
+                  started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return params
+
+
+async def run_with_target(args) -> dict:
+    if not args.embedded:
+        return await run(args, args.nats_url)
+    from services.stack import Stack, free_port
+
+    settings = {"model.name": args.model}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        settings[key] = value
+    with tempfile.TemporaryDirectory(prefix="jetserve-bench-") as state:
+        stack = Stack(state_dir=state, nats_port=free_port(), executors=args.executors,
+                      config_path=args.config, settings=settings, log_dir=Path(state) / "logs")
+        await stack.start()
+        try:
+            return await run(args, stack.url)
+        finally:
+            await stack.stop()
+
+
+def main(args) -> int:
+    if args.compare:
+        a, b = (json.loads(p.read_text()) for p in args.compare)
+        print_comparison(a, b)
+        return 0
+    result = asyncio.run(run_with_target(args))
+    print_summary(result)
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        from loadtest.plot import plot_run
+
+        plot_run(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m loadtest.serve", description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
