@@ -18,7 +18,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str = DEFAULT_MODEL  # a name, a GGUF path, an HF directory, or dummy:<shape>
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attention_backend: Literal["auto", "torch"] = "auto"  # "triton" joins with kernels/
+    # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
     max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 128
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
@@ -52,7 +53,7 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str = DEFAULT_MODEL
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attention_backend: Literal["auto", "torch"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
     weights_cache_dir: str | None = None
     num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
+import torch
 
-from services.executor.engine import Engine
-from shared.config import EngineConfig
-from shared.protocol import Completion, Delta, Error, GenerateRequest
+# Triton kernels run on a CPU only in its interpreter, chosen when triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from services.executor.engine import Engine  # noqa: E402
+from shared.config import EngineConfig  # noqa: E402
+from shared.protocol import Completion, Delta, Error, GenerateRequest  # noqa: E402
 
 TINY = "dummy:tiny"
 

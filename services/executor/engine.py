@@ -67,6 +67,18 @@ def _pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
+def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """triton on CUDA, torch on a CPU, unless the config names one."""
+    name = config.attention_backend
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from services.executor.triton_backend import TritonBackend
+
+        return TritonBackend(config.block_size, device, dtype)
+    return TorchBackend(config.block_size, device, dtype)
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -83,7 +95,7 @@ class Engine:
                                  model_config.max_position)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
                              else model_config.eos_token_id)
-        backend = TorchBackend(config.block_size, self.device, self.dtype)
+        backend = _pick_backend(config, self.device, self.dtype)
         model = LlamaModel(model_config, weights, backend, self.max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

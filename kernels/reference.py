@@ -1,0 +1,73 @@
+"""Plain torch implementations of every kernel, with the same signatures: the ground truth the
+Triton kernels are tested against (and readable statements of what each one computes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context (new tokens
+    included). New token i of a sequence with q_len new tokens and context seq_len sits at
+    position seq_len - q_len + i and attends to positions <= its own."""
+    out = torch.empty_like(q) if out is None else out
+    block_size = k_cache.shape[1]
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    for s in range(block_tables.shape[0]):
+        start, end = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+        seq_len, q_len = int(seq_lens[s]), end - start
+        if q_len == 0:
+            continue
+        blocks = block_tables[s, :(seq_len + block_size - 1) // block_size].long()
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()
+        values = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+        positions = seq_len - q_len + torch.arange(q_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
+    return out
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Token t's K/V go to slot slot_mapping[t] = block * block_size + offset; -1 skips it."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep]
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """norm(x) * weight, in fp32; with `residual`, (norm(x + residual) * weight, x + residual)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return normed if residual is None else (normed, residual)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    """In place, NeoX style: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]; cache row p
+    holds cos(p θ) in its first half and sin(p θ) in its second."""
+    half = cos_sin_cache.shape[-1] // 2
+    cos_sin = cos_sin_cache[positions.long()].float()
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
+    for x in (q, k):
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [n, 2d] -> silu(x[:, :d]) * x[:, d:]."""
+    d = x.shape[-1] // 2
+    return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)

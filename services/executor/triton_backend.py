@@ -1,0 +1,66 @@
+"""The triton attention backend: every per-layer op as a Triton kernel from kernels/.
+
+The default on CUDA. On a CPU it runs only under TRITON_INTERPRET=1 (tests), very slowly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from services.executor.attention import SeqSlice
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], padded with 0
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs], context after this step
+    max_q_len: int  # known on the host, so no layer reads them back from the device
+    max_seq_len: int
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype):
+        self.block_size = block_size
+        self.device = device
+
+    def prepare(self, seqs: list[SeqSlice], slot_mapping: list[int]) -> TritonAttentionMetadata:
+        width = max(len(s.block_table) for s in seqs)
+        cu_seqlens = [0]
+        for s in seqs:
+            assert s.q_start == cu_seqlens[-1], "sequences must be laid out back to back"
+            cu_seqlens.append(s.q_start + s.q_len)
+        pinned = self.device.type == "cuda"
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device,
+                                                                            non_blocking=True)
+
+        return TritonAttentionMetadata(
+            slot_mapping=tensor(slot_mapping, torch.long),
+            block_tables=tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                torch.int32),
+            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            seq_lens=tensor([s.context_len for s in seqs], torch.int32),
+            max_q_len=max(s.q_len for s in seqs),
+            max_seq_len=max(s.context_len for s in seqs),
+        )
+
+    rms_norm = staticmethod(kernels.rms_norm)
+    rotary_embedding = staticmethod(kernels.rotary_embedding)
+    silu_and_mul = staticmethod(kernels.silu_and_mul)
+    reshape_and_cache = staticmethod(kernels.reshape_and_cache)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                  meta: TritonAttentionMetadata) -> torch.Tensor:
+        """The new tokens' K/V are already in the cache: attend through it alone."""
+        return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                       meta.seq_lens, scale, max_q_len=meta.max_q_len,
+                                       max_seq_len=meta.max_seq_len)
