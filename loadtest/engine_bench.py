@@ -60,13 +60,21 @@ def workload_flops(config: ModelConfig, requests: list[GenerateRequest]) -> floa
     return total
 
 
-def matmul_flops_per_s(dtype=torch.float32, n: int = 2048, repeats: int = 10) -> float:
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
+    """A dense matmul's FLOP/s on the engine's device and dtype (fp32 CPU, bf16 GPU)."""
+    cuda = torch.cuda.is_available()
+    n = 8192 if cuda else n
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, dtype=dtype, device="cuda" if cuda else "cpu")
+    b = torch.randn_like(a)
     a @ b
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    if cuda:
+        torch.cuda.synchronize()
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
@@ -161,11 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-no-pipeline", action="store_true")
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument("--also-backend", choices=["torch", "triton"],
+                        help="run the engine again on this backend and compare (GPU: torch)")
     parser.add_argument("--result-json", default="results/engine_bench.json")
     args = parser.parse_args(argv)
 
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          attention_backend=args.attention_backend)
     model_config, _ = load_model_config(args.model)
     requests = make_workload(args.num_requests, args.seed, model_config.vocab_size)
     flops = workload_flops(model_config, requests)
@@ -174,9 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     print(f"engine (pipelined) on {len(requests)} requests ...", flush=True)
     runs["engine"] = run_engine(config, requests)
+    import msgspec
+
+    if args.also_backend:
+        print(f"engine on the {args.also_backend} backend ...", flush=True)
+        runs[f"engine_{args.also_backend}"] = run_engine(
+            msgspec.structs.replace(config, attention_backend=args.also_backend), requests)
     if not args.skip_no_pipeline:
         print("engine (pipelining off) ...", flush=True)
-        import msgspec
 
         runs["engine_no_pipeline"] = run_engine(msgspec.structs.replace(config, pipeline=False),
                                                 requests)
@@ -197,19 +214,26 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(a == b for a, b in zip(engine["token_ids"], runs["hf_static"]["token_ids"]))
         print(f"engine / static batching: {speedup:.2f}x output tokens/s "
               f"(identical greedy outputs for {same}/{len(requests)} requests)")
+    if args.also_backend:
+        other = runs[f"engine_{args.also_backend}"]
+        same = sum(a == b for a, b in zip(engine["token_ids"], other["token_ids"]))
+        print(f"{args.attention_backend} backend / {args.also_backend} backend: "
+              f"{engine['output_tok_per_s'] / other['output_tok_per_s']:.3f}x output tokens/s "
+              f"(identical greedy outputs for {same}/{len(requests)} requests)")
     if "engine_no_pipeline" in runs:
         off = runs["engine_no_pipeline"]
         print(f"pipelining: {engine['output_tok_per_s'] / off['output_tok_per_s']:.3f}x throughput; "
               f"model idle between steps {engine['model_idle_between_steps_s']:.2f} s pipelined vs "
               f"{off['model_idle_between_steps_s']:.2f} s without")
     print(f"engine achieved {engine['achieved_flop_per_s'] / 1e9:.1f} GFLOP/s = "
-          f"{100 * engine['fraction_of_matmul']:.0f}% of a {matmul / 1e9:.1f} GFLOP/s fp32 matmul")
+          f"{100 * engine['fraction_of_matmul']:.0f}% of a {matmul / 1e9:.1f} GFLOP/s matmul")
 
     result = {
         "benchmark": "engine_bench",
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "torch_threads": torch.get_num_threads(), "device": "cpu"},
+                    "torch_threads": torch.get_num_threads(),
+                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
         "params": vars(args),
         "workload": {"num_requests": len(requests),
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
