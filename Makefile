@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-fast bench schema clean
+.PHONY: up test test-fast bench schema gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ bench: $(STAMP)
 
 schema: $(STAMP)
 	$(PY) -m shared.schema
+
+# On a CUDA machine that already has torch, triton and pytest (no venv, nothing to install):
+# the kernel tests on the GPU, the AOT compile check and the kernel benchmark.
+# --noconftest: tests/conftest.py needs the full install and sets the CPU interpreter.
+gpu-check:
+	python3 -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_kernels.py
+	python3 -m kernels.compile_check --arch 90
+	python3 -m kernels.bench --result-json $${OUT:-results}/kernels_bench.json
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .jetserve tests/interop/node/node_modules
