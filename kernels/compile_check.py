@@ -5,7 +5,8 @@ on any machine (no GPU needed): it catches what the CPU interpreter lets through
     python -m kernels.compile_check --arch 80  # A100
 
 Each kernel is compiled with the specializations the wrappers launch: Llama-3-8B (32/8 heads,
-head dim 128) and SmolLM2 (9/3 heads, head dim 64) shapes, bf16 and fp32.
+head dim 128) and SmolLM2 (9/3 heads, head dim 64) shapes, bf16 and fp32, with the alignment
+hints the launcher gives (so the software-pipelined variant a GPU runs is the one checked).
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def _signature(fn, dtype: str, constexprs: dict) -> dict[str, str]:
     return signature
 
 
+def _alignment_hints(fn) -> dict:
+    """What the JIT launcher would tell the compiler at run time: pointers 16-byte aligned and
+    strides multiples of 16 (true of every cache and qkv stride here; not of block-table rows)."""
+    return {(i,): [["tt.divisibility", 16]]
+            for i, name in enumerate(inspect.signature(fn.fn).parameters)
+            if name.endswith("_ptr") or (name.startswith("stride_") and name != "stride_bt")}
+
+
 def specs() -> list[tuple[str, object, str, dict]]:
     from kernels import attention, elementwise
 
@@ -48,11 +57,11 @@ def specs() -> list[tuple[str, object, str, dict]]:
                 cases.append((f"paged_attention {shape} BLOCK_M={block_m}",
                               attention._paged_attention_kernel, dtype,
                               dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m,
-                                   HEAD_DIM=head_dim, BLOCK_SIZE=16, PRECISION=precision,
-                                   UPCAST=False)))
+                                   HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_N=attention.KEY_TILE,
+                                   PRECISION=precision, UPCAST=False)))
             cases.append((f"decode_split {shape}", attention._decode_split_kernel, dtype,
                           dict(GROUP=group, ROWS=16, HEAD_DIM=head_dim, BLOCK_SIZE=16,
-                               PRECISION=precision, UPCAST=False)))
+                               BLOCK_N=attention.KEY_TILE, PRECISION=precision, UPCAST=False)))
             cases.append((f"decode_merge {shape}", attention._decode_merge_kernel, dtype,
                           dict(HEAD_DIM=head_dim, SPLITS_PAD=32)))
             block = 1 << (hidden - 1).bit_length()
@@ -82,7 +91,8 @@ def compile_all(arch: int) -> list[dict]:
         record = {"kernel": name, "dtype": dtype}
         try:
             compiled = triton.compile(
-                ASTSource(fn=fn, signature=_signature(fn, dtype, constexprs), constexprs=constexprs),
+                ASTSource(fn=fn, signature=_signature(fn, dtype, constexprs), constexprs=constexprs,
+                          attrs=_alignment_hints(fn)),
                 target=target)
             record.update(ok=True, cubin_bytes=len(compiled.asm["cubin"]),
                           shared_bytes=compiled.metadata.shared,

@@ -14,6 +14,7 @@ from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_fo
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
 from shared.messages import (
+    Holding,
     NextReply,
     NextRequest,
     SubmitReply,

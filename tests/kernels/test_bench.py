@@ -14,7 +14,7 @@ def test_every_case_runs_and_reports_its_figures(monkeypatch):
         monkeypatch.setattr(bench, name, value)
     calls = []
 
-    def once(fn):
+    def once(fn, graph=False):
         calls.append(fn())
         return 2.0  # ms
 

@@ -135,3 +135,15 @@ def test_rotary_embedding_in_place_on_strided_views(head_dim, dtype):
 def test_silu_and_mul(dtype):
     x = torch.randn(7, 2 * 1536, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
     close(kernels.silu_and_mul(x), reference.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_sequences_without_new_tokens_are_left_alone(num_splits):
+    """A sequence with no new token in the step writes nothing (its neighbours' rows are kept)."""
+    batch = paged_batch(q_lens=[1, 0, 1, 0], seq_lens=[70, 20, 33, 5], num_heads=8,
+                        num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    out = kernels.paged_attention(*batch, 0.125, num_splits=num_splits)
+    close(out, reference.paged_attention(*batch, 0.125))
+    mixed = paged_batch(q_lens=[0, 9, 0, 1], seq_lens=[20, 40, 7, 12], num_heads=8,
+                        num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    close(kernels.paged_attention(*mixed, 0.125), reference.paged_attention(*mixed, 0.125))
