@@ -114,10 +114,11 @@ class Outbox:
 
     async def store_result(self, tenant: str, request_id: str, output: Completion | Error,
                            headers: dict[str, str] | None = None) -> None:
-        """The durable request's one final output, into LLM_RESULTS. Nats-Msg-Id makes a second
-        result for the same request a duplicate, not a copy."""
+        """The durable request's one final output, into LLM_RESULTS. The message id makes a second
+        result for the same request a duplicate, not a copy (qualified by tenant: ids are only
+        unique within one)."""
         await self.js.publish(self.subjects.results(tenant, request_id), json_encode(output),
-                              headers={**(headers or {}), "Nats-Msg-Id": request_id})
+                              headers={**(headers or {}), "Nats-Msg-Id": f"{tenant}.{request_id}"})
 
     async def final(self, item: WorkItem, output: Completion | Error,
                     headers: dict[str, str] | None = None) -> None:

@@ -47,6 +47,10 @@ class JetserveClient:
         request = msgspec.structs.replace(request, stream=False)
         reply = await self.nc.request(self.subjects.generate(self.tenant), _encode(request),
                                       timeout=timeout)
+        if not reply.data:  # a service error reply without a body: its headers say why
+            headers = reply.headers or {}
+            return Error(request_id=request.request_id, code="internal",
+                         message=headers.get("Nats-Service-Error", "empty reply"))
         return _decode_output(reply.data)
 
     async def stream(self, request: GenerateRequest, timeout: float = 600.0,

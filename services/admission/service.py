@@ -59,6 +59,8 @@ _submit_reply = decoder(SubmitReply)
 _done = decoder(Done)
 _holding = decoder(Holding)
 DURABLE_FETCH_BATCH = 64
+MAX_IN_FLIGHT = 4096  # generate requests being admitted at once
+MAX_DELIVERIES = 5  # a durable request that keeps failing inside admission gets an Error
 
 
 class Admission:
@@ -83,6 +85,8 @@ class Admission:
                            durable_delayed=0)
         self.errors_by_code: dict[str, int] = {}
         self.tasks: list[asyncio.Task] = []
+        self.generate_tasks: set[asyncio.Task] = set()
+        self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
 
     async def start(self) -> None:
         await ensure_streams(self.js, self.config)
@@ -100,11 +104,13 @@ class Admission:
                       asyncio.create_task(self.keep_alive_loop(), name="keep-alive")]
 
     async def stop(self) -> None:
+        await self.service.stop()  # no new requests; those being admitted finish
+        if self.generate_tasks:
+            await asyncio.wait(self.generate_tasks, timeout=self.config.nats.request_timeout_s)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
-        await self.service.stop()
 
     def stats(self) -> dict:
         return {**self.counts, "durable_held": len(self.held), "errors": self.errors_by_code,
@@ -165,7 +171,20 @@ class Admission:
     # ---------------------------------------------------------------------- request / reply
 
     async def on_generate(self, request: Request) -> None:
-        msg = request._msg
+        """Each request is admitted in its own task, so one slow hop never holds up the rest;
+        past MAX_IN_FLIGHT the subscription waits (NATS buffers)."""
+        await self.in_flight.acquire()
+        task = asyncio.create_task(self.generate(request._msg))
+        self.generate_tasks.add(task)
+        task.add_done_callback(self._generate_done)
+
+    def _generate_done(self, task: asyncio.Task) -> None:
+        self.generate_tasks.discard(task)
+        self.in_flight.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("generate failed", error=repr(task.exception()))
+
+    async def generate(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)
         with self.tracer.start_as_current_span(
                 "admission", context=context_from(msg.headers), kind=SpanKind.SERVER,
@@ -179,6 +198,10 @@ class Admission:
                 error = await self.to_priority(item)
             except ProtocolError as exc:
                 error = exc.to_error(_peek(msg.data)[0])
+            except Exception as exc:  # a bug, not bad input: still an answer, never a hang
+                log.exception("admission failed")
+                error = Error(request_id=_peek(msg.data)[0], code="internal",
+                              message=f"admission failed: {exc!r}")
             if error is None:
                 self.counts["admitted"] += 1
                 return
@@ -205,8 +228,26 @@ class Admission:
             for msg in messages:
                 try:
                     await self.on_durable(msg)
-                except Exception:
-                    log.exception("durable request failed; it will be redelivered")
+                except Exception as exc:
+                    await self.durable_failed(msg, exc)
+
+    async def durable_failed(self, msg, exc: Exception) -> None:
+        """A bug, not bad input: retry a few times, then store an `internal` Error as its result."""
+        deliveries = msg.metadata.num_delivered
+        log.exception("durable request failed", subject=msg.subject, deliveries=deliveries)
+        tenant = self.subjects.tenant_of(msg.subject)
+        request_id = (msg.headers or {}).get("Nats-Msg-Id") or _peek(msg.data)[0]
+        try:
+            if deliveries < MAX_DELIVERIES or not request_id:
+                await msg.nak(delay=1.0)
+                return
+            error = Error(request_id=request_id, code="internal",
+                          message=f"admission failed {deliveries} times: {exc!r}")
+            await self.outbox.store_result(tenant, request_id, error)
+            self.held.pop((tenant, request_id), None)
+            await msg.ack()
+        except Exception:
+            log.exception("could not settle a failed durable request")
 
     async def on_durable(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)
@@ -295,6 +336,8 @@ class Admission:
                     del self.held[key]
                     self.last_reported.pop(key, None)
                     await _quietly(held.msg.nak())
+            for key in [k for k in self.last_reported if k not in self.held]:
+                del self.last_reported[key]  # a report that arrived after its Done
             if now - last_progress >= progress_every:
                 last_progress = now
                 for held in list(self.held.values()):

@@ -12,6 +12,7 @@ class ExecutorState:
     heartbeat: Heartbeat
     last_seen: float  # monotonic
     sent_total: int  # assignments sent to this executor since it started
+    suspended_until: float = 0.0  # monotonic; after a failed assignment, skip it for a moment
 
     @property
     def in_transit(self) -> int:
@@ -40,6 +41,8 @@ class ExecutorRegistry:
                                                                heartbeat.assigned_total)
             return True
         state.heartbeat, state.last_seen = heartbeat, now
+        # An assignment counted as failed may have arrived after all: trust the executor's count.
+        state.sent_total = max(state.sent_total, heartbeat.assigned_total)
         return False
 
     def expire(self, now: float, timeout: float) -> list[str]:
@@ -49,23 +52,26 @@ class ExecutorRegistry:
             del self.executors[name]
         return dead
 
-    def free_slots(self) -> int:
-        return sum(state.free_slots for state in self.executors.values())
+    def free_slots(self, now: float | None = None) -> int:
+        return sum(state.free_slots for state in self.executors.values()
+                   if now is None or state.suspended_until <= now)
 
-    def pick(self, model: str | None) -> str | None:
+    def pick(self, model: str | None, now: float) -> str | None:
         """The least loaded executor of `model` with room (relative to its size), then the one
         with the most free KV blocks."""
         candidates = [s for s in self.executors.values()
-                      if s.free_slots > 0 and (model is None or s.heartbeat.model == model)]
+                      if s.free_slots > 0 and s.suspended_until <= now
+                      and (model is None or s.heartbeat.model == model)]
         if not candidates:
             return None
-        best = min(candidates, key=lambda s: (s.load / s.heartbeat.max_num_seqs,
+        best = min(candidates, key=lambda s: (s.load / max(1, s.heartbeat.max_num_seqs),
                                               -s.heartbeat.free_kv_blocks))
         best.sent_total += 1
         return best.heartbeat.executor
 
-    def unsend(self, name: str) -> None:
-        """An assignment that did not reach the executor."""
+    def unsend(self, name: str, suspend_until: float = 0.0) -> None:
+        """An assignment that did not reach the executor (which is then skipped for a while)."""
         state = self.executors.get(name)
         if state is not None:
             state.sent_total -= 1
+            state.suspended_until = max(state.suspended_until, suspend_until)

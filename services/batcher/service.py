@@ -36,6 +36,7 @@ _assign_reply = decoder(AssignReply)
 _submit_reply = decoder(SubmitReply)
 
 PULL_WAIT_MS = 500  # how long one pull waits at priority for a request to arrive
+SUSPEND_S = 1.0  # an executor that failed an assignment gets none for this long
 
 
 class BatcherService:
@@ -98,30 +99,37 @@ class BatcherService:
         """Pull only as many requests as executors have room for: the rest keep waiting at
         priority, where a later, more urgent request can still overtake them."""
         while True:
-            free = self.registry.free_slots()
-            if free == 0:
-                self.room.clear()
-                try:
-                    await asyncio.wait_for(self.room.wait(), 1.0)
-                except TimeoutError:
-                    pass
-                continue
             try:
-                reply = await self.nc.request(
-                    self.subjects.priority_next,
-                    encode(NextRequest(max_items=free, wait_ms=PULL_WAIT_MS)),
-                    timeout=PULL_WAIT_MS / 1e3 + self.timeout)
-            except (NatsTimeoutError, NoRespondersError) as exc:
-                log.warning("priority did not answer a pull", error=repr(exc))
+                await self.dispatch_once()
+            except Exception:  # a bug must not stop dispatching for good
+                log.exception("dispatch failed; continuing")
                 await asyncio.sleep(0.2)
-                continue
-            items = _next_reply.decode(reply.data).items
-            self.counts["pulled"] += len(items)
-            if items:
-                await asyncio.gather(*(self.assign(item) for item in items))
+
+    async def dispatch_once(self) -> None:
+        free = self.registry.free_slots(time.monotonic())
+        if free == 0:
+            self.room.clear()
+            try:
+                await asyncio.wait_for(self.room.wait(), SUSPEND_S)
+            except TimeoutError:
+                pass
+            return
+        try:
+            reply = await self.nc.request(
+                self.subjects.priority_next,
+                encode(NextRequest(max_items=free, wait_ms=PULL_WAIT_MS)),
+                timeout=PULL_WAIT_MS / 1e3 + self.timeout)
+        except (NatsTimeoutError, NoRespondersError) as exc:
+            log.warning("priority did not answer a pull", error=repr(exc))
+            await asyncio.sleep(0.2)
+            return
+        items = _next_reply.decode(reply.data).items
+        self.counts["pulled"] += len(items)
+        if items:
+            await asyncio.gather(*(self.assign(item) for item in items))
 
     async def assign(self, item: WorkItem) -> None:
-        executor = self.registry.pick(item.request.model)
+        executor = self.registry.pick(item.request.model, time.monotonic())
         if executor is None:  # room vanished (an executor died): back to the queue
             await self.requeue(item)
             return
@@ -133,7 +141,7 @@ class BatcherService:
                 reply = await self.nc.request(self.subjects.executor_assign(executor), encode(item),
                                               timeout=self.timeout, headers=item.trace)
                 answer = _assign_reply.decode(reply.data)
-            except (NatsTimeoutError, NoRespondersError) as exc:
+            except Exception as exc:  # no answer, or an error reply without an AssignReply
                 answer = AssignReply(accepted=False, reason=repr(exc))
             if answer.accepted:
                 self.counts["assigned"] += 1
@@ -141,7 +149,7 @@ class BatcherService:
             span.set_attribute("rejected", answer.reason)
         log.warning("assignment failed", executor=executor, request_id=item.request_id,
                     reason=answer.reason)
-        self.registry.unsend(executor)
+        self.registry.unsend(executor, suspend_until=time.monotonic() + SUSPEND_S)
         await self.requeue(item)
 
     async def requeue(self, item: WorkItem) -> None:
@@ -152,9 +160,11 @@ class BatcherService:
             if _submit_reply.decode(reply.data).error is None:
                 return
             message = "the waiting queue refused the request back"
-        except (NatsTimeoutError, NoRespondersError) as exc:
+        except Exception as exc:
             message = f"the priority service did not take the request back: {exc!r}"
-        log.error("request failed: could not requeue", request_id=item.request_id)
+        log.error("could not requeue", request_id=item.request_id, durable=item.durable)
+        if item.durable:
+            return  # admission hands it to JetStream again once nobody reports holding it
         await self.outbox.final(item, Error(request_id=item.request_id, code="internal",
                                             message=message))
 

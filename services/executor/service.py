@@ -4,6 +4,8 @@ Deltas and the final output to the client, heartbeats its load, and obeys cancel
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -32,20 +34,26 @@ class _Running:
     span: Span
 
 
+def engine_id(item: WorkItem) -> str:
+    """The engine's key for a request: ids are only unique within a tenant."""
+    return f"{item.tenant}/{item.request_id}"
+
+
 class ExecutorService:
     def __init__(self, config: JetserveConfig, nc, js, tracer, name: str):
         self.config, self.nc, self.tracer, self.name = config, nc, tracer, name
         self.subjects = Subjects(config.nats.prefix)
         self.outbox = Outbox(nc, js, self.subjects)
         self.engine = Engine(config.engine_config(name))
-        self.running: dict[str, _Running] = {}
+        self.running: dict[str, _Running] = {}  # by engine_id
         self.outputs: asyncio.Queue[tuple[WorkItem, Output]] = asyncio.Queue()
         self.cancels = RecentCancels()
         self.load_changed = asyncio.Event()
         self.idle = asyncio.Event()  # set when the last running request ends
+        self.draining = False  # stopping: heartbeats advertise no room
         self.assigned_total = 0
         self.started_at = time.time()
-        self.counts = dict(completed=0, cancelled=0, errors=0)
+        self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0)
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -60,7 +68,11 @@ class ExecutorService:
                       asyncio.create_task(self.heartbeat_loop(), name="heartbeat")]
 
     async def stop(self, drain_timeout_s: float) -> None:
-        """Take no new work, let running requests finish (up to the timeout), then stop."""
+        """Take no new work, let running requests finish (up to the timeout), then stop. A
+        durable request still running then is dropped without a result: admission sees nobody
+        holding it and has it run again; the others end `cancelled`."""
+        self.draining = True
+        self.load_changed.set()
         await self.service.stop()
         if self.running:
             self.idle.clear()
@@ -68,9 +80,12 @@ class ExecutorService:
                 await asyncio.wait_for(self.idle.wait(), drain_timeout_s)
             except TimeoutError:
                 log.warning("drain timed out; cancelling", running=len(self.running))
-        for request_id in list(self.running):
-            self.engine.abort(request_id)
-        await asyncio.sleep(0.05)  # let the publisher send what the aborts produced
+        for key in list(self.running):
+            self.engine.abort(key)
+        try:
+            await asyncio.wait_for(self.outputs.join(), 10)  # what the aborts produced
+        except TimeoutError:
+            log.warning("outputs still unsent at shutdown", pending=self.outputs.qsize())
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -90,28 +105,40 @@ class ExecutorService:
     # ------------------------------------------------------------------------- requests in
 
     async def on_assign(self, request: Request) -> None:
-        item = _item.decode(request.data)
+        try:
+            await request.respond(encode(await self.take(_item.decode(request.data))))
+        except Exception as exc:  # the batcher then requeues it elsewhere
+            log.exception("assignment failed")
+            await request.respond(encode(AssignReply(accepted=False, reason=repr(exc))))
+
+    async def take(self, item: WorkItem) -> AssignReply:
+        key = engine_id(item)
+        if self.draining:
+            return AssignReply(accepted=False, reason="draining")
         self.assigned_total += 1
         self.load_changed.set()
+        if key in self.running:  # a durable request delivered again while it runs here
+            self.counts["duplicates"] += 1
+            return AssignReply(accepted=True)
         if self.cancels.take(item.tenant, item.request_id):
             await self.outbox.final(item, cancelled_completion(item, self.name))
-            await request.respond(encode(AssignReply(accepted=True)))
-            return
+            return AssignReply(accepted=True)
         span = self.tracer.start_span(
             "executor.generate", context=context_from(item.trace),
             attributes={"request_id": item.request_id, "executor": self.name,
                         "prompt_tokens": item.num_prompt_tokens})
         # The engine measures from arrival on its own clock: carry admission's stamp over.
         arrival = time.monotonic() - max(0.0, time.time() - item.arrival_time)
+        request = msgspec.structs.replace(item.request, request_id=key)
         try:
-            self.engine.add_request(item.request, lambda out, item=item: self.outputs.put_nowait(
+            self.engine.add_request(request, lambda out, item=item: self.outputs.put_nowait(
                 (item, out)), arrival_time=arrival)
         except ProtocolError as exc:
             span.end()
             await self.outbox.final(item, exc.to_error(item.request_id))
         else:
-            self.running[item.request_id] = _Running(item, span)
-        await request.respond(encode(AssignReply(accepted=True)))
+            self.running[key] = _Running(item, span)
+        return AssignReply(accepted=True)
 
     async def on_cancel(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)
@@ -119,11 +146,11 @@ class ExecutorService:
             request_id = decode_cancel(msg.data).request_id
         except ProtocolError:
             return
-        running = self.running.get(request_id)
-        if running is None:
+        key = f"{tenant}/{request_id}"
+        if key in self.running:
+            self.engine.abort(key)
+        else:
             self.cancels.add(tenant, request_id)  # it may still be on its way here
-        elif running.item.tenant == tenant:
-            self.engine.abort(request_id)
 
     # ------------------------------------------------------------------------ outputs out
 
@@ -131,25 +158,34 @@ class ExecutorService:
         """Sends engine outputs in order; the engine's sink only enqueues, never blocks a step."""
         while True:
             item, output = await self.outputs.get()
-            if isinstance(output, Delta):
-                await self.outbox.delta(item, output)
-                continue
-            running = self.running.pop(item.request_id, None)
-            if isinstance(output, Completion):
-                output = msgspec.structs.replace(output, scheduling=msgspec.structs.replace(
-                    output.scheduling, priority_score=item.priority_score))
-                self.counts["cancelled" if output.finish_reason == "cancelled" else "completed"] += 1
-            else:
-                self.counts["errors"] += 1
             try:
-                await self.outbox.final(item, output, carrier_of(running.span) if running else None)
-            except Exception:  # the client's result must not take the executor down with it
-                log.exception("could not deliver a final output", request_id=item.request_id)
-            if running is not None:
-                self._end_span(running.span, item, output)
-            if not self.running:
-                self.idle.set()
-            self.load_changed.set()
+                await self.publish(item, msgspec.structs.replace(output,
+                                                                 request_id=item.request_id))
+            except Exception:  # one client's output must not stop everyone else's
+                log.exception("could not deliver an output", request_id=item.request_id)
+            finally:
+                self.outputs.task_done()
+
+    async def publish(self, item: WorkItem, output: Output) -> None:
+        if isinstance(output, Delta):
+            await self.outbox.delta(item, output)
+            return
+        running = self.running.pop(engine_id(item), None)
+        if isinstance(output, Completion):
+            output = msgspec.structs.replace(output, scheduling=msgspec.structs.replace(
+                output.scheduling, priority_score=item.priority_score))
+            self.counts["cancelled" if output.finish_reason == "cancelled" else "completed"] += 1
+        else:
+            self.counts["errors"] += 1
+        if not self.running:
+            self.idle.set()
+        self.load_changed.set()
+        if running is not None:
+            self._end_span(running.span, item, output)
+        if self.draining and item.durable and isinstance(output, Completion) \
+                and output.finish_reason == "cancelled":
+            return  # cut short by shutdown, not by its client: it will run again elsewhere
+        await self.outbox.final(item, output, carrier_of(running.span) if running else None)
 
     def _end_span(self, span: Span, item: WorkItem, output: Completion | Error) -> None:
         if isinstance(output, Completion):
@@ -171,8 +207,7 @@ class ExecutorService:
 
     async def heartbeat_loop(self) -> None:
         interval = self.config.distributed.heartbeat_interval_s
-        last_busy, last_steps = 0.0, 0
-        last_holding = 0.0
+        busy_s, steps, holding_at = 0.0, 0, 0.0  # at the previous beat
         while True:
             try:
                 await asyncio.wait_for(self.load_changed.wait(), interval)
@@ -180,24 +215,29 @@ class ExecutorService:
                 pass
             self.load_changed.clear()
             stats = self.engine.stats
-            steps = stats.steps - last_steps
-            step_ms = 1e3 * (stats.model_busy_s - last_busy) / steps if steps else 0.0
-            last_busy, last_steps = stats.model_busy_s, stats.steps
-            await self.nc.publish(self.subjects.heartbeat, encode(self.heartbeat(step_ms)))
-            if time.monotonic() - last_holding >= interval:
-                last_holding = time.monotonic()
-                durable = [(r.item.tenant, r.item.request_id) for r in self.running.values()
-                           if r.item.durable]
-                await self.nc.publish(self.subjects.holding,
-                                      encode(Holding(holder=self.name, requests=durable)))
+            new_steps = stats.steps - steps
+            step_ms = 1e3 * (stats.model_busy_s - busy_s) / new_steps if new_steps else 0.0
+            busy_s, steps = stats.model_busy_s, stats.steps
+            try:
+                await self.nc.publish(self.subjects.heartbeat, encode(self.heartbeat(step_ms)))
+                if time.monotonic() - holding_at >= interval:
+                    holding_at = time.monotonic()
+                    durable = [(r.item.tenant, r.item.request_id) for r in self.running.values()
+                               if r.item.durable]
+                    await self.nc.publish(self.subjects.holding,
+                                          encode(Holding(holder=self.name, requests=durable)))
+            except Exception:  # a missed beat is survivable; a dead loop looks like a dead executor
+                log.exception("heartbeat failed")
             await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
 
     def heartbeat(self, step_ms: float) -> Heartbeat:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         batch = self.config.scheduler.batch_level
         return Heartbeat(
-            executor=self.name, model=self.engine.model_name, max_num_seqs=batch.max_num_seqs,
-            queue_depth=batch.executor_queue_depth, running=len(scheduler.running),
+            executor=self.name, model=self.engine.model_name,
+            max_num_seqs=0 if self.draining else batch.max_num_seqs,
+            queue_depth=0 if self.draining else batch.executor_queue_depth,
+            running=len(scheduler.running),
             # Assigned but not yet in the scheduler counts as waiting (outputs still queued).
             waiting=len(self.running) - len(scheduler.running),
             assigned_total=self.assigned_total, free_kv_blocks=blocks.num_free_blocks,
@@ -205,7 +245,7 @@ class ExecutorService:
 
 
 async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
-    name = args.name or "executor-0"
+    name = args.name or f"executor-{socket.gethostname()}-{os.getpid()}"
     service = ExecutorService(config, nc, js, tracer, name)
     await service.start()
     log.info("serving", executor=name, model=service.engine.model_name,

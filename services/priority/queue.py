@@ -26,42 +26,42 @@ class WaitingQueue:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._heap: list[_Entry] = []
-        self._by_id: dict[str, _Entry] = {}
+        self._by_id: dict[tuple[str, str], _Entry] = {}  # by (tenant, request_id)
         self._arrivals = itertools.count()
 
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._by_id
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._by_id
 
     @property
     def full(self) -> bool:
         return len(self) >= self.capacity
 
     def push(self, item: WorkItem) -> None:
-        assert not self.full and item.request_id not in self._by_id
+        key = (item.tenant, item.request_id)
+        assert not self.full and key not in self._by_id
         item.priority_score = score(item)
         entry = _Entry((-item.priority_score, next(self._arrivals)), item)
         heapq.heappush(self._heap, entry)
-        self._by_id[item.request_id] = entry
+        self._by_id[key] = entry
 
     def pop(self, max_items: int) -> list[WorkItem]:
         items = []
         while self._heap and len(items) < max_items:
             entry = heapq.heappop(self._heap)
             if not entry.removed:
-                del self._by_id[entry.item.request_id]
+                del self._by_id[(entry.item.tenant, entry.item.request_id)]
                 items.append(entry.item)
         return items
 
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         """Take a request out (a cancel); only its own tenant may."""
-        entry = self._by_id.get(request_id)
-        if entry is None or entry.item.tenant != tenant:
+        entry = self._by_id.pop((tenant, request_id), None)
+        if entry is None:
             return None
         entry.removed = True  # dropped lazily when it reaches the top of the heap
-        del self._by_id[request_id]
         return entry.item
 
     def items(self) -> list[WorkItem]:

@@ -55,17 +55,27 @@ class PriorityService:
         self.reporter = asyncio.create_task(self.report_holding(), name="holding")
 
     async def stop(self) -> None:
+        """Stop taking work; whoever waits here is told now rather than left to time out
+        (durable requests are not: admission has them run again)."""
+        await self.service.stop()
         self.reporter.cancel()
         await asyncio.gather(self.reporter, return_exceptions=True)
-        await self.service.stop()
+        for item in self.queue.pop(len(self.queue)):
+            if not item.durable:
+                await self.outbox.final(item, Error(
+                    request_id=item.request_id, code="overloaded",
+                    message="the priority service is shutting down; retry"))
 
     async def report_holding(self) -> None:
         """Tell admission which durable requests wait here (it redelivers ones nobody holds)."""
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             durable = [(i.tenant, i.request_id) for i in self.queue.items() if i.durable]
-            await self.nc.publish(self.subjects.holding,
-                                  encode(Holding(holder="priority", requests=durable)))
+            try:
+                await self.nc.publish(self.subjects.holding,
+                                      encode(Holding(holder="priority", requests=durable)))
+            except Exception:  # missing one report is survivable; a dead loop is not
+                log.exception("holding report failed")
 
     def stats(self) -> dict:
         return {"queue_depth": len(self.queue), "queue_by_priority": self.queue.depth_by_priority(),
@@ -78,7 +88,10 @@ class PriorityService:
             await request.respond(encode(SubmitReply()))
             return
         error = None
-        if item.request_id in self.queue:
+        if (item.tenant, item.request_id) in self.queue:
+            if item.durable:  # delivered again while it waits here: it is already queued
+                await request.respond(encode(SubmitReply()))
+                return
             error = Error(request_id=item.request_id, code="invalid_request",
                           message=f"`request_id` {item.request_id!r} is already waiting")
         elif self.queue.full:
@@ -91,7 +104,7 @@ class PriorityService:
             return
         self.queue.push(item)
         self.counts["submitted"] += 1
-        self.wait_spans[item.request_id] = self.tracer.start_span(
+        self.wait_spans[(item.tenant, item.request_id)] = self.tracer.start_span(
             "priority.queue", context=context_from(item.trace),
             attributes={"request_id": item.request_id, "tenant": item.tenant,
                         "priority": item.request.priority})
@@ -110,7 +123,7 @@ class PriorityService:
                 break
         items = self.queue.pop(ask.max_items)
         for item in items:
-            span = self.wait_spans.pop(item.request_id)
+            span = self.wait_spans.pop((item.tenant, item.request_id))
             span.set_attribute("priority_score", item.priority_score)
             span.end()
             item.trace = carrier_of(span)
@@ -128,7 +141,7 @@ class PriorityService:
             self.cancels.add(tenant, cancel.request_id)  # it may still be on its way here
             return
         self.counts["cancelled"] += 1
-        span = self.wait_spans.pop(item.request_id)
+        span = self.wait_spans.pop((item.tenant, item.request_id))
         span.set_attribute("cancelled", True)
         span.end()
         await self.outbox.final(item, cancelled_completion(item))

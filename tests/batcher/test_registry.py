@@ -15,7 +15,7 @@ def test_room_counts_assignments_in_transit():
     registry = ExecutorRegistry()
     assert registry.update(heartbeat("e0", running=2), now=0.0)
     assert registry.free_slots() == 3  # 4 seqs + 1 queued - 2 running
-    assert registry.pick("m") == "e0"
+    assert registry.pick("m", 0.0) == "e0"
     assert registry.free_slots() == 2  # sent, not yet in a heartbeat
     registry.update(heartbeat("e0", running=3, assigned=1), now=0.1)
     assert registry.executors["e0"].in_transit == 0 and registry.free_slots() == 2
@@ -27,7 +27,7 @@ def test_pick_prefers_the_least_loaded_then_free_kv():
     registry.update(heartbeat("idle", running=0, free_kv=10), 0.0)
     registry.update(heartbeat("idle-more-kv", running=0, free_kv=90), 0.0)
     registry.update(heartbeat("other-model", running=0, model="x"), 0.0)
-    picks = [registry.pick("m") for _ in range(4)]
+    picks = [registry.pick("m", 0.0) for _ in range(4)]
     assert picks[:2] == ["idle-more-kv", "idle"]
     assert "other-model" not in picks
 
@@ -35,7 +35,7 @@ def test_pick_prefers_the_least_loaded_then_free_kv():
 def test_full_executors_get_nothing():
     registry = ExecutorRegistry()
     registry.update(heartbeat("e0", running=4, waiting=1), 0.0)
-    assert registry.free_slots() == 0 and registry.pick("m") is None
+    assert registry.free_slots() == 0 and registry.pick("m", 0.0) is None
 
 
 def test_silent_executors_expire_and_a_restart_resets_counts():
@@ -43,9 +43,22 @@ def test_silent_executors_expire_and_a_restart_resets_counts():
     registry.update(heartbeat("e0"), 0.0)
     registry.update(heartbeat("e1"), 4.0)
     assert registry.expire(now=5.5, timeout=5.0) == ["e0"]
-    registry.pick("m")
+    registry.pick("m", 0.0)
     assert registry.executors["e1"].in_transit == 1
     assert registry.update(heartbeat("e1", started_at=2.0), 6.0)  # a new process
     assert registry.executors["e1"].in_transit == 0
     registry.unsend("e1")
     assert registry.executors["e1"].in_transit == 0
+
+
+def test_a_failed_assignment_suspends_and_a_late_arrival_is_recounted():
+    registry = ExecutorRegistry()
+    registry.update(heartbeat("e0"), 0.0)
+    registry.update(heartbeat("e1"), 0.0)
+    first = registry.pick("m", 0.0)
+    registry.unsend(first, suspend_until=1.0)  # timed out: maybe it never got there
+    assert registry.free_slots(now=0.5) == 5 and registry.pick("m", 0.5) != first
+    assert registry.executors[first].suspended_until == 1.0
+    # ... but it did arrive: the executor's count wins, so its room is not overstated.
+    registry.update(heartbeat(first, running=1, assigned=1), 0.6)
+    assert registry.executors[first].sent_total == 1 and registry.executors[first].free_slots == 4

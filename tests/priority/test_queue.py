@@ -31,8 +31,16 @@ def test_remove_is_per_tenant_and_skipped_by_pop():
     queue.push(item("b", tenant="x"))
     assert queue.remove("a", tenant="y") is None  # another tenant cannot cancel it
     assert queue.remove("a", tenant="x").request_id == "a"
-    assert "a" not in queue and len(queue) == 1
+    assert ("x", "a") not in queue and ("x", "b") in queue and len(queue) == 1
     assert [i.request_id for i in queue.pop(5)] == ["b"]
+
+
+def test_the_same_id_in_two_tenants_is_two_requests():
+    queue = WaitingQueue(capacity=10)
+    queue.push(item("same", tenant="x"))
+    queue.push(item("same", tenant="y"))
+    assert len(queue) == 2 and queue.remove("same", tenant="y").tenant == "y"
+    assert [i.tenant for i in queue.pop(5)] == ["x"]
 
 
 def test_capacity_is_a_bound():
