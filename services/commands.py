@@ -41,8 +41,8 @@ async def up(args) -> int:
     await asyncio.wait([starting, asyncio.create_task(stop.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
-        starting.cancel()
-        await stack.stop()
+        starting.cancel()  # start() stops what it started when cancelled
+        await asyncio.gather(starting, return_exceptions=True)
         return 130
     if starting.exception() is not None:
         print(f"jetserve: failed to start: {starting.exception()}", file=sys.stderr)

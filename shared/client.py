@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import msgspec
 import nats
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from shared.protocol import Cancel, Completion, Delta, Error, GenerateRequest
@@ -60,6 +62,7 @@ class JetserveClient:
         request = msgspec.structs.replace(request, stream=True)
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
+        request_id, finished = request.request_id, False
         try:
             await self.nc.publish(self.subjects.generate(self.tenant), _encode(request), reply=inbox)
             loop = asyncio.get_running_loop()
@@ -70,11 +73,16 @@ class JetserveClient:
                 if not msg.data:  # the sentinel: the stream is over
                     return
                 output = _decode_output(msg.data)
+                request_id = request_id or output.request_id
+                finished = not isinstance(output, Delta)
                 yield output
-                if not isinstance(output, Delta):
+                if finished:
                     return
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(NatsError):  # the connection may already be draining
+                await sub.unsubscribe()
+                if not finished and request_id:
+                    await self.cancel(request_id)  # the caller stopped listening: free the slot
 
     async def submit(self, request: GenerateRequest):
         """Durable submission into LLM_REQUESTS; returns the PubAck (durably accepted)."""

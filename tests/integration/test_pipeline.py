@@ -146,6 +146,25 @@ async def test_cancel_a_running_request(client):
     assert 0 < final.usage.completion_tokens < 1500
 
 
+async def executor_stats(client) -> dict:
+    [stats] = await discover(client.nc, "STATS", "executor", wait_s=0.3)
+    return next(ep["data"] for ep in stats["endpoints"] if ep.get("data"))
+
+
+async def test_abandoning_a_stream_cancels_the_request(client):
+    before = (await executor_stats(client))["cancelled"]
+    outputs = client.stream(long_request("abandoned", 1500), timeout=60)
+    async for output in outputs:
+        assert isinstance(output, Delta)
+        break
+    await outputs.aclose()  # the client sends a cancel for what it no longer reads
+    for _ in range(50):
+        if (await executor_stats(client))["cancelled"] == before + 1:
+            break
+        await asyncio.sleep(0.1)
+    assert (await executor_stats(client))["cancelled"] == before + 1
+
+
 async def priority_queue_depth(client) -> int:
     [stats] = await discover(client.nc, "STATS", "priority", wait_s=0.3)
     return next(ep["data"]["queue_depth"] for ep in stats["endpoints"] if ep.get("data"))
