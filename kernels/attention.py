@@ -182,7 +182,7 @@ def _decode_merge_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, cu_seqlens_q
              out.to(out_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compute_units(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

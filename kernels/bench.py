@@ -155,8 +155,8 @@ def small_kernel_cases() -> list[dict]:
     ]
     results = []
     for name, call, elements in cases:
-        triton_ms = bench_ms(lambda: call(kernels))
-        torch_ms = bench_ms(lambda: call(reference))
+        triton_ms = bench_ms(lambda call=call: call(kernels))
+        torch_ms = bench_ms(lambda call=call: call(reference))
         results.append({"kernel": name, "tokens": tokens, "triton_ms": triton_ms,
                         "torch_ms": torch_ms, "speedup": torch_ms / triton_ms,
                         "triton_gb_per_s": elements * size / (triton_ms / 1e3) / 1e9})

@@ -195,7 +195,10 @@ class ExecutorService:
                                  "finish_reason": output.finish_reason})
             # Prefill and decode as child spans, placed on the wall clock from the metrics.
             arrival_ns = int(item.arrival_time * 1e9)
-            at = lambda ms: arrival_ns + int(ms * 1e6)
+
+            def at(ms: float) -> int:
+                return arrival_ns + int(ms * 1e6)
+
             if output.usage.completion_tokens:
                 for name, start, end in (("prefill", m.queue_ms, m.ttft_ms),
                                          ("decode", m.ttft_ms, m.e2e_ms)):
