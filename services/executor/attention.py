@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import reference
+
 DECODE_GROUP_SIZE = 16  # decodes batched per SDPA call, after sorting by context length
 
 
@@ -125,36 +127,15 @@ class TorchBackend:
 
     # --------------------------------------------------------------------------- per-layer ops
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        x32 = x.float()
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-        return normed if residual is None else (normed, residual)
-
-    @staticmethod
-    def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                         cos_sin_cache: torch.Tensor) -> None:
-        half = cos_sin_cache.shape[-1] // 2
-        cos_sin = cos_sin_cache[positions]
-        cos = cos_sin[:, None, :half]
-        sin = cos_sin[:, None, half:]
-        for x in (q, k):
-            x1, x2 = x[..., :half], x[..., half:]
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            x.copy_(rotated)
-
-    @staticmethod
-    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+    # The element-wise ops are the kernels' torch references: one statement of each.
+    rms_norm = staticmethod(reference.rms_norm)
+    rotary_embedding = staticmethod(reference.rotary_embedding)
+    silu_and_mul = staticmethod(reference.silu_and_mul)
 
     @staticmethod
     def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The reference's write without its negative-slot filter: the engine never pads."""
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
