@@ -27,6 +27,7 @@ class RequestRecord:
     output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None  # the Error's code
+    queue_wait_ms: float | None = None  # the Completion's: waiting at priority, server clock
 
     @property
     def ok(self) -> bool:
@@ -61,11 +62,12 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def distribution(values_s: list[float]) -> dict[str, float | None]:
-    """mean, p50, p90, p99 in milliseconds."""
+    """mean, p50, p90, p99 and max in milliseconds."""
     values = [1e3 * v for v in values_s]
     return {"mean": sum(values) / len(values) if values else None,
             "p50": percentile(values, 50), "p90": percentile(values, 90),
-            "p99": percentile(values, 99), "count": len(values)}
+            "p99": percentile(values, 99), "max": max(values, default=None),
+            "count": len(values)}
 
 
 def jain_index(values: list[float]) -> float | None:
@@ -122,11 +124,16 @@ def latency_figures(records: list[RequestRecord], duration_s: float,
         "tpot_ms": distribution([r.tpot for r in done if r.tpot is not None]),
         "itl_ms": distribution([gap for r in done for gap in r.itls]),
         "e2e_ms": distribution([r.e2e for r in done]),
+        "queue_wait_ms": distribution([r.queue_wait_ms / 1e3 for r in done
+                                       if r.queue_wait_ms is not None]),
     }
     with_deadline = [r for r in records if r.deadline_ms is not None]
     if with_deadline:
         met = sum(1 for r in with_deadline if r.ok and 1e3 * r.e2e <= r.deadline_ms)
         figures["deadline_met_fraction"] = met / len(with_deadline)
+        figures["deadline_exceeded"] = sum(1 for r in with_deadline
+                                           if r.error == "deadline_exceeded"
+                                           or r.finish_reason == "deadline")
     if slo is not None:
         good = sum(1 for r in done if slo.met(r))
         figures["goodput"] = good / duration_s if duration_s else None

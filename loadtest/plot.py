@@ -12,6 +12,46 @@ def _cdf(axis, values: list[float], label: str) -> None:
         axis.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
 
 
+def _ttft_ms(records: list[dict]) -> list[float]:
+    return [1e3 * (r["delta_times"][0] - r["send_time"]) for r in records if r["delta_times"]]
+
+
+def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
+    """A run set: the TTFT CDF of each run, overall and per priority class (one panel each)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [[r for r in run["requests"] if r["end_time"] is not None and r["error"] is None]
+            for run in runs]
+    classes = sorted({r["priority"] for records in done for r in records}, reverse=True)
+    panels = [None] + (classes if len(classes) > 1 else [])
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for axis, priority in zip(axes[0], panels):
+        for run, records in zip(runs, done):
+            mine = [r for r in records if priority is None or r["priority"] == priority]
+            sent = sum(1 for r in run["requests"] if priority is None or r["priority"] == priority)
+            values = sorted(_ttft_ms(mine))
+            # Normalised by requests sent: a curve that stops short of 1 lost requests.
+            axis.plot(values, [(i + 1) / max(1, sent) for i in range(len(values))],
+                      label=run.get("label") or "")
+        axis.set_xscale("log")
+        axis.set_xlabel("TTFT (ms, log scale)")
+        axis.set_ylabel("fraction of requests sent")
+        axis.set_title("all requests" if priority is None else f"priority {priority}")
+        axis.set_ylim(0, 1.02)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    params = runs[0]["parameters"]
+    figure.suptitle(f"{title or 'run set'} — model {params['model']}, {params['executors']} "
+                    f"executor(s), rate {params['request_rate']}/s")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def plot_run(result: dict, path: Path) -> None:
     import matplotlib
 

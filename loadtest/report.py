@@ -65,6 +65,33 @@ COMPARED = [("output tok/s", ("output_throughput",)), ("request/s", ("request_th
             ("Jain fairness", ("jain_fairness",))]
 
 
+def print_runset(runs: list[dict]) -> None:
+    """Every run of a sweep side by side: overall figures, then each priority class and tenant."""
+    labels = [r.get("label") or str(i) for i, r in enumerate(runs)]
+    width = max(14, *(len(label) + 2 for label in labels))
+    print(f"{'run set':<24}" + "".join(f"{label:>{width}}" for label in labels))
+    for label, path in COMPARED + [("queue wait max ms", ("queue_wait_ms", "max"))]:
+        print(f"{label:<24}" + "".join(f"{_fmt(_get(r['summary'], path), 2):>{width}}"
+                                       for r in runs))
+    for group in ("per_priority", "per_tenant"):
+        keys = sorted({k for r in runs for k in r["summary"][group]},
+                      key=lambda k: (-int(k), k) if k.isdigit() else (0, k))
+        if len(keys) < 2:
+            continue
+        for key in keys:
+            for label, path in (("TTFT p50 ms", ("ttft_ms", "p50")),
+                                ("TTFT p99 ms", ("ttft_ms", "p99")),
+                                ("deadline met", ("deadline_met_fraction",)),
+                                ("completed", ("completed",)),
+                                ("queue wait max ms", ("queue_wait_ms", "max"))):
+                values = [_get(r["summary"][group].get(key, {}), path) for r in runs]
+                if all(v is None for v in values):
+                    continue
+                name = f"{group.split('_')[1]} {key} {label}"
+                print(f"{name:<24}" + "".join(f"{_fmt(v, 2):>{width}}" for v in values))
+    print("=" * (24 + width * len(runs)))
+
+
 def _get(summary: dict, path: tuple[str, ...]):
     value = summary
     for key in path:

@@ -5,6 +5,11 @@ protocol, like a user's client, and measure what every request saw.
         --priority-mix 9:0.2,5:0.5,1:0.3 --tenant-mix a:0.5,b:0.5 --goodput ttft:500 \\
         --result-json results/run.json --plot results/run.png
     jetserve bench serve --compare results/a.json results/b.json
+    jetserve bench serve --embedded --model sim:llama3-8b-h100 --executors 4 \
+        --sweep scheduler.request_level.policy=fcfs,priority,adaptive --result-json set.json
+
+`--sweep KEY=V1,V2,...` is a run set: the same requests, at the same send times, once per value,
+each against a fresh embedded stack with that setting; one table and one plot compare them.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from loadtest.arrivals import arrival_offsets, draw, parse_mix
 from loadtest.datasets import (jsonl_dataset, random_dataset, sharegpt_dataset,
                                shared_prefix_dataset, with_ids)
 from loadtest.metrics import RequestRecord, Slo, summarize
-from loadtest.report import print_comparison, print_summary
+from loadtest.report import print_comparison, print_runset, print_summary
 from shared.client import JetserveClient
 from shared.protocol import Delta, Error, GenerateRequest
 
@@ -86,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                "queue depth over time")
     out.add_argument("--label", default="", help="a name for this run in tables and --compare")
     out.add_argument("--no-progress", action="store_true")
+    out.add_argument("--sweep", metavar="KEY=V1,V2,...",
+                     help="with --embedded: one run per value of a config key, e.g. "
+                          "scheduler.request_level.policy=fcfs,priority,adaptive")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"),
                         help="print two earlier runs side by side, run nothing")
 
@@ -172,6 +180,7 @@ async def one_request(client: JetserveClient, request: GenerateRequest, record: 
                     record.output_tokens = output.usage.completion_tokens
                     record.prompt_tokens = output.usage.prompt_tokens
                     record.finish_reason = output.finish_reason
+                    record.queue_wait_ms = output.scheduling.queue_wait_ms
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a timeout or a lost connection is this request's error
@@ -281,11 +290,36 @@ async def run_with_target(args) -> dict:
             await stack.stop()
 
 
+def sweep(args) -> int:
+    key, _, values = args.sweep.partition("=")
+    if not args.embedded or not key or not values:
+        raise SystemExit("--sweep KEY=V1,V2,... needs --embedded")
+    runs = []
+    for value in values.split(","):
+        one = argparse.Namespace(**{**vars(args), "set": [*args.set, f"{key}={value}"],
+                                    "label": f"{key.rsplit('.', 1)[-1]}={value}"})
+        result = asyncio.run(run_with_target(one))
+        print_summary(result)
+        runs.append(result)
+    print_runset(runs)
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps({"sweep": args.sweep, "label": args.label,
+                                                "runs": runs}, indent=1))
+    if args.plot:
+        from loadtest.plot import plot_runset
+
+        plot_runset(runs, args.plot, args.label)
+    return 0
+
+
 def main(args) -> int:
     if args.compare:
         a, b = (json.loads(p.read_text()) for p in args.compare)
         print_comparison(a, b)
         return 0
+    if args.sweep:
+        return sweep(args)
     result = asyncio.run(run_with_target(args))
     print_summary(result)
     if args.result_json:

@@ -95,7 +95,8 @@ def cancelled_completion(item: WorkItem, executor: str = "") -> Completion:
         finish_reason="cancelled",
         usage=Usage(prompt_tokens=item.num_prompt_tokens, completion_tokens=0, cached_tokens=0),
         metrics=Metrics(queue_ms=waited_ms, ttft_ms=0.0, e2e_ms=waited_ms, tpot_ms=0.0),
-        scheduling=Scheduling(priority_score=item.priority_score, executor=executor, preemptions=0))
+        scheduling=Scheduling(priority_score=item.priority_score, executor=executor, preemptions=0,
+                              queue_wait_ms=item.queue_wait_ms or waited_ms))
 
 
 class Outbox:

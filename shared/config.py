@@ -34,6 +34,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # torch intra-op threads on CPU
     weights_cache_dir: str | None = None  # where a converted GGUF is cached as safetensors
     executor_name: str = "executor-0"
+    # A waiting request preempts a running one only if its score is at least this much higher.
+    preemption_margin: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
 
 
 # ------------------------------------------------------------------------ jetserve.yaml (services)
@@ -67,13 +69,52 @@ class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     enable_prefix_caching: bool = True
 
 
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
 class RequestLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Admission and the global queue."""
+    """Admission and the global queue: its order (DESIGN §6, docs/scheduling.md) and its limits."""
 
     max_pending_requests: Annotated[int, msgspec.Meta(ge=1)] = 10_000
     # Per-tenant token bucket over prompt + max_tokens; None turns rate limiting off.
-    rate_limit_tokens_per_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    rate_limit_tokens_per_s: Positive | None = None
     rate_limit_burst_tokens: Annotated[int, msgspec.Meta(ge=1)] = 100_000
+    # fcfs: arrival order. priority: base priority, then arrival. adaptive: the score below.
+    policy: Literal["fcfs", "priority", "adaptive"] = "adaptive"
+    # The score, in units of one priority level when base_weight is priority_levels - 1:
+    # base_weight * class_weight * priority / (priority_levels - 1)
+    # + urgency_weight * urgency * load_adjustment + resource_weight * resource + fairness.
+    priority_levels: Annotated[int, msgspec.Meta(ge=2)] = 11
+    base_weight: NonNegative = 10.0
+    urgency_weight: NonNegative = 6.0
+    time_window: Positive = 1.0  # s: urgency is 1/(1 + exp(slack / time_window))
+    resource_weight: float = -1.0  # < 0 favours short jobs
+    resource_scale: Positive = 8.0  # resource = ln(prompt + predicted output tokens) / scale
+    load_threshold: NonNegative = 0.8  # load = demand / executor slots
+    load_weight: NonNegative = 1.0  # load_adjustment = 1 + (load - threshold) * load_weight ...
+    load_adjustment_min: NonNegative = 0.5  # ... clamped to [min, max]
+    load_adjustment_max: NonNegative = 2.0
+    # Tenant fairness by virtual token counters: prompt + 2 x output tokens served, divided by
+    # the tenant's weight; a tenant `fairness_scale_tokens` ahead of the least-served backlogged
+    # tenant loses `fairness_factor` points.
+    fairness_factor: NonNegative = 1.0
+    fairness_scale_tokens: Positive = 1000.0
+    tenant_weights: dict[str, Positive] = {}  # absent tenants weigh 1
+    # Aging bound: a request that has waited this long goes ahead of every request that has not.
+    max_wait_s: Positive = 60.0
+    # Predicted output = max_tokens x a moving average, per tenant and priority, of the share of
+    # max_tokens requests really generate; `predictor_prior` until completions are seen.
+    predictor_alpha: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
+    predictor_prior: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    # Class SLO feedback: priority -> TTFT target (ms). While a class's p90 TTFT over the last
+    # `class_feedback_window_s` misses its target, its class weight rises by `class_weight_step`
+    # each `class_feedback_interval_s`, up to `class_weight_max`; it relaxes toward 1 when met.
+    class_ttft_slo_ms: dict[int, Positive] = {}
+    class_weight_max: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    class_weight_step: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
+    class_feedback_interval_s: Positive = 2.0
+    class_feedback_window_s: Positive = 30.0
 
 
 class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -87,6 +128,8 @@ class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class TokenLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pipeline: bool = True
+    # A waiting request preempts a running one only if its score is at least this much higher.
+    preemption_margin: NonNegative = 1.0
 
 
 class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -128,7 +171,8 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             gpu_memory_utilization=kv.gpu_memory_utilization, cpu_kv_cache_gib=kv.cpu_cache_gib,
             enable_prefix_caching=kv.enable_prefix_caching,
             pipeline=self.scheduler.token_level.pipeline, num_threads=model.num_threads,
-            weights_cache_dir=model.weights_cache_dir, executor_name=executor_name)
+            weights_cache_dir=model.weights_cache_dir, executor_name=executor_name,
+            preemption_margin=self.scheduler.token_level.preemption_margin)
 
 
 class ConfigError(Exception):

@@ -18,7 +18,10 @@ class WorkItem(msgspec.Struct, kw_only=True):
     reply_to: str | None = None  # the client's inbox on llm.generate; None for a durable request
     durable: bool = False
     trace: dict[str, str] = {}  # W3C trace context of the latest hop's span
+    # Set by priority at dispatch: the executor orders and preempts by the score.
     priority_score: float = 0.0
+    queue_wait_ms: float = 0.0
+    predicted_output_tokens: int = 0  # what the tenant was charged for in advance
 
     @property
     def request_id(self) -> str:
@@ -51,6 +54,20 @@ class AssignReply(msgspec.Struct):
     reason: str = ""
 
 
+class Finished(msgspec.Struct, array_like=True):
+    """A request an executor ended: what priority's fairness counters, output-length predictor
+    and class SLO feedback learn from."""
+
+    tenant: str
+    priority: int
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+    predicted_output_tokens: int  # charged at dispatch; the counter is corrected by the difference
+    ttft_ms: float | None  # from admission's arrival stamp; None when no token was generated
+    finish_reason: str  # a Completion's finish_reason, else the Error's code
+
+
 class Heartbeat(msgspec.Struct, kw_only=True):
     """An executor's load, published every interval and whenever a request starts or ends."""
 
@@ -65,6 +82,7 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     total_kv_blocks: int
     step_ms: float  # mean model step time over the last interval
     started_at: float  # wall clock; a restart shows as a new value
+    finished: list[Finished] = []  # requests ended since the previous heartbeat
 
 
 class Holding(msgspec.Struct):

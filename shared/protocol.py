@@ -13,7 +13,7 @@ import msgspec
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "cancelled", "deadline"]
 ErrorCode = Literal[
     "invalid_request",
     "prompt_too_long",
@@ -21,6 +21,7 @@ ErrorCode = Literal[
     "overloaded",
     "rate_limited",
     "cancelled",
+    "deadline_exceeded",
     "internal",
 ]
 
@@ -93,9 +94,10 @@ class Metrics(msgspec.Struct):
 
 
 class Scheduling(msgspec.Struct):
-    priority_score: float
+    priority_score: float  # the score priority gave the request when it dispatched it
     executor: str
     preemptions: int
+    queue_wait_ms: float = 0.0  # waiting in priority's queue, from admission to dispatch
 
 
 class Completion(msgspec.Struct, tag="completion", tag_field="type"):
@@ -156,6 +158,7 @@ SERVICE_ERROR_CODES: dict[str, str] = {
     "rate_limited": "429",
     "cancelled": "499",
     "internal": "500",
+    "deadline_exceeded": "504",
     "overloaded": "503",
 }
 

@@ -28,7 +28,8 @@ from services.executor.request_state import RequestState
 from services.executor.scheduler import Scheduler
 from services.executor.sequence import SamplingParams, Sequence
 from services.executor.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.executor.weights import load_model_files, tokenizer_dir
+from services.executor.sim import SimRunner, load_profile
+from services.executor.weights import load_model_config, load_model_files, tokenizer_dir
 from shared.config import EngineConfig
 from shared.protocol import Completion, Delta, Error, GenerateRequest, ProtocolError
 
@@ -84,10 +85,15 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = _pick_device(config)
-        self.dtype = _pick_dtype(config, self.device)
-        model_config, weights, model_dir = load_model_files(
-            config.model, self.device, self.dtype, config.weights_cache_dir)
+        simulated = config.model.startswith("sim:")
+        if simulated:  # no weights, no tensors: the host's clock stands in for the device
+            self.device, self.dtype = torch.device("cpu"), torch.float32
+            model_config, model_dir = load_model_config(config.model)
+        else:
+            self.device = _pick_device(config)
+            self.dtype = _pick_dtype(config, self.device)
+            model_config, weights, model_dir = load_model_files(
+                config.model, self.device, self.dtype, config.weights_cache_dir)
         self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.weights_cache_dir))
         self.model_config = model_config
         self.model_name = config.model
@@ -95,14 +101,22 @@ class Engine:
                                  model_config.max_position)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
                              else model_config.eos_token_id)
-        backend = _pick_backend(config, self.device, self.dtype)
-        model = LlamaModel(model_config, weights, backend, self.max_model_len)
-        num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        if simulated:
+            profile = load_profile(config.model.removeprefix("sim:"))
+            num_blocks = config.num_kv_blocks or (
+                profile.kv_blocks * 16 // config.block_size if profile.kv_blocks
+                else self._blocks_that_fit())
+            self.runner = SimRunner(profile, model_config.vocab_size, self.eos_token_id)
+        else:
+            backend = _pick_backend(config, self.device, self.dtype)
+            model = LlamaModel(model_config, weights, backend, self.max_model_len)
+            num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+            self.runner = ModelRunner(model, backend, num_blocks, config.block_size, self.dtype,
+                                      self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, backend, num_blocks, config.block_size, self.dtype,
-                                  self.device)
+                                   config.max_num_batched_tokens,
+                                   preemption_margin=config.preemption_margin)
         self.stats = EngineStats()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._requests: dict[str, RequestState] = {}
@@ -128,8 +142,12 @@ class Engine:
         return prompt_token_ids(self.tokenizer, request, self.model_config.vocab_size)
 
     def add_request(self, request: GenerateRequest, sink: OutputSink,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue a request; its outputs go to `sink`. Raises ProtocolError."""
+                    arrival_time: float | None = None, score: float | None = None) -> str:
+        """Validate and queue a request; its outputs go to `sink`. Raises ProtocolError.
+
+        `score` orders it against the others (default: its base priority). With `deadline_ms`
+        it ends at arrival + deadline_ms: a `deadline` Completion with what it has generated,
+        or a `deadline_exceeded` Error when that is nothing yet."""
         request.check()
         if request.model is not None and request.model != self.model_name:
             raise ProtocolError("unknown_model", f"`model` {request.model!r} is not served here "
@@ -152,15 +170,34 @@ class Engine:
             stop=tuple(request.stop), stop_token_ids=frozenset(request.stop_token_ids),
             ignore_eos=request.ignore_eos)
         seq = Sequence(request_id, prompt, sampling, priority=request.priority,
+                       score=score,
                        arrival_index=next(self._arrivals),
                        arrival_time=arrival_time if arrival_time is not None else time.monotonic())
-        self._requests[request_id] = RequestState(
+        state = self._requests[request_id] = RequestState(
             seq=seq, model=self.model_name, executor=self.config.executor_name,
             detokenizer=IncrementalDetokenizer(self.tokenizer), eos_token_id=self.eos_token_id,
             max_model_len=self.max_model_len, stream=request.stream, sink=sink)
+        if request.deadline_ms is not None:
+            # A timer, not a check in the step loop: costs nothing per step.
+            left = seq.arrival_time + request.deadline_ms / 1e3 - time.monotonic()
+            state.deadline_timer = asyncio.get_running_loop().call_later(
+                max(0.0, left), self._deadline_passed, state, request.deadline_ms)
         self.scheduler.add(seq)
         self._wakeup.set()
         return request_id
+
+    def _deadline_passed(self, state: RequestState, deadline_ms: float) -> None:
+        if self._requests.get(state.seq.request_id) is not state:
+            return
+        if state.seq.output_token_ids:
+            state.finish_reason = "deadline"
+            self._finish(state)
+        else:
+            self._retire(state)
+            state.sink(Error(request_id=state.seq.request_id, code="deadline_exceeded",
+                             message=f"`deadline_ms` {deadline_ms:g} passed before the first "
+                                     f"token was generated"))
+        self._wakeup.set()
 
     def abort(self, request_id: str) -> bool:
         """End a request now with finish_reason `cancelled`; False if it is not running here."""
@@ -305,3 +342,5 @@ class Engine:
         self.scheduler.finish(state.seq)
         self.runner.release(state.seq.request_id)
         del self._requests[state.seq.request_id]
+        if state.deadline_timer is not None:
+            state.deadline_timer.cancel()

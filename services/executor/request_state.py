@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ class RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
+    deadline_timer: asyncio.TimerHandle | None = None
     stop_holdback: int = field(init=False)
 
     def __post_init__(self):
@@ -100,6 +102,6 @@ class RequestState:
                 e2e_ms=1e3 * e2e,
                 tpot_ms=1e3 * (e2e - ttft) / (num_out - 1) if num_out > 1 else 0.0,
             ),
-            scheduling=Scheduling(priority_score=float(seq.priority), executor=self.executor,
+            scheduling=Scheduling(priority_score=seq.score, executor=self.executor,
                                   preemptions=seq.preemptions),
         )

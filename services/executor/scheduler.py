@@ -2,8 +2,9 @@
 
 Running sequences first (decodes and unfinished prefill chunks), then waiting ones, all within a
 token budget and a sequence limit, so long prompts are prefilled in chunks beside ongoing decodes.
-When KV blocks run out it preempts by recompute: the lowest-priority, latest-admitted sequence
-gives its blocks back and returns to the waiting queue at its original place.
+When KV blocks run out it preempts by recompute: the lowest-score, latest-admitted sequence
+gives its blocks back and returns to the waiting queue at its original place. A waiting sequence
+whose score beats a running one's by `preemption_margin` may preempt it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, admission_watermark: float = 0.01):
+                 max_num_batched_tokens: int, admission_watermark: float = 0.01,
+                 preemption_margin: float = 1.0):
         self.block_manager = block_manager
+        self.preemption_margin = preemption_margin
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Keep a few blocks free when admitting new work, so running decodes rarely get preempted.
@@ -66,7 +69,7 @@ class Scheduler:
                 i += 1
                 continue
             while not bm.can_allocate(seq, num_new):
-                victim = self.running[-1]  # lowest priority, latest; never one already scheduled
+                victim = self.running[-1]  # lowest score, latest; never one already scheduled
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -133,11 +136,11 @@ class Scheduler:
         self.add(seq)
 
     def _preempt_lower(self, seq: Sequence) -> Sequence | None:
-        """Preempt the weakest running sequence if `seq` outranks it, and return it."""
+        """Preempt the weakest running sequence if `seq` outranks it by the margin; return it."""
         if not self.running:
             return None
         victim = max(self.running, key=Sequence.sort_key)
-        if victim.priority >= seq.priority:
+        if seq.score - victim.score < self.preemption_margin:
             return None
         self._preempt(victim)
         return victim

@@ -35,7 +35,8 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 5
-    arrival_index: int = 0  # admission order; ties in priority go to the earlier one
+    score: float | None = None  # the order: priority's score at dispatch (default: priority)
+    arrival_index: int = 0  # admission order; ties in score go to the earlier one
     arrival_time: float = 0.0
 
     token_ids: list[int] = field(default_factory=list)  # prompt + the outputs known so far
@@ -51,6 +52,8 @@ class Sequence:
     admitted_once: bool = False
 
     def __post_init__(self):
+        if self.score is None:
+            self.score = float(self.priority)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
@@ -75,6 +78,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def sort_key(self) -> tuple[int, int]:
-        """Scheduling order: higher priority first, then earlier arrival."""
-        return (-self.priority, self.arrival_index)
+    def sort_key(self) -> tuple[float, int]:
+        """Scheduling order: higher score first, then earlier arrival."""
+        return (-self.score, self.arrival_index)

@@ -17,7 +17,7 @@ from services.executor.engine import Engine, Output
 from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_forever
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
-from shared.messages import AssignReply, Heartbeat, Holding, WorkItem, decoder, encode
+from shared.messages import AssignReply, Finished, Heartbeat, Holding, WorkItem, decoder, encode
 from shared.protocol import Completion, Delta, Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from, context_of
@@ -54,6 +54,7 @@ class ExecutorService:
         self.assigned_total = 0
         self.started_at = time.time()
         self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0)
+        self.finished: list[Finished] = []  # reported with the next heartbeat
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -132,7 +133,7 @@ class ExecutorService:
         request = msgspec.structs.replace(item.request, request_id=key)
         try:
             self.engine.add_request(request, lambda out, item=item: self.outputs.put_nowait(
-                (item, out)), arrival_time=arrival)
+                (item, out)), arrival_time=arrival, score=item.priority_score)
         except ProtocolError as exc:
             span.end()
             await self.outbox.final(item, exc.to_error(item.request_id))
@@ -173,10 +174,12 @@ class ExecutorService:
         running = self.running.pop(engine_id(item), None)
         if isinstance(output, Completion):
             output = msgspec.structs.replace(output, scheduling=msgspec.structs.replace(
-                output.scheduling, priority_score=item.priority_score))
+                output.scheduling, priority_score=item.priority_score,
+                queue_wait_ms=item.queue_wait_ms))
             self.counts["cancelled" if output.finish_reason == "cancelled" else "completed"] += 1
         else:
             self.counts["errors"] += 1
+        self.finished.append(finished_report(item, output))
         if not self.running:
             self.idle.set()
         self.load_changed.set()
@@ -244,7 +247,23 @@ class ExecutorService:
             # Assigned but not yet in the scheduler counts as waiting (outputs still queued).
             waiting=len(self.running) - len(scheduler.running),
             assigned_total=self.assigned_total, free_kv_blocks=blocks.num_free_blocks,
-            total_kv_blocks=blocks.num_blocks, step_ms=step_ms, started_at=self.started_at)
+            total_kv_blocks=blocks.num_blocks, step_ms=step_ms, started_at=self.started_at,
+            finished=self.take_finished())
+
+    def take_finished(self) -> list[Finished]:
+        finished, self.finished = self.finished, []
+        return finished
+
+
+def finished_report(item: WorkItem, output: Completion | Error) -> Finished:
+    request = item.request
+    if isinstance(output, Completion):
+        generated = output.usage.completion_tokens
+        return Finished(item.tenant, request.priority, output.usage.prompt_tokens, generated,
+                        request.max_tokens, item.predicted_output_tokens,
+                        output.metrics.ttft_ms if generated else None, output.finish_reason)
+    return Finished(item.tenant, request.priority, item.num_prompt_tokens, 0, request.max_tokens,
+                    item.predicted_output_tokens, None, output.code)
 
 
 async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:

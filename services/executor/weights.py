@@ -11,7 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +70,12 @@ def default_gguf_path() -> Path:
 
 
 def resolve_model_path(model: str) -> Path | str:
-    """`model` as a path (GGUF file or HF directory), or the dummy spec string unchanged."""
+    """`model` as a path (GGUF file or HF directory), or a dummy or sim spec string unchanged."""
+    if model.startswith("sim:"):
+        from services.executor.sim import load_profile
+
+        load_profile(model.removeprefix("sim:"))  # raises for an unknown profile
+        return model
     if model.startswith("dummy:"):
         name = model.removeprefix("dummy:")
         if name not in DUMMY_SHAPES:
@@ -82,6 +87,16 @@ def resolve_model_path(model: str) -> Path | str:
     if not path.exists():
         raise FileNotFoundError(f"model {model!r}: no such file or directory")
     return path
+
+
+def sim_config(name: str) -> ModelConfig:
+    """A simulated model: its profile's layer sizes, the default tokenizer's vocabulary."""
+    from services.executor.sim import load_profile
+
+    profile = load_profile(name)
+    config = dummy_config(profile.model_shape)
+    return replace(config, vocab_size=DUMMY_SHAPES["tiny"]["vocab_size"],
+                   max_position=profile.max_position, bos_token_id=None, eos_token_id=None)
 
 
 def dummy_config(name: str) -> ModelConfig:
@@ -280,6 +295,8 @@ def converted_gguf_dir(gguf_path: Path, cache_dir: str | None) -> Path:
 def load_model_config(model: str, cache_dir: str | None = None) -> tuple[ModelConfig, Path | None]:
     """The model's shape, and the HF directory holding its files (None for a dummy model)."""
     source = resolve_model_path(model)
+    if isinstance(source, str) and source.startswith("sim:"):
+        return sim_config(source.removeprefix("sim:")), None
     if isinstance(source, str):
         return dummy_config(source.removeprefix("dummy:")), None
     directory = converted_gguf_dir(source, cache_dir) if source.is_file() else source
@@ -297,5 +314,6 @@ def load_model_files(model: str, device: torch.device, dtype: torch.dtype,
 
 
 def tokenizer_dir(model_dir: Path | None, cache_dir: str | None = None) -> Path:
-    """Where a model's tokenizer files are: its own directory; dummy models use the default's."""
+    """Where a model's tokenizer files are: its own directory; dummy and sim models use the
+    default's."""
     return model_dir or converted_gguf_dir(default_gguf_path(), cache_dir)

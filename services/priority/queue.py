@@ -1,75 +1,146 @@
-"""The waiting queue: best score first, then arrival; bounded; O(log n) push and pop, O(1) cancel."""
+"""The waiting queue: bounded, O(1) push and cancel, and pulls that see current scores.
+
+Scores change with time (urgency, aging) and with load and fairness, so no fixed heap order
+holds. Rows live in parallel numpy arrays kept dense (a removal moves the last row into the
+hole); a pull scores every row in one vectorised pass and selects the best k in O(n), with no
+sort of the whole queue. Deadlines sit in a heap of their own so expired requests leave in
+O(log n) each.
+"""
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+import math
 
+import numpy as np
+
+from services.priority import policy
 from shared.messages import WorkItem
 
-
-def score(item: WorkItem) -> float:
-    """For now the base priority alone (ties go to the earlier arrival); the adaptive policy of
-    DESIGN §6 replaces this."""
-    return float(item.request.priority)
-
-
-@dataclass(order=True)
-class _Entry:
-    sort_key: tuple[float, int]
-    item: WorkItem = field(compare=False)
-    removed: bool = field(default=False, compare=False)
+_COLUMNS = {"priority": np.int64, "seq": np.float64, "arrival": np.float64,
+            "deadline": np.float64, "demand": np.float64, "tenant": np.int64}
 
 
 class WaitingQueue:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, initial_rows: int = 256):
         self.capacity = capacity
-        self._heap: list[_Entry] = []
-        self._by_id: dict[tuple[str, str], _Entry] = {}  # by (tenant, request_id)
+        self._rows = max(1, min(capacity, initial_rows))
+        self._cols = {name: np.zeros(self._rows, dtype=dtype) for name, dtype in _COLUMNS.items()}
+        self._items: list[WorkItem] = []  # row -> item
+        self._row_of: dict[tuple[str, str], int] = {}  # (tenant, request_id) -> row
+        self._seq_of: dict[tuple[str, str], int] = {}
+        self._deadlines: list[tuple[float, int, tuple[str, str]]] = []  # heap
+        self._tenant_ids: dict[str, int] = {}
+        self.tenants: list[str] = []  # index -> name
         self._arrivals = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self._items)
 
     def __contains__(self, key: tuple[str, str]) -> bool:
-        return key in self._by_id
+        return key in self._row_of
 
     @property
     def full(self) -> bool:
         return len(self) >= self.capacity
 
-    def push(self, item: WorkItem) -> None:
-        key = (item.tenant, item.request_id)
-        assert not self.full and key not in self._by_id
-        item.priority_score = score(item)
-        entry = _Entry((-item.priority_score, next(self._arrivals)), item)
-        heapq.heappush(self._heap, entry)
-        self._by_id[key] = entry
+    def tenant_index(self, tenant: str) -> int:
+        index = self._tenant_ids.get(tenant)
+        if index is None:
+            index = self._tenant_ids[tenant] = len(self.tenants)
+            self.tenants.append(tenant)
+        return index
 
-    def pop(self, max_items: int) -> list[WorkItem]:
-        items = []
-        while self._heap and len(items) < max_items:
-            entry = heapq.heappop(self._heap)
-            if not entry.removed:
-                del self._by_id[(entry.item.tenant, entry.item.request_id)]
-                items.append(entry.item)
+    def push(self, item: WorkItem, demand_tokens: float) -> None:
+        key = (item.tenant, item.request_id)
+        assert not self.full and key not in self._row_of
+        row = len(self._items)
+        if row == self._rows:
+            self._grow()
+        seq = next(self._arrivals)
+        deadline = item.deadline if item.deadline is not None else math.inf
+        cols = self._cols
+        cols["priority"][row] = item.request.priority
+        cols["seq"][row] = seq
+        cols["arrival"][row] = item.arrival_time
+        cols["deadline"][row] = deadline
+        cols["demand"][row] = demand_tokens
+        cols["tenant"][row] = self.tenant_index(item.tenant)
+        self._items.append(item)
+        self._row_of[key] = row
+        self._seq_of[key] = seq
+        if item.deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, seq, key))
+            if len(self._deadlines) > 2 * len(self._items) + 1024:  # mostly dispatched ones
+                self._deadlines = [e for e in self._deadlines if self._seq_of.get(e[2]) == e[1]]
+                heapq.heapify(self._deadlines)
+
+    def _grow(self) -> None:
+        self._rows = min(self.capacity, 2 * self._rows)
+        for name, column in self._cols.items():
+            wider = np.zeros(self._rows, dtype=column.dtype)
+            wider[:len(column)] = column
+            self._cols[name] = wider
+
+    def _take(self, row: int) -> WorkItem:
+        """Remove one row: the last row moves into its place."""
+        item = self._items[row]
+        key = (item.tenant, item.request_id)
+        del self._row_of[key], self._seq_of[key]
+        last = len(self._items) - 1
+        if row != last:
+            moved = self._items[last]
+            self._items[row] = moved
+            for column in self._cols.values():
+                column[row] = column[last]
+            self._row_of[(moved.tenant, moved.request_id)] = row
+        self._items.pop()
+        return item
+
+    def waiting(self, fairness_by_tenant: np.ndarray) -> policy.Waiting:
+        n, cols = len(self._items), self._cols
+        return policy.Waiting(priority=cols["priority"][:n], seq=cols["seq"][:n],
+                              arrival=cols["arrival"][:n], deadline=cols["deadline"][:n],
+                              demand=cols["demand"][:n],
+                              fairness=fairness_by_tenant[cols["tenant"][:n]])
+
+    def item(self, row: int) -> WorkItem:
+        return self._items[row]
+
+    def tenant_rows(self) -> np.ndarray:
+        return self._cols["tenant"][:len(self._items)]
+
+    def take(self, rows: list[int]) -> list[WorkItem]:
+        """Remove the given rows (as numbered by `waiting()`); their items in the same order."""
+        items = {}
+        for row in sorted(rows, reverse=True):  # later rows first: a move never hits one left
+            items[row] = self._take(row)
+        return [items[row] for row in rows]
+
+    def pop_all(self) -> list[WorkItem]:
+        items = list(self._items)
+        for item in items:
+            self.remove(item.request_id, item.tenant)
         return items
 
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         """Take a request out (a cancel); only its own tenant may."""
-        entry = self._by_id.pop((tenant, request_id), None)
-        if entry is None:
-            return None
-        entry.removed = True  # dropped lazily when it reaches the top of the heap
-        return entry.item
+        row = self._row_of.get((tenant, request_id))
+        return None if row is None else self._take(row)
+
+    def expired(self, now: float) -> list[WorkItem]:
+        """Take out every request whose deadline has passed."""
+        gone = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq, key = heapq.heappop(self._deadlines)
+            if self._seq_of.get(key) == seq:  # not dispatched or cancelled since
+                gone.append(self._take(self._row_of[key]))
+        return gone
 
     def items(self) -> list[WorkItem]:
-        return [entry.item for entry in self._by_id.values()]
+        return list(self._items)
 
     def depth_by_priority(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for entry in self._by_id.values():
-            key = str(entry.item.request.priority)
-            counts[key] = counts.get(key, 0) + 1
-        return counts
+        values, counts = np.unique(self._cols["priority"][:len(self._items)], return_counts=True)
+        return {str(v): int(c) for v, c in zip(values, counts)}

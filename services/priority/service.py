@@ -1,5 +1,8 @@
 """The priority service: keeps the global waiting queue; the batcher pulls the best requests
-(`llm.internal.priority.next`) when executors have room, so order is decided at the last moment."""
+(`llm.internal.priority.next`) when executors have room, so order is decided at the last moment,
+with current scores. Executors' heartbeats bring the load and the requests they finished (for
+fairness, the length predictor and class SLO feedback); a request whose deadline passes while it
+waits ends here with `deadline_exceeded` instead of taking a slot."""
 
 from __future__ import annotations
 
@@ -9,11 +12,12 @@ import time
 import structlog
 from nats.micro import Request
 
-from services.priority.queue import WaitingQueue
+from services.priority.scheduler import RequestScheduler
 from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_forever
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
 from shared.messages import (
+    Heartbeat,
     Holding,
     NextReply,
     NextRequest,
@@ -30,6 +34,8 @@ log = structlog.get_logger()
 
 _item = decoder(WorkItem)
 _next = decoder(NextRequest)
+_heartbeat = decoder(Heartbeat)
+EXPIRY_CHECK_S = 0.05  # how late a waiting request may learn that its deadline passed
 
 
 class PriorityService:
@@ -37,12 +43,17 @@ class PriorityService:
         self.subjects = Subjects(config.nats.prefix)
         self.nc, self.tracer = nc, tracer
         self.outbox = Outbox(nc, js, self.subjects)
-        self.queue = WaitingQueue(config.scheduler.request_level.max_pending_requests)
+        self.scheduler = RequestScheduler(config.scheduler.request_level)
+        self.queue = self.scheduler.queue
         self.cancels = RecentCancels()
         self.arrived = asyncio.Event()
-        self.wait_spans: dict[str, Span] = {}  # the queue wait of each waiting request
-        self.counts = dict(submitted=0, dispatched=0, cancelled=0, overloaded=0)
+        self.wait_spans: dict[tuple[str, str], Span] = {}  # each waiting request's queue wait
+        self.counts = dict(submitted=0, dispatched=0, cancelled=0, overloaded=0,
+                           deadline_exceeded=0)
+        self.distributed = config.distributed
         self.heartbeat_interval_s = config.distributed.heartbeat_interval_s
+        self.executor_seen: dict[str, float] = {}  # monotonic time of each one's last heartbeat
+        self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         service = await add_micro_service(self.nc, "priority", "global waiting queue", self.stats)
@@ -51,16 +62,20 @@ class PriorityService:
         await service.add_endpoint(name="next", subject=self.subjects.priority_next,
                                    handler=self.on_next)
         await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
+        await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         self.service = service
-        self.reporter = asyncio.create_task(self.report_holding(), name="holding")
+        self.tasks = [asyncio.create_task(self.report_holding(), name="holding"),
+                      asyncio.create_task(self.expiry_loop(), name="expiry"),
+                      asyncio.create_task(self.feedback_loop(), name="class-feedback")]
 
     async def stop(self) -> None:
         """Stop taking work; whoever waits here is told now rather than left to time out
         (durable requests are not: admission has them run again)."""
         await self.service.stop()
-        self.reporter.cancel()
-        await asyncio.gather(self.reporter, return_exceptions=True)
-        for item in self.queue.pop(len(self.queue)):
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for item in self.queue.pop_all():
             if not item.durable:
                 await self.outbox.final(item, Error(
                     request_id=item.request_id, code="overloaded",
@@ -79,7 +94,50 @@ class PriorityService:
 
     def stats(self) -> dict:
         return {"queue_depth": len(self.queue), "queue_by_priority": self.queue.depth_by_priority(),
-                **self.counts}
+                **self.counts, **self.scheduler.stats(time.time())}
+
+    async def on_heartbeat(self, msg) -> None:
+        """An executor's load, and the requests it finished since its previous beat."""
+        heartbeat = _heartbeat.decode(msg.data)
+        now = time.time()
+        slots = heartbeat.max_num_seqs + heartbeat.queue_depth
+        self.scheduler.executor_load[heartbeat.executor] = (
+            heartbeat.running + heartbeat.waiting, slots)
+        self.executor_seen[heartbeat.executor] = time.monotonic()
+        for report in heartbeat.finished:
+            self.scheduler.finished(report, now)
+
+    async def expiry_loop(self) -> None:
+        """End waiting requests whose deadline passed; forget executors that stopped beating."""
+        while True:
+            await asyncio.sleep(EXPIRY_CHECK_S)
+            try:
+                await self.expire(time.time())
+                limit = time.monotonic() - self.distributed.heartbeat_timeout_s
+                for name in [n for n, seen in self.executor_seen.items() if seen < limit]:
+                    del self.executor_seen[name]
+                    self.scheduler.executor_load.pop(name, None)
+            except Exception:  # a bug must not stop expiry for good
+                log.exception("expiry failed")
+
+    async def expire(self, now: float) -> None:
+        for item in self.scheduler.expired(now):
+            self.counts["deadline_exceeded"] += 1
+            waited_ms = 1e3 * (now - item.arrival_time)
+            span = self.wait_spans.pop((item.tenant, item.request_id))
+            span.set_attribute("deadline_exceeded", True)
+            span.end()
+            await self.outbox.final(item, Error(
+                request_id=item.request_id, code="deadline_exceeded",
+                message=f"`deadline_ms` {item.request.deadline_ms:g} passed after {waited_ms:.0f} "
+                        f"ms in the waiting queue, before an executor could take the request"))
+
+    async def feedback_loop(self) -> None:
+        """Class SLO feedback: one step of the class weights every interval."""
+        interval = self.scheduler.cfg.class_feedback_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            self.scheduler.class_weights.update(time.time())
 
     async def on_submit(self, request: Request) -> None:
         item = _item.decode(request.data)
@@ -102,7 +160,7 @@ class PriorityService:
         if error is not None:
             await request.respond(encode(SubmitReply(error=error)))
             return
-        self.queue.push(item)
+        self.scheduler.push(item)
         self.counts["submitted"] += 1
         self.wait_spans[(item.tenant, item.request_id)] = self.tracer.start_span(
             "priority.queue", context=context_from(item.trace),
@@ -121,14 +179,21 @@ class PriorityService:
                 await asyncio.wait_for(self.arrived.wait(), left)
             except TimeoutError:
                 break
-        items = self.queue.pop(ask.max_items)
-        for item in items:
+        now = time.time()
+        await self.expire(now)
+        dispatches = self.scheduler.pop(ask.max_items, now)
+        for dispatch in dispatches:
+            item = dispatch.item
             span = self.wait_spans.pop((item.tenant, item.request_id))
-            span.set_attribute("priority_score", item.priority_score)
+            span.set_attributes({"priority_score": dispatch.score,
+                                 "queue_wait_ms": item.queue_wait_ms,
+                                 "predicted_output_tokens": item.predicted_output_tokens,
+                                 **{f"score.{name}": value
+                                    for name, value in dispatch.terms.items()}})
             span.end()
             item.trace = carrier_of(span)
-        self.counts["dispatched"] += len(items)
-        await request.respond(encode(NextReply(items=items)))
+        self.counts["dispatched"] += len(dispatches)
+        await request.respond(encode(NextReply(items=[d.item for d in dispatches])))
 
     async def on_cancel(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)
@@ -136,7 +201,7 @@ class PriorityService:
             cancel = decode_cancel(msg.data)
         except ProtocolError:
             return  # admission answers malformed cancels; nothing to do here
-        item = self.queue.remove(cancel.request_id, tenant)
+        item = self.scheduler.remove(cancel.request_id, tenant)
         if item is None:
             self.cancels.add(tenant, cancel.request_id)  # it may still be on its way here
             return

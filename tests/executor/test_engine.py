@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -221,3 +222,45 @@ async def test_failed_step_ends_requests_and_keeps_serving(tiny_engine):
     assert tiny_engine.block_manager.hash_to_block == {}
     [ok] = await generate_all(tiny_engine, [greedy(ids)])
     assert isinstance(ok, Completion) and ok.usage.cached_tokens == 0 and len(ok.token_ids) == 24
+
+
+async def test_deadline_ends_a_running_request_with_what_it_has(tiny_engine):
+    """A request past its deadline stops at once: finish_reason `deadline`, its partial output
+    kept; one that got no token by then ends with a `deadline_exceeded` Error."""
+    long = GenerateRequest(request_id="long", prompt_token_ids=[20, 21, 22], max_tokens=1500,
+                           ignore_eos=True, deadline_ms=300, stream=True)
+    tiny_engine.start()
+    outputs = [o async for o in tiny_engine.generate(long)]
+    final = outputs[-1]
+    assert isinstance(final, Completion) and final.finish_reason == "deadline"
+    assert 0 < len(final.token_ids) < 1500
+    assert 250 <= final.metrics.e2e_ms < 1000
+    streamed = [t for d in outputs if isinstance(d, Delta) for t in d.token_ids]
+    assert streamed == final.token_ids
+    assert tiny_engine.num_unfinished == 0 and tiny_engine.block_manager.num_free_blocks == 256
+
+
+async def test_deadline_passed_on_arrival_is_an_error(tiny_engine):
+    import time
+
+    stale = GenerateRequest(request_id="stale", prompt_token_ids=[20, 21], max_tokens=8,
+                            deadline_ms=50)
+    queue = []
+    tiny_engine.start()
+    tiny_engine.add_request(stale, queue.append, arrival_time=time.monotonic() - 1.0)
+    await asyncio.sleep(0.05)
+    [error] = queue
+    assert isinstance(error, Error) and error.code == "deadline_exceeded"
+    assert "`deadline_ms` 50" in error.message and tiny_engine.num_unfinished == 0
+
+
+async def test_score_orders_requests_and_reaches_the_completion(tiny_engine):
+    queue = []
+    for name, score in [("low", 1.0), ("high", 7.5)]:
+        tiny_engine.add_request(greedy([20, 21, 22], max_tokens=4, request_id=name),
+                                queue.append, score=score)
+    assert [s.request_id for s in tiny_engine.scheduler.waiting] == ["high", "low"]
+    tiny_engine.start()
+    while len(queue) < 2:
+        await asyncio.sleep(0.01)
+    assert {c.request_id: c.scheduling.priority_score for c in queue} == {"high": 7.5, "low": 1.0}

@@ -124,3 +124,34 @@ def test_finished_by_length_is_not_scheduled_again():
     sched.schedule()
     assert s.num_output_tokens == 1
     assert sched.schedule() == []
+
+
+def scored(prompt_len, score, priority=5):
+    s = seq(prompt_len, priority=priority)
+    s.score = score
+    return s
+
+
+def test_the_score_from_priority_orders_the_waiting_queue():
+    sched = make(max_num_seqs=8)
+    low_priority_urgent = scored(4, score=9.5, priority=1)
+    high_priority = scored(4, score=9.0, priority=9)
+    sched.add(high_priority)
+    sched.add(low_priority_urgent)
+    assert sched.waiting == [low_priority_urgent, high_priority]
+
+
+def test_preemption_needs_the_score_margin():
+    sched = make(max_num_seqs=1)
+    sched.preemption_margin = 1.0
+    running = scored(4, score=5.0)
+    sched.add(running)
+    resolve(sched.schedule())
+    slightly_better = scored(4, score=5.6)
+    sched.add(slightly_better)
+    assert [item.seq for item in sched.schedule()] == [running]  # 0.6 < margin: no churn
+    much_better = scored(4, score=6.2)
+    sched.add(much_better)
+    batch = sched.schedule()
+    assert [item.seq for item in batch] == [much_better]
+    assert running.status is SeqStatus.WAITING and running.preemptions == 1

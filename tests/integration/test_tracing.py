@@ -45,7 +45,9 @@ class OtlpReceiver:
                             receiver.spans.append(dict(
                                 service=service, name=span.name, trace_id=span.trace_id.hex(),
                                 span_id=span.span_id.hex(), parent_id=span.parent_span_id.hex(),
-                                start=span.start_time_unix_nano, end=span.end_time_unix_nano))
+                                start=span.start_time_unix_nano, end=span.end_time_unix_nano,
+                                attributes={a.key: getattr(a.value, a.value.WhichOneof("value"))
+                                            for a in span.attributes}))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.end_headers()
@@ -102,6 +104,13 @@ async def test_one_request_is_one_trace_across_all_four_services(tmp_path):
         assert by_name[child]["parent_id"] == by_name[parent]["span_id"], child
     assert by_name["prefill"]["end"] <= by_name["decode"]["start"] + 1_000_000
     assert by_name["priority.queue"]["start"] <= by_name["executor.generate"]["start"]
+    # The score is on the queue span with its terms, and in the Completion.
+    queued = by_name["priority.queue"]["attributes"]
+    assert queued["priority_score"] == completion.scheduling.priority_score
+    terms = ("score.base", "score.urgency", "score.resource", "score.fairness")
+    assert queued["priority_score"] == pytest.approx(sum(queued[t] for t in terms))
+    assert queued["score.base"] == 5.0 and queued["score.aged"] == 0.0
+    assert queued["queue_wait_ms"] == completion.scheduling.queue_wait_ms >= 0
 
     joined = [s for s in receiver.spans if s["trace_id"] == CALLER_TRACE_ID]
     assert {s["name"] for s in joined} == names

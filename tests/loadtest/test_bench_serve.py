@@ -27,7 +27,7 @@ def test_a_small_run_writes_every_figure_and_the_plot(tmp_path):
     assert s["errors"] == {} and s["outstanding_request_ids"] == []
     assert s["output_throughput"] > 0 and s["request_throughput"] > 0
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        assert set(s[metric]) == {"mean", "p50", "p90", "p99", "count"}
+        assert set(s[metric]) == {"mean", "p50", "p90", "p99", "max", "count"}
         assert 0 < s[metric]["p50"] <= s[metric]["p99"]
     assert s["goodput_fraction"] == 1.0
     assert set(s["per_priority"]) == {"9", "1"} and set(s["per_tenant"]) == {"a", "b"}

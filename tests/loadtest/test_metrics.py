@@ -24,7 +24,8 @@ def test_percentiles_interpolate_between_ranks():
 def test_distribution_is_in_milliseconds():
     d = distribution([0.001, 0.002, 0.003, 0.004])
     assert d == {"mean": pytest.approx(2.5), "p50": pytest.approx(2.5),
-                 "p90": pytest.approx(3.7), "p99": pytest.approx(3.97), "count": 4}
+                 "p90": pytest.approx(3.7), "p99": pytest.approx(3.97), "max": pytest.approx(4.0),
+                 "count": 4}
 
 
 def test_per_request_ttft_tpot_itl_e2e():

@@ -1,0 +1,114 @@
+"""Fairness between tenants (virtual token counters) and between priority classes (TTFT SLO
+feedback on the class weights)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from shared.config import RequestLevel
+
+
+class TenantCounters:
+    """Virtual token counters (VTC): each tenant's counter grows by the tokens it is served
+    (prompt + 2 x output), divided by its weight. The least-served backlogged tenant is favoured;
+    a tenant that becomes backlogged starts no lower than the least-served backlogged one, so
+    time spent idle is not banked as credit."""
+
+    def __init__(self, weights: dict[str, float] | None = None):
+        self.weights = dict(weights or {})
+        self.counters: dict[str, float] = {}
+        self.backlog: dict[str, int] = {}  # tenant -> requests waiting
+
+    def cost(self, prompt_tokens: int, output_tokens: int) -> float:
+        return float(prompt_tokens + 2 * output_tokens)
+
+    def enqueued(self, tenant: str) -> None:
+        if not self.backlog.get(tenant):
+            floor = min((self.counters[t] for t in self.backlog), default=None)
+            if floor is None:  # nobody waits: start level with the most served so far
+                floor = max(self.counters.values(), default=0.0)
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        self.backlog[tenant] = self.backlog.get(tenant, 0) + 1
+
+    def dequeued(self, tenant: str) -> None:
+        left = self.backlog.get(tenant, 0) - 1
+        if left > 0:
+            self.backlog[tenant] = left
+        else:
+            self.backlog.pop(tenant, None)
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        """`tokens` served (negative: a correction of an advance charge)."""
+        weight = self.weights.get(tenant, 1.0)
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens / weight
+
+    def lag(self, tenant: str) -> float:
+        """How far (in weighted tokens) the tenant is ahead of the least-served backlogged one."""
+        floor = min((self.counters[t] for t in self.backlog), default=0.0)
+        return max(0.0, self.counters.get(tenant, 0.0) - floor)
+
+
+class ClassWeights:
+    """Per priority class with a TTFT target: while the class's p90 TTFT over the recent window
+    misses the target, its weight rises by a step (bounded); when met, it relaxes toward 1."""
+
+    def __init__(self, cfg: RequestLevel):
+        self.cfg = cfg
+        self.targets = dict(cfg.class_ttft_slo_ms)
+        self.weights = np.ones(cfg.priority_levels)
+        self.samples: dict[int, deque[tuple[float, float]]] = {p: deque() for p in self.targets}
+
+    def observe(self, priority: int, ttft_ms: float, now: float) -> None:
+        window = self.samples.get(priority)
+        if window is not None:
+            window.append((now, ttft_ms))
+
+    def p90(self, priority: int, now: float) -> float | None:
+        window = self.samples[priority]
+        while window and window[0][0] < now - self.cfg.class_feedback_window_s:
+            window.popleft()
+        if not window:
+            return None
+        return float(np.percentile([ttft for _, ttft in window], 90))
+
+    def update(self, now: float) -> None:
+        """One feedback step (every `class_feedback_interval_s`)."""
+        step, top = self.cfg.class_weight_step, self.cfg.class_weight_max
+        for priority, target in self.targets.items():
+            if priority >= len(self.weights):
+                continue
+            p90 = self.p90(priority, now)
+            if p90 is None:
+                continue  # nothing finished lately: leave the weight where it is
+            current = self.weights[priority]
+            self.weights[priority] = (min(top, current * (1 + step)) if p90 > target
+                                      else max(1.0, current * (1 - step)))
+
+    def stats(self, now: float) -> dict[str, dict]:
+        return {str(p): {"weight": round(float(self.weights[p]), 4), "ttft_slo_ms": target,
+                         "ttft_p90_ms": self.p90(p, now)}
+                for p, target in self.targets.items() if p < len(self.weights)}
+
+
+class OutputPredictor:
+    """How many tokens a request will really generate: max_tokens times a moving average, per
+    (tenant, priority), of the share of max_tokens that finished requests used."""
+
+    def __init__(self, alpha: float, prior: float):
+        self.alpha, self.prior = alpha, prior
+        self.ratios: dict[tuple[str, int], float] = {}
+
+    def predict(self, tenant: str, priority: int, max_tokens: int) -> int:
+        ratio = self.ratios.get((tenant, priority), self.prior)
+        return max(1, min(max_tokens, round(max_tokens * ratio)))
+
+    def observe(self, tenant: str, priority: int, max_tokens: int, output_tokens: int,
+                finish_reason: str) -> None:
+        if finish_reason not in ("stop", "length") or max_tokens <= 0:
+            return  # cut short (cancelled, deadline, an error): says nothing of its length
+        key = (tenant, priority)
+        seen = min(1.0, output_tokens / max_tokens)
+        old = self.ratios.get(key, self.prior)
+        self.ratios[key] = old + self.alpha * (seen - old)

@@ -1,0 +1,150 @@
+"""The request-level scheduler: the waiting queue with everything its order depends on — the
+tenants' virtual token counters, the output-length predictor, the class weights and the
+executors' load — fed by submissions, pulls and the executors' reports. Knows nothing of NATS."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.priority import policy
+from services.priority.fairness import ClassWeights, OutputPredictor, TenantCounters
+from services.priority.queue import WaitingQueue
+from shared.config import RequestLevel
+from shared.messages import Finished, WorkItem
+
+
+MISSED_MS = 1e9  # the TTFT a request that never got a token counts as
+
+
+@dataclass
+class Dispatch:
+    item: WorkItem
+    score: float
+    terms: dict[str, float] = field(default_factory=dict)
+
+
+class RequestScheduler:
+    def __init__(self, cfg: RequestLevel):
+        self.cfg = cfg
+        self.queue = WaitingQueue(cfg.max_pending_requests)
+        self.counters = TenantCounters(cfg.tenant_weights)
+        self.predictor = OutputPredictor(cfg.predictor_alpha, cfg.predictor_prior)
+        self.class_weights = ClassWeights(cfg)
+        self.executor_load: dict[str, tuple[int, int]] = {}  # name -> (busy, slots)
+        self.served: dict[str, dict[str, int]] = {}  # tenant -> prompt and output tokens
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    @property
+    def load(self) -> float:
+        """Demand over executor slots: running and waiting at executors plus this queue."""
+        busy = sum(b for b, _ in self.executor_load.values()) + len(self.queue)
+        slots = sum(s for _, s in self.executor_load.values())
+        return busy / slots if slots else 0.0
+
+    def push(self, item: WorkItem) -> None:
+        request = item.request
+        item.predicted_output_tokens = self.predictor.predict(item.tenant, request.priority,
+                                                              request.max_tokens)
+        self.queue.push(item, item.num_prompt_tokens + item.predicted_output_tokens)
+        self.counters.enqueued(item.tenant)
+
+    def remove(self, request_id: str, tenant: str) -> WorkItem | None:
+        item = self.queue.remove(request_id, tenant)
+        if item is not None:
+            self.counters.dequeued(tenant)
+        return item
+
+    def expired(self, now: float) -> list[WorkItem]:
+        """Requests whose deadline passed while they waited; each counts as a class SLO miss."""
+        items = self.queue.expired(now)
+        for item in items:
+            self.counters.dequeued(item.tenant)
+            self.class_weights.observe(item.request.priority, MISSED_MS, now)
+        return items
+
+    def scores(self, now: float) -> policy.Scores:
+        return policy.scores(self.queue.waiting(self.fairness_terms()), now, self.load,
+                             self.class_weights.weights, self.cfg)
+
+    def fairness_terms(self) -> np.ndarray:
+        """The fairness term of every tenant the queue has seen, by tenant index."""
+        factor = -self.cfg.fairness_factor / self.cfg.fairness_scale_tokens
+        return np.array([factor * self.counters.lag(t) for t in self.queue.tenants] or [0.0])
+
+    def pop(self, max_items: int, now: float) -> list[Dispatch]:
+        """The best `max_items` now. Each dispatch charges its tenant in advance for what it
+        will be served (prompt + 2 x predicted output; corrected when the executor reports),
+        and the next pick within the same pull already sees the new fairness terms."""
+        n = len(self.queue)
+        if n == 0 or max_items <= 0:
+            return []
+        scored = self.scores(now)
+        seq = self.queue.waiting(self.fairness_terms()).seq
+        fair_pull = (self.cfg.policy == "adaptive" and self.cfg.fairness_factor > 0
+                     and len(self.counters.backlog) > 1)
+        if not fair_pull:  # fairness cannot change the order within this pull: one selection
+            rows = [int(r) for r in policy.best(scored.key, seq, max_items)]
+            for row in rows:
+                self._charge(self.queue.item(row))
+        else:
+            rows = self._pick_fairly(scored, seq, min(max_items, n))
+        dispatches = []
+        for row, item in zip(rows, self.queue.take(rows)):
+            item.priority_score = float(scored.score[row])
+            item.queue_wait_ms = max(0.0, 1e3 * (now - item.arrival_time))
+            dispatches.append(Dispatch(item, item.priority_score,
+                                       {name: float(t[row]) for name, t in scored.terms.items()}))
+        return dispatches
+
+    def _pick_fairly(self, scored: policy.Scores, seq: np.ndarray, k: int) -> list[int]:
+        """One pick at a time, moving every row's fairness term (and so its key and score) by
+        its tenant's change after each charge: O(n) a pick."""
+        tenant = self.queue.tenant_rows()
+        not_aged = scored.terms["aged"] == 0
+        key = scored.key.copy()
+        fairness = self.fairness_terms()
+        rows: list[int] = []
+        for _ in range(k):
+            top = np.flatnonzero(key == key.max())
+            row = int(top[np.argmin(seq[top])]) if len(top) > 1 else int(top[0])
+            rows.append(row)
+            key[row] = -np.inf
+            self._charge(self.queue.item(row))
+            moved = self.fairness_terms()
+            shift = (moved - fairness)[tenant]
+            fairness = moved
+            if shift.any():
+                scored.score += shift
+                scored.terms["fairness"] += shift
+                key += np.where(not_aged, shift, 0.0)
+        return rows
+
+    def _charge(self, item: WorkItem) -> None:
+        self.counters.dequeued(item.tenant)
+        self.counters.charge(item.tenant, self.counters.cost(item.num_prompt_tokens,
+                                                             item.predicted_output_tokens))
+
+    def finished(self, report: Finished, now: float) -> None:
+        """An executor ended a request: correct the advance charge, learn its length, and count
+        its TTFT against its class's target."""
+        self.counters.charge(report.tenant, 2 * (report.output_tokens
+                                                 - report.predicted_output_tokens))
+        served = self.served.setdefault(report.tenant, {"prompt_tokens": 0, "output_tokens": 0})
+        served["prompt_tokens"] += report.prompt_tokens
+        served["output_tokens"] += report.output_tokens
+        self.predictor.observe(report.tenant, report.priority, report.max_tokens,
+                               report.output_tokens, report.finish_reason)
+        if report.ttft_ms is not None:
+            self.class_weights.observe(report.priority, report.ttft_ms, now)
+        elif report.finish_reason == "deadline_exceeded":
+            self.class_weights.observe(report.priority, MISSED_MS, now)
+
+    def stats(self, now: float) -> dict:
+        return {"policy": self.cfg.policy, "load": round(self.load, 4),
+                "class_weights": self.class_weights.stats(now),
+                "tenant_counters": {t: round(c, 1) for t, c in self.counters.counters.items()},
+                "backlogged_tenants": dict(self.counters.backlog), "tenant_served": self.served}

@@ -1,0 +1,119 @@
+"""The request-level scheduler through the live stack: deadlines, policies, fairness counters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from shared.bus import discover
+from shared.client import JetserveClient
+from shared.protocol import Completion, Error, GenerateRequest
+from tests.integration.conftest import running_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+# Two slots and no executor queue: a third request waits at priority.
+SMALL_EXECUTOR = {"scheduler.batch_level.max_num_seqs": 2,
+                  "scheduler.batch_level.executor_queue_depth": 0}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory):
+    async with running_stack(tmp_path_factory.mktemp("scheduling"),
+                             settings=SMALL_EXECUTOR) as s:
+        yield s
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(stack):
+    client = await JetserveClient.connect(stack.url, tenant="sched")
+    yield client
+    await client.close()
+
+
+def request(request_id: str, max_tokens: int, priority: int = 5, **kw) -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, prompt_token_ids=[20, 21, 22, 23],
+                           max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                           priority=priority, **kw)
+
+
+async def priority_stats(client) -> dict:
+    [stats] = await discover(client.nc, "STATS", "priority", wait_s=0.3)
+    return next(ep["data"] for ep in stats["endpoints"] if ep.get("data"))
+
+
+async def test_a_running_request_stops_at_its_deadline_with_its_tokens(client):
+    """1,500 tokens take the tiny model several seconds; with deadline_ms 400 the request ends
+    at 400 ms with finish_reason `deadline` and what it generated so far."""
+    completion = await client.generate(request("deadline-run", 1500, deadline_ms=400), timeout=30)
+    assert isinstance(completion, Completion), completion
+    assert completion.finish_reason == "deadline"
+    assert 0 < len(completion.token_ids) < 1500
+    assert 380 <= completion.metrics.e2e_ms < 1500
+
+
+async def test_a_waiting_request_past_its_deadline_gets_an_error_and_no_slot(client):
+    busy = [asyncio.create_task(client.generate(request(f"busy-{i}", 1500), timeout=60))
+            for i in range(2)]
+    await asyncio.sleep(0.5)
+    before = (await priority_stats(client))["deadline_exceeded"]
+    late = await client.generate(request("late", 8, priority=9, deadline_ms=300), timeout=10)
+    assert isinstance(late, Error) and late.code == "deadline_exceeded"
+    assert "`deadline_ms` 300" in late.message and "waiting queue" in late.message
+    assert (await priority_stats(client))["deadline_exceeded"] == before + 1
+    # A durable request's deadline Error is its stored result.
+    await client.submit(request("late-durable", 8, deadline_ms=300))
+    stored = await client.result("late-durable", timeout=10)
+    assert isinstance(stored, Error) and stored.code == "deadline_exceeded"
+    for i in range(2):
+        await client.cancel(f"busy-{i}")
+    await asyncio.gather(*busy)
+
+
+async def test_executors_report_what_each_tenant_was_served(stack):
+    """The executors' reports (with their heartbeats) reach priority: what each tenant was
+    served, which the fairness counters and the length predictor learn from."""
+    async with await JetserveClient.connect(stack.url, tenant="fair-a") as a, \
+            await JetserveClient.connect(stack.url, tenant="fair-b") as b:
+        outputs = await asyncio.gather(
+            a.generate(request("fa-1", 10), timeout=30), a.generate(request("fa-2", 6), timeout=30),
+            b.generate(request("fb-1", 3), timeout=30))
+        assert all(isinstance(o, Completion) for o in outputs), outputs
+        assert all(o.scheduling.queue_wait_ms >= 0 for o in outputs)
+        expected = {"fair-a": {"prompt_tokens": 8, "output_tokens": 16},
+                    "fair-b": {"prompt_tokens": 4, "output_tokens": 3}}
+        for _ in range(50):
+            stats = await priority_stats(a)
+            if all(stats["tenant_served"].get(t) == v for t, v in expected.items()):
+                break
+            await asyncio.sleep(0.1)
+        assert {t: stats["tenant_served"].get(t) for t in expected} == expected
+        assert stats["policy"] == "adaptive" and stats["backlogged_tenants"] == {}
+        assert {"fair-a", "fair-b"} <= set(stats["tenant_counters"])
+
+
+async def test_fcfs_policy_by_environment_keeps_arrival_order(tmp_path):
+    """The same workload as the priority-overtaking test, with policy fcfs set by environment
+    variable: the priority-9 request no longer jumps the queue."""
+    env = {"JETSERVE_SCHEDULER__REQUEST_LEVEL__POLICY": "fcfs"}
+    async with running_stack(tmp_path, settings=SMALL_EXECUTOR, env=env) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="fifo") as client:
+            assert (await priority_stats(client))["policy"] == "fcfs"
+            finished: list[str] = []
+
+            async def run(r: GenerateRequest):
+                completion = await client.generate(r, timeout=120)
+                assert isinstance(completion, Completion), completion
+                finished.append(r.request_id)
+
+            tasks = [asyncio.create_task(run(request("busy-a", 1000, priority=1))),
+                     asyncio.create_task(run(request("busy-b", 1600, priority=1)))]
+            await asyncio.sleep(0.3)
+            for i in range(4):
+                tasks.append(asyncio.create_task(run(request(f"low-{i}", 60, priority=1))))
+            await asyncio.sleep(0.3)
+            tasks.append(asyncio.create_task(run(request("urgent", 60, priority=9))))
+            await asyncio.gather(*tasks)
+    assert finished.index("urgent") > max(finished.index(f"low-{i}") for i in range(4)), finished

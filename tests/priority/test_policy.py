@@ -1,0 +1,113 @@
+import math
+
+import numpy as np
+import pytest
+
+from services.priority import policy
+from shared.config import RequestLevel
+
+
+def cfg(**overrides) -> RequestLevel:
+    return RequestLevel(**overrides)
+
+
+def waiting(priority, seq=None, arrival=None, deadline=None, demand=None, fairness=None):
+    n = len(priority)
+    return policy.Waiting(
+        priority=np.array(priority), seq=np.array(seq if seq is not None else range(n), float),
+        arrival=np.array(arrival if arrival is not None else [0.0] * n, float),
+        deadline=np.array(deadline if deadline is not None else [math.inf] * n, float),
+        demand=np.array(demand if demand is not None else [100.0] * n, float),
+        fairness=np.array(fairness if fairness is not None else [0.0] * n, float))
+
+
+def order(w, now=1.0, load=0.0, config=None, k=None):
+    config = config or cfg()
+    scored = policy.scores(w, now, load, np.ones(config.priority_levels), config)
+    return list(policy.best(scored.key, w.seq, k or len(w.seq)))
+
+
+def test_urgency_rises_as_the_deadline_nears_and_is_zero_without_one():
+    # The seed's listing had the sign inverted; more time left must mean less urgency.
+    far, near, at, past = policy.urgency(np.array([10.0, 1.0, 0.0, -1.0]), time_window=1.0)
+    assert far < near < at < past
+    assert at == pytest.approx(0.5)
+    assert far == pytest.approx(1 / (1 + math.exp(10)))
+    assert policy.urgency(math.inf, 1.0) == 0.0
+    # Clamped: no overflow warning, still in [0, 1].
+    assert policy.urgency(np.array([1e9, -1e9]), 1e-3).tolist() == pytest.approx([0.0, 1.0])
+
+
+def test_time_window_sets_how_early_urgency_starts():
+    assert policy.urgency(2.0, time_window=4.0) > policy.urgency(2.0, time_window=1.0)
+
+
+def test_resource_term_favours_short_jobs_with_a_negative_weight():
+    config = cfg(base_weight=0.0)
+    w = waiting([5, 5], demand=[5000.0, 50.0])
+    assert order(w, config=config) == [1, 0]
+    assert policy.resource(math.e**8, 8.0) == pytest.approx(1.0)
+    assert policy.resource(0, 8.0) == 0.0  # clamped at one token
+
+
+def test_load_adjustment_is_linear_around_the_threshold_and_clamped():
+    config = cfg(load_threshold=0.8, load_weight=1.0, load_adjustment_min=0.5,
+                 load_adjustment_max=2.0)
+    assert policy.load_adjustment(0.8, config) == 1.0
+    assert policy.load_adjustment(1.3, config) == pytest.approx(1.5)
+    assert policy.load_adjustment(5.0, config) == 2.0
+    assert policy.load_adjustment(0.0, config) == pytest.approx(0.5)
+
+
+def test_base_term_scales_priority_to_base_weight_and_by_class_weight():
+    config = cfg(priority_levels=11, base_weight=10.0)
+    assert policy.base(np.array([0, 5, 10]), 1.0, config).tolist() == [0.0, 5.0, 10.0]
+    assert policy.base(7, 1.5, config) == pytest.approx(10.5)
+    assert policy.base(10, 1.0, cfg(priority_levels=5, base_weight=4.0)) == 4.0  # capped
+
+
+def test_adaptive_score_is_the_sum_of_its_terms():
+    config = cfg()
+    w = waiting([9, 5], deadline=[3.0, math.inf], demand=[200.0, 20.0], fairness=[-0.5, 0.0])
+    scored = policy.scores(w, now=1.0, load=1.3, class_weights=np.ones(11), cfg=config)
+    t = scored.terms
+    adjust = policy.load_adjustment(1.3, config)
+    assert t["urgency"][0] == pytest.approx(6.0 * policy.urgency(2.0, 1.0) * adjust)
+    assert t["urgency"][1] == 0.0
+    assert t["resource"][1] == pytest.approx(-math.log(20) / 8)
+    for i in range(2):
+        assert scored.score[i] == pytest.approx(t["base"][i] + t["urgency"][i] + t["resource"][i]
+                                                + t["fairness"][i])
+
+
+def test_a_near_deadline_overtakes_a_higher_base_priority_only_when_close():
+    config = cfg()
+    w = waiting([7, 5], deadline=[math.inf, 10.0])
+    assert order(w, now=0.0, config=config) == [0, 1]  # 10 s of slack: no urgency yet
+    assert order(w, now=9.9, load=1.0, config=config) == [1, 0]  # at its deadline it goes first
+
+
+def test_aging_bound_puts_every_old_request_first_longest_waiting_first():
+    config = cfg(max_wait_s=10.0)
+    w = waiting([1, 9, 1, 5], arrival=[0.0, 5.0, 2.0, 5.0])
+    assert order(w, now=11.0, config=config) == [0, 1, 3, 2]  # only #0 waited >= 10 s
+    assert order(w, now=13.0, config=config) == [0, 2, 1, 3]  # now #2 too; it waited less
+    scored = policy.scores(w, 13.0, 0.0, np.ones(11), config)
+    assert scored.terms["aged"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert scored.score[0] < scored.score[1]  # the executor sees the score, not the bound
+
+
+def test_fcfs_is_arrival_order_and_priority_is_strict_then_arrival():
+    w = waiting([1, 9, 5, 9], seq=[0, 1, 2, 3], deadline=[1.0, math.inf, math.inf, math.inf])
+    assert order(w, config=cfg(policy="fcfs")) == [0, 1, 2, 3]
+    assert order(w, config=cfg(policy="priority")) == [1, 3, 2, 0]
+    scored = policy.scores(w, 0.0, 0.0, np.ones(11), cfg(policy="priority"))
+    assert scored.score.tolist() == [1.0, 9.0, 5.0, 9.0]
+
+
+def test_best_selects_top_k_with_ties_to_the_earlier_arrival():
+    key = np.array([1.0, 3.0, 3.0, 2.0, 3.0])
+    seq = np.array([0.0, 4.0, 1.0, 2.0, 3.0])
+    assert list(policy.best(key, seq, 2)) == [2, 4]
+    assert list(policy.best(key, seq, 10)) == [2, 4, 1, 3, 0]
+    assert list(policy.best(key, seq, 0)) == []

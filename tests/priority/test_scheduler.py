@@ -1,0 +1,100 @@
+"""The request-level scheduler as the priority service drives it, without NATS."""
+
+from services.priority.scheduler import RequestScheduler
+from shared.config import RequestLevel
+from shared.messages import Finished, WorkItem
+from shared.protocol import GenerateRequest
+
+
+def item(request_id, tenant="t", priority=5, arrival=0.0, prompt_len=100, max_tokens=100,
+         deadline=None):
+    request = GenerateRequest(request_id=request_id, prompt_token_ids=[1] * prompt_len,
+                              max_tokens=max_tokens, priority=priority)
+    return WorkItem(request=request, tenant=tenant, arrival_time=arrival, deadline=deadline)
+
+
+def finished(tenant, output_tokens, predicted, priority=5, max_tokens=100, ttft_ms=50.0,
+             reason="stop"):
+    return Finished(tenant, priority, 100, output_tokens, max_tokens, predicted, ttft_ms, reason)
+
+
+def test_dispatch_records_score_wait_and_charges_the_tenant_in_advance():
+    sched = RequestScheduler(RequestLevel())
+    sched.push(item("a", arrival=10.0))
+    [dispatch] = sched.pop(4, now=10.5)
+    assert dispatch.item.priority_score == dispatch.score
+    assert dispatch.item.queue_wait_ms == 500.0
+    assert dispatch.item.predicted_output_tokens == 100  # the prior: all of max_tokens
+    assert sched.counters.counters["t"] == 100 + 2 * 100
+    assert set(dispatch.terms) == {"base", "urgency", "resource", "fairness", "aged"}
+
+
+def test_completions_correct_the_charge_and_teach_the_predictor():
+    sched = RequestScheduler(RequestLevel(predictor_alpha=1.0))
+    sched.push(item("a"))
+    sched.pop(1, now=0.0)
+    sched.finished(finished("t", output_tokens=20, predicted=100), now=1.0)
+    assert sched.counters.counters["t"] == 100 + 2 * 20
+    sched.push(item("b"))
+    assert sched.queue.items()[0].predicted_output_tokens == 20
+
+
+def test_light_tenant_goes_ahead_of_a_heavy_backlog():
+    """VTC: once the heavy tenant has been served, a light tenant's new request is next even
+    though many heavy requests arrived earlier."""
+    sched = RequestScheduler(RequestLevel())
+    for i in range(20):
+        sched.push(item(f"h{i}", tenant="heavy", arrival=float(i) * 0.01))
+    first = sched.pop(2, now=1.0)
+    assert [d.item.tenant for d in first] == ["heavy", "heavy"]
+    sched.push(item("l0", tenant="light", arrival=1.0))
+    # Light starts level with heavy (no banked credit): one more heavy request, then light.
+    assert [d.item.request_id for d in sched.pop(2, now=1.0)] == ["h2", "l0"]
+
+
+def test_one_pull_alternates_between_equally_served_tenants():
+    sched = RequestScheduler(RequestLevel())
+    for i in range(4):
+        sched.push(item(f"a{i}", tenant="a", arrival=0.0))
+    for i in range(4):
+        sched.push(item(f"b{i}", tenant="b", arrival=1.0))
+    picked = [d.item.request_id for d in sched.pop(6, now=2.0)]
+    assert picked == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_scores_reported_are_those_at_the_pick_not_at_the_start_of_the_pull():
+    sched = RequestScheduler(RequestLevel())
+    sched.push(item("h0", tenant="heavy"))
+    sched.push(item("h1", tenant="heavy"))
+    sched.counters.charge("heavy", 2000.0)  # heavy is 2,000 tokens ahead ...
+    sched.push(item("l0", tenant="light"))  # ... of light, which starts level with heavy
+    sched.counters.counters["light"] = 0.0  # (as if light had been backlogged all along)
+    light, heavy = sched.pop(2, now=0.0)
+    assert light.item.request_id == "l0" and heavy.item.request_id == "h0"
+    # Once light left the queue, heavy was the least-served backlogged tenant: no penalty.
+    assert heavy.terms["fairness"] == 0.0 and heavy.score == light.score
+
+
+def test_fcfs_ignores_tenants_and_priorities():
+    sched = RequestScheduler(RequestLevel(policy="fcfs"))
+    sched.push(item("h0", tenant="heavy", priority=1))
+    sched.push(item("l0", tenant="light", priority=9))
+    assert [d.item.request_id for d in sched.pop(2, now=0.0)] == ["h0", "l0"]
+
+
+def test_expired_requests_count_as_class_misses():
+    sched = RequestScheduler(RequestLevel(class_ttft_slo_ms={9: 100.0}))
+    sched.push(item("late", priority=9, deadline=1.0))
+    sched.push(item("fine", priority=9))
+    assert [i.request_id for i in sched.expired(now=2.0)] == ["late"]
+    assert sched.counters.backlog == {"t": 1}
+    sched.class_weights.update(now=2.0)
+    assert sched.class_weights.weights[9] > 1.0
+
+
+def test_load_counts_executors_and_the_queue():
+    sched = RequestScheduler(RequestLevel())
+    assert sched.load == 0.0
+    sched.executor_load = {"e0": (6, 8), "e1": (2, 8)}
+    sched.push(item("a"))
+    assert sched.load == (6 + 2 + 1) / 16
