@@ -88,40 +88,52 @@ class RequestScheduler:
                      and len(self.counters.backlog) > 1)
         if not fair_pull:  # fairness cannot change the order within this pull: one selection
             rows = [int(r) for r in policy.best(scored.key, seq, max_items)]
+            shifts = [0.0] * len(rows)
             for row in rows:
                 self._charge(self.queue.item(row))
         else:
-            rows = self._pick_fairly(scored, seq, min(max_items, n))
+            rows, shifts = self._pick_fairly(scored, seq, min(max_items, n))
         dispatches = []
-        for row, item in zip(rows, self.queue.take(rows)):
-            item.priority_score = float(scored.score[row])
+        for row, shift, item in zip(rows, shifts, self.queue.take(rows)):
+            terms = {name: float(t[row]) for name, t in scored.terms.items()}
+            if "fairness" in terms:
+                terms["fairness"] += shift
+            item.priority_score = float(scored.score[row]) + shift
             item.queue_wait_ms = max(0.0, 1e3 * (now - item.arrival_time))
-            dispatches.append(Dispatch(item, item.priority_score,
-                                       {name: float(t[row]) for name, t in scored.terms.items()}))
+            dispatches.append(Dispatch(item, item.priority_score, terms))
         return dispatches
 
-    def _pick_fairly(self, scored: policy.Scores, seq: np.ndarray, k: int) -> list[int]:
-        """One pick at a time, moving every row's fairness term (and so its key and score) by
-        its tenant's change after each charge: O(n) a pick."""
-        tenant = self.queue.tenant_rows()
-        not_aged = scored.terms["aged"] == 0
-        key = scored.key.copy()
-        fairness = self.fairness_terms()
-        rows: list[int] = []
+    def _pick_fairly(self, scored: policy.Scores, seq: np.ndarray,
+                     k: int) -> tuple[list[int], list[float]]:
+        """One pick at a time; after each charge every row's fairness term moves by its tenant's
+        change. A charge shifts all of a tenant's (not aged) rows alike, so only each tenant's
+        best k can ever be picked: O(n) per backlogged tenant to find those, then O(k) a pick.
+        Returns the rows and how far each one's fairness term had moved when it was picked."""
+        tenants = self.queue.tenant_rows()
+        candidates = []
+        for t in np.flatnonzero(np.bincount(tenants)):
+            mine = np.flatnonzero(tenants == t)
+            candidates.append(mine[policy.best(scored.key[mine], seq[mine], k)])
+        rows_of = np.concatenate(candidates)
+        key, tenant = scored.key[rows_of].copy(), tenants[rows_of]
+        not_aged = scored.terms["aged"][rows_of] == 0
+        fairness = start = self.fairness_terms()
+        picked: list[int] = []
+        shifts: list[float] = []
         for _ in range(k):
             top = np.flatnonzero(key == key.max())
-            row = int(top[np.argmin(seq[top])]) if len(top) > 1 else int(top[0])
-            rows.append(row)
-            key[row] = -np.inf
+            best = int(top[np.argmin(seq[rows_of[top]])]) if len(top) > 1 else int(top[0])
+            row = int(rows_of[best])
+            picked.append(row)
+            shifts.append(float(fairness[tenant[best]] - start[tenant[best]]))
+            key[best] = -np.inf
             self._charge(self.queue.item(row))
             moved = self.fairness_terms()
-            shift = (moved - fairness)[tenant]
+            change = moved - fairness
             fairness = moved
-            if shift.any():
-                scored.score += shift
-                scored.terms["fairness"] += shift
-                key += np.where(not_aged, shift, 0.0)
-        return rows
+            if change.any():
+                key += np.where(not_aged, change[tenant], 0.0)
+        return picked, shifts
 
     def _charge(self, item: WorkItem) -> None:
         self.counters.dequeued(item.tenant)
