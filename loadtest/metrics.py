@@ -79,27 +79,36 @@ def jain_index(values: list[float]) -> float | None:
 
 @dataclass(frozen=True)
 class Slo:
-    """Goodput limits in ms; a request counts only if it meets every one given."""
+    """Goodput limits in ms; a request counts only if it meets every one given. `deadline`:
+    a request with `deadline_ms` must also complete in full within it."""
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
+    deadline: bool = False
 
     @classmethod
     def parse(cls, items: list[str] | None) -> Slo | None:
-        """`["ttft:500", "tpot:50"]` -> Slo(ttft_ms=500, tpot_ms=50)."""
+        """`["ttft:500", "tpot:50", "deadline"]` -> Slo(ttft_ms=500, tpot_ms=50, deadline=True)."""
         if not items:
             return None
-        limits = {}
+        limits: dict = {}
         for item in items:
+            if item == "deadline":
+                limits["deadline"] = True
+                continue
             name, _, value = item.partition(":")
             if name not in ("ttft", "tpot", "e2e") or not value:
-                raise ValueError(f"--goodput {item!r}: expected ttft:MS, tpot:MS or e2e:MS")
+                raise ValueError(f"--goodput {item!r}: expected ttft:MS, tpot:MS, e2e:MS or "
+                                 f"deadline")
             limits[f"{name}_ms"] = float(value)
         return cls(**limits)
 
     def met(self, record: RequestRecord) -> bool:
         if not record.ok:
+            return False
+        if self.deadline and record.deadline_ms is not None and (
+                record.finish_reason == "deadline" or 1e3 * record.e2e > record.deadline_ms):
             return False
         checks = [(self.ttft_ms, record.ttft), (self.e2e_ms, record.e2e)]
         if record.tpot is not None:  # a one-token request has no TPOT to hold to a limit

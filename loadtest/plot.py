@@ -17,7 +17,8 @@ def _ttft_ms(records: list[dict]) -> list[float]:
 
 
 def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
-    """A run set: the TTFT CDF of each run, overall and per priority class (one panel each)."""
+    """A run set: the TTFT CDF of each run, overall and per priority class, or per tenant when
+    all requests share one class (one panel each)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,13 +26,17 @@ def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
 
     done = [[r for r in run["requests"] if r["end_time"] is not None and r["error"] is None]
             for run in runs]
-    classes = sorted({r["priority"] for records in done for r in records}, reverse=True)
-    panels = [None] + (classes if len(classes) > 1 else [])
+    field, name = "priority", "priority"
+    groups = sorted({r[field] for records in done for r in records}, reverse=True)
+    if len(groups) < 2:
+        field, name = "tenant", "tenant"
+        groups = sorted({r[field] for records in done for r in records})
+    panels = [None] + (groups if len(groups) > 1 else [])
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
-    for axis, priority in zip(axes[0], panels):
+    for axis, group in zip(axes[0], panels):
         for run, records in zip(runs, done):
-            mine = [r for r in records if priority is None or r["priority"] == priority]
-            sent = sum(1 for r in run["requests"] if priority is None or r["priority"] == priority)
+            mine = [r for r in records if group is None or r[field] == group]
+            sent = sum(1 for r in run["requests"] if group is None or r[field] == group)
             values = sorted(_ttft_ms(mine))
             # Normalised by requests sent: a curve that stops short of 1 lost requests.
             axis.plot(values, [(i + 1) / max(1, sent) for i in range(len(values))],
@@ -39,7 +44,7 @@ def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
         axis.set_xscale("log")
         axis.set_xlabel("TTFT (ms, log scale)")
         axis.set_ylabel("fraction of requests sent")
-        axis.set_title("all requests" if priority is None else f"priority {priority}")
+        axis.set_title("all requests" if group is None else f"{name} {group}")
         axis.set_ylim(0, 1.02)
         axis.grid(alpha=0.3)
         axis.legend()

@@ -57,7 +57,8 @@ def print_summary(result: dict) -> None:
 
 
 COMPARED = [("output tok/s", ("output_throughput",)), ("request/s", ("request_throughput",)),
-            ("goodput req/s", ("goodput",)), ("TTFT p50 ms", ("ttft_ms", "p50")),
+            ("goodput req/s", ("goodput",)), ("goodput fraction", ("goodput_fraction",)),
+            ("TTFT p50 ms", ("ttft_ms", "p50")),
             ("TTFT p99 ms", ("ttft_ms", "p99")), ("TPOT p50 ms", ("tpot_ms", "p50")),
             ("TPOT p99 ms", ("tpot_ms", "p99")), ("ITL p99 ms", ("itl_ms", "p99")),
             ("E2E p50 ms", ("e2e_ms", "p50")), ("E2E p99 ms", ("e2e_ms", "p99")),
@@ -82,6 +83,7 @@ def print_runset(runs: list[dict]) -> None:
             for label, path in (("TTFT p50 ms", ("ttft_ms", "p50")),
                                 ("TTFT p99 ms", ("ttft_ms", "p99")),
                                 ("deadline met", ("deadline_met_fraction",)),
+                                ("goodput fraction", ("goodput_fraction",)),
                                 ("completed", ("completed",)),
                                 ("queue wait max ms", ("queue_wait_ms", "max"))):
                 values = [_get(r["summary"][group].get(key, {}), path) for r in runs]

@@ -20,6 +20,7 @@ class WorkItem(msgspec.Struct, kw_only=True):
     trace: dict[str, str] = {}  # W3C trace context of the latest hop's span
     # Set by priority at dispatch: the executor orders and preempts by the score.
     priority_score: float = 0.0
+    aged: bool = False  # dispatched by the aging bound: the executor keeps it ahead too
     queue_wait_ms: float = 0.0
     predicted_output_tokens: int = 0  # what the tenant was charged for in advance
 

@@ -142,10 +142,12 @@ class Engine:
         return prompt_token_ids(self.tokenizer, request, self.model_config.vocab_size)
 
     def add_request(self, request: GenerateRequest, sink: OutputSink,
-                    arrival_time: float | None = None, score: float | None = None) -> str:
+                    arrival_time: float | None = None, score: float | None = None,
+                    aged: bool = False) -> str:
         """Validate and queue a request; its outputs go to `sink`. Raises ProtocolError.
 
-        `score` orders it against the others (default: its base priority). With `deadline_ms`
+        `score` orders it against the others (default: its base priority); `aged` puts it ahead
+        of every request that is not (priority's aging bound). With `deadline_ms`
         it ends at arrival + deadline_ms: a `deadline` Completion with what it has generated,
         or a `deadline_exceeded` Error when that is nothing yet."""
         request.check()
@@ -170,7 +172,7 @@ class Engine:
             stop=tuple(request.stop), stop_token_ids=frozenset(request.stop_token_ids),
             ignore_eos=request.ignore_eos)
         seq = Sequence(request_id, prompt, sampling, priority=request.priority,
-                       score=score,
+                       score=score, aged=aged,
                        arrival_index=next(self._arrivals),
                        arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         state = self._requests[request_id] = RequestState(

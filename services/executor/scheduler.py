@@ -4,7 +4,8 @@ Running sequences first (decodes and unfinished prefill chunks), then waiting on
 token budget and a sequence limit, so long prompts are prefilled in chunks beside ongoing decodes.
 When KV blocks run out it preempts by recompute: the lowest-score, latest-admitted sequence
 gives its blocks back and returns to the waiting queue at its original place. A waiting sequence
-whose score beats a running one's by `preemption_margin` may preempt it.
+whose score beats a running one's by `preemption_margin` may preempt it, unless that one was
+dispatched by priority's aging bound (then it sorts first and is never displaced by others).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class Scheduler:
         if not self.running:
             return None
         victim = max(self.running, key=Sequence.sort_key)
-        if seq.score - victim.score < self.preemption_margin:
+        if (victim.aged and not seq.aged) or seq.score - victim.score < self.preemption_margin:
             return None
         self._preempt(victim)
         return victim

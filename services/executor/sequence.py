@@ -36,6 +36,7 @@ class Sequence:
     sampling: SamplingParams
     priority: int = 5
     score: float | None = None  # the order: priority's score at dispatch (default: priority)
+    aged: bool = False  # dispatched by priority's aging bound: ahead of every request not aged
     arrival_index: int = 0  # admission order; ties in score go to the earlier one
     arrival_time: float = 0.0
 
@@ -78,6 +79,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def sort_key(self) -> tuple[float, int]:
-        """Scheduling order: higher score first, then earlier arrival."""
-        return (-self.score, self.arrival_index)
+    def sort_key(self) -> tuple[bool, float, int]:
+        """Scheduling order: aged first, then higher score, then earlier arrival."""
+        return (not self.aged, -self.score, self.arrival_index)

@@ -155,3 +155,21 @@ def test_preemption_needs_the_score_margin():
     batch = sched.schedule()
     assert [item.seq for item in batch] == [much_better]
     assert running.status is SeqStatus.WAITING and running.preemptions == 1
+
+
+def test_an_aged_request_goes_first_and_is_not_preempted_by_a_higher_score():
+    """Priority's aging bound holds at the executor too: ahead in the waiting queue, and safe
+    from preemption by requests that are not aged, whatever their score."""
+    sched = make(max_num_seqs=1)
+    aged = scored(4, score=1.0, priority=1)
+    aged.aged = True
+    fresh = scored(4, score=9.0, priority=9)
+    sched.add(fresh)
+    sched.add(aged)
+    assert sched.waiting == [aged, fresh]
+    resolve(sched.schedule())
+    assert sched.running == [aged]
+    urgent = scored(4, score=12.0, priority=9)
+    sched.add(urgent)
+    assert [item.seq for item in sched.schedule()] == [aged]
+    assert aged.preemptions == 0 and urgent.status is SeqStatus.WAITING

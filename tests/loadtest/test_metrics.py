@@ -84,3 +84,18 @@ def test_summary_groups_errors_outstanding_and_fairness():
     assert nine["deadline_met_fraction"] == pytest.approx(0.5)  # a1 took 200 ms > 150
     assert s["per_tenant"]["b"]["failed"] == 1 and s["per_tenant"]["b"]["outstanding"] == 1
     assert s["itl_ms"]["count"] == 5 and s["itl_ms"]["p50"] == pytest.approx(100.0)
+
+
+def test_deadline_goodput_needs_the_whole_output_within_the_deadline():
+    slo = Slo.parse(["deadline", "ttft:1000"])
+    assert slo == Slo(ttft_ms=1000.0, deadline=True)
+
+    def record(deadline_ms, end, finish_reason="length"):
+        return RequestRecord(request_id="r", tenant="t", priority=9, send_time=0.0,
+                             deadline_ms=deadline_ms, delta_times=[0.1], delta_tokens=[1],
+                             end_time=end, output_tokens=4, finish_reason=finish_reason)
+
+    assert slo.met(record(2000.0, 1.5))
+    assert not slo.met(record(2000.0, 2.5))  # late
+    assert not slo.met(record(2000.0, 1.9, finish_reason="deadline"))  # cut short at it
+    assert slo.met(record(None, 30.0))  # no deadline: only the other limits apply

@@ -98,3 +98,13 @@ def test_load_counts_executors_and_the_queue():
     sched.executor_load = {"e0": (6, 8), "e1": (2, 8)}
     sched.push(item("a"))
     assert sched.load == (6 + 2 + 1) / 16
+
+
+def test_aged_dispatches_are_marked_for_the_executor():
+    sched = RequestScheduler(RequestLevel(max_wait_s=10.0))
+    sched.push(item("old", priority=1, arrival=0.0))
+    sched.push(item("new", priority=9, arrival=9.0))
+    old, new = sched.pop(2, now=11.0)
+    assert (old.item.request_id, old.item.aged) == ("old", True)
+    assert (new.item.request_id, new.item.aged) == ("new", False)
+    assert old.score < new.score  # the score itself is not inflated by the bound

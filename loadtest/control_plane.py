@@ -1,0 +1,93 @@
+"""How many requests per second the control plane (admission, priority, batcher, nats-server)
+sustains on this machine, and which process saturates first.
+
+One embedded stack with many simulated executors whose steps are short, so no executor is the
+limit; `jetserve bench serve` runs at rising request rates against it, and each process's CPU use
+over each run is read from /proc.
+
+    python -m loadtest.control_plane --executors 8 --rates 50 100 200 400 \\
+        --result-json results/control_plane.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from loadtest import serve
+from services.stack import Stack, free_port
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def bench_args(rate: float, duration: float, model: str, executors: int) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args([
+        "--model", model, "--executors", str(executors), "--request-rate", str(rate),
+        "--duration", str(duration), "--input-len-range", "16", "32",
+        "--output-len-range", "2", "4", "--no-progress", "--label", f"rate-{rate:g}"])
+
+
+async def sweep(args) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jetserve-cp-") as state:
+        stack = Stack(state_dir=state, nats_port=free_port(), executors=args.executors,
+                      settings={"model.name": args.model}, log_dir=Path(state) / "logs")
+        await stack.start()
+        try:
+            pids = {name: p.pid for name, p in stack.processes.items()}
+            for rate in args.rates:
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                start = time.perf_counter()
+                result = await serve.run(bench_args(rate, args.duration, args.model,
+                                                    args.executors), stack.url)
+                wall = time.perf_counter() - start
+                used = {name: (cpu_seconds(pid) - before[name]) / wall
+                        for name, pid in pids.items()}
+                executors = sum(v for k, v in used.items() if k.startswith("executor"))
+                cpu = {k: round(v, 3) for k, v in used.items() if not k.startswith("executor")}
+                cpu["executors (all)"] = round(executors, 3)
+                s = result["summary"]
+                rows.append({"offered_rate": rate, "completed_rate": s["request_throughput"],
+                             "completed": s["completed"], "requests": s["requests"],
+                             "failed": s["failed"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+                             "ttft_p99_ms": s["ttft_ms"]["p99"], "cpu_cores": cpu})
+                print(f"rate {rate:>6g}/s: completed {s['request_throughput']:.1f}/s, "
+                      f"TTFT p50 {s['ttft_ms']['p50'] or 0:.0f} ms p99 "
+                      f"{s['ttft_ms']['p99'] or 0:.0f} ms, cores "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
+        finally:
+            await stack.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.control_plane",
+                                     description=__doc__)
+    parser.add_argument("--executors", type=int, default=8)
+    parser.add_argument("--model", default="sim:llama3-8b-h100")
+    parser.add_argument("--rates", type=float, nargs="+", default=[50, 100, 200, 400])
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--result-json", type=Path)
+    args = parser.parse_args(argv)
+    rows = asyncio.run(sweep(args))
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps({"executors": args.executors, "model": args.model,
+                                                "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
