@@ -18,8 +18,11 @@ class WorkItem(msgspec.Struct, kw_only=True):
     reply_to: str | None = None  # the client's inbox on llm.generate; None for a durable request
     durable: bool = False
     trace: dict[str, str] = {}  # W3C trace context of the latest hop's span
-    # Set by priority at dispatch: the executor orders and preempts by the score.
+    # Set by priority at dispatch. The executor orders and preempts by `standing`, the part of
+    # the score that does not move with the clock (all but deadline urgency): it compares
+    # requests dispatched at different moments, when their urgencies are not comparable.
     priority_score: float = 0.0
+    standing: float = 0.0
     aged: bool = False  # dispatched by the aging bound: the executor keeps it ahead too
     queue_wait_ms: float = 0.0
     predicted_output_tokens: int = 0  # what the tenant was charged for in advance

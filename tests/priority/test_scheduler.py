@@ -1,5 +1,7 @@
 """The request-level scheduler as the priority service drives it, without NATS."""
 
+import pytest
+
 from services.priority.scheduler import RequestScheduler
 from shared.config import RequestLevel
 from shared.messages import Finished, WorkItem
@@ -108,3 +110,11 @@ def test_aged_dispatches_are_marked_for_the_executor():
     assert (old.item.request_id, old.item.aged) == ("old", True)
     assert (new.item.request_id, new.item.aged) == ("new", False)
     assert old.score < new.score  # the score itself is not inflated by the bound
+
+
+def test_the_executor_gets_the_score_without_the_clock_dependent_urgency():
+    sched = RequestScheduler(RequestLevel())
+    sched.push(item("soon", priority=5, deadline=1.2))
+    [dispatch] = sched.pop(1, now=1.0)
+    assert dispatch.terms["urgency"] > 1.0
+    assert dispatch.item.standing == pytest.approx(dispatch.score - dispatch.terms["urgency"])
