@@ -62,25 +62,28 @@ class Scheduler:
         preempted = False
         self.running.sort(key=Sequence.sort_key)
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # Decodes first, then prefill chunks, each in score order: a long prefill of a
+        # high-score request never stalls the decodes beside it (stall-free batching).
+        for seq in sorted(self.running, key=lambda s: self._tokens_to_run(s) > 1):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this step
             num_new = min(self._tokens_to_run(seq), budget)
             if num_new == 0:
-                i += 1
                 continue
             while not bm.can_allocate(seq, num_new):
-                victim = self.running[-1]  # lowest score, latest; never one already scheduled
+                victim = self.running[-1]  # lowest score, latest
+                budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
-                break
+                continue
             bm.allocate(seq, num_new)
             scheduled[seq] = num_new
             budget -= num_new
-            i += 1
 
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]

@@ -173,3 +173,16 @@ def test_an_aged_request_goes_first_and_is_not_preempted_by_a_higher_score():
     sched.add(urgent)
     assert [item.seq for item in sched.schedule()] == [aged]
     assert aged.preemptions == 0 and urgent.status is SeqStatus.WAITING
+
+
+def test_a_high_score_prefill_never_stalls_the_decodes_beside_it():
+    sched = make(budget=16)
+    low = scored(4, score=1.0, priority=1)
+    sched.add(low)
+    resolve(sched.schedule())  # low is decoding
+    high = scored(64, score=9.0, priority=9)
+    sched.add(high)
+    for _ in range(3):  # high's prefill spans several steps; low decodes in every one
+        batch = sched.schedule()
+        assert {item.seq: item.num_new_tokens for item in batch} == {low: 1, high: 15}
+        resolve(batch)
