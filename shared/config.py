@@ -36,6 +36,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     executor_name: str = "executor-0"
     # A waiting request preempts a running one only if its score is at least this much higher.
     preemption_margin: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    # Aging bound: a request waiting this long since its arrival goes ahead of every request
+    # that has not, and no such request may preempt it (None: off; the adaptive policy sets it).
+    max_wait_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 # ------------------------------------------------------------------------ jetserve.yaml (services)
@@ -172,7 +175,9 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             enable_prefix_caching=kv.enable_prefix_caching,
             pipeline=self.scheduler.token_level.pipeline, num_threads=model.num_threads,
             weights_cache_dir=model.weights_cache_dir, executor_name=executor_name,
-            preemption_margin=self.scheduler.token_level.preemption_margin)
+            preemption_margin=self.scheduler.token_level.preemption_margin,
+            max_wait_s=(self.scheduler.request_level.max_wait_s
+                        if self.scheduler.request_level.policy == "adaptive" else None))
 
 
 class ConfigError(Exception):

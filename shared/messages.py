@@ -23,7 +23,6 @@ class WorkItem(msgspec.Struct, kw_only=True):
     # requests dispatched at different moments, when their urgencies are not comparable.
     priority_score: float = 0.0
     standing: float = 0.0
-    aged: bool = False  # dispatched by the aging bound: the executor keeps it ahead too
     queue_wait_ms: float = 0.0
     predicted_output_tokens: int = 0  # what the tenant was charged for in advance
 

@@ -142,12 +142,11 @@ class Engine:
         return prompt_token_ids(self.tokenizer, request, self.model_config.vocab_size)
 
     def add_request(self, request: GenerateRequest, sink: OutputSink,
-                    arrival_time: float | None = None, score: float | None = None,
-                    aged: bool = False) -> str:
+                    arrival_time: float | None = None, score: float | None = None) -> str:
         """Validate and queue a request; its outputs go to `sink`. Raises ProtocolError.
 
-        `score` orders it against the others (default: its base priority); `aged` puts it ahead
-        of every request that is not (priority's aging bound). With `deadline_ms`
+        `score` orders it against the others (default: its base priority); with `max_wait_s`
+        configured, it goes ahead of all others once it has waited that long. With `deadline_ms`
         it ends at arrival + deadline_ms: a `deadline` Completion with what it has generated,
         or a `deadline_exceeded` Error when that is nothing yet."""
         request.check()
@@ -172,21 +171,33 @@ class Engine:
             stop=tuple(request.stop), stop_token_ids=frozenset(request.stop_token_ids),
             ignore_eos=request.ignore_eos)
         seq = Sequence(request_id, prompt, sampling, priority=request.priority,
-                       score=score, aged=aged,
+                       score=score,
                        arrival_index=next(self._arrivals),
                        arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         state = self._requests[request_id] = RequestState(
             seq=seq, model=self.model_name, executor=self.config.executor_name,
             detokenizer=IncrementalDetokenizer(self.tokenizer), eos_token_id=self.eos_token_id,
             max_model_len=self.max_model_len, stream=request.stream, sink=sink)
+        # Timers, not checks in the step loop: they cost nothing per step.
         if request.deadline_ms is not None:
-            # A timer, not a check in the step loop: costs nothing per step.
             left = seq.arrival_time + request.deadline_ms / 1e3 - time.monotonic()
-            state.deadline_timer = asyncio.get_running_loop().call_later(
-                max(0.0, left), self._deadline_passed, state, request.deadline_ms)
+            state.timers.append(asyncio.get_running_loop().call_later(
+                max(0.0, left), self._deadline_passed, state, request.deadline_ms))
+        if self.config.max_wait_s is not None:
+            left = seq.arrival_time + self.config.max_wait_s - time.monotonic()
+            if left <= 0:
+                seq.aged = True
+            else:
+                state.timers.append(asyncio.get_running_loop().call_later(
+                    left, self._aged, state))
         self.scheduler.add(seq)
         self._wakeup.set()
         return request_id
+
+    def _aged(self, state: RequestState) -> None:
+        if self._requests.get(state.seq.request_id) is state:
+            self.scheduler.age(state.seq)
+            self._wakeup.set()
 
     def _deadline_passed(self, state: RequestState, deadline_ms: float) -> None:
         if self._requests.get(state.seq.request_id) is not state:
@@ -344,5 +355,5 @@ class Engine:
         self.scheduler.finish(state.seq)
         self.runner.release(state.seq.request_id)
         del self._requests[state.seq.request_id]
-        if state.deadline_timer is not None:
-            state.deadline_timer.cancel()
+        for timer in state.timers:
+            timer.cancel()

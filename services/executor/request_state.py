@@ -28,7 +28,7 @@ class RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
-    deadline_timer: asyncio.TimerHandle | None = None
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)  # deadline, aging
     stop_holdback: int = field(init=False)
 
     def __post_init__(self):

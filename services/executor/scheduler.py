@@ -5,7 +5,7 @@ token budget and a sequence limit, so long prompts are prefilled in chunks besid
 When KV blocks run out it preempts by recompute: the lowest-score, latest-admitted sequence
 gives its blocks back and returns to the waiting queue at its original place. A waiting sequence
 whose score beats a running one's by `preemption_margin` may preempt it, unless that one was
-dispatched by priority's aging bound (then it sorts first and is never displaced by others).
+aged past the aging bound (then it sorts first and is never displaced by others).
 """
 
 from __future__ import annotations
@@ -42,6 +42,16 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def age(self, seq: Sequence) -> None:
+        """`seq` has waited past the aging bound: it goes ahead of every sequence that has not
+        and none of those may preempt it."""
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.aged = True
+            self.add(seq)
+        else:
+            seq.aged = True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -36,7 +36,7 @@ class Sequence:
     sampling: SamplingParams
     priority: int = 5
     score: float | None = None  # the order: priority's score at dispatch (default: priority)
-    aged: bool = False  # dispatched by priority's aging bound: ahead of every request not aged
+    aged: bool = False  # waited past the aging bound: ahead of every request that has not
     arrival_index: int = 0  # admission order; ties in score go to the earlier one
     arrival_time: float = 0.0
 

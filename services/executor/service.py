@@ -133,7 +133,7 @@ class ExecutorService:
         request = msgspec.structs.replace(item.request, request_id=key)
         try:
             self.engine.add_request(request, lambda out, item=item: self.outputs.put_nowait(
-                (item, out)), arrival_time=arrival, score=item.standing, aged=item.aged)
+                (item, out)), arrival_time=arrival, score=item.standing)
         except ProtocolError as exc:
             span.end()
             await self.outbox.final(item, exc.to_error(item.request_id))

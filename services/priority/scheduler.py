@@ -100,7 +100,6 @@ class RequestScheduler:
                 terms["fairness"] += shift
             item.priority_score = float(scored.score[row]) + shift
             item.standing = item.priority_score - terms.get("urgency", 0.0)
-            item.aged = terms.get("aged", 0.0) > 0
             item.queue_wait_ms = max(0.0, 1e3 * (now - item.arrival_time))
             dispatches.append(Dispatch(item, item.priority_score, terms))
         return dispatches

@@ -264,3 +264,40 @@ async def test_score_orders_requests_and_reaches_the_completion(tiny_engine):
     while len(queue) < 2:
         await asyncio.sleep(0.01)
     assert {c.request_id: c.scheduling.priority_score for c in queue} == {"high": 7.5, "low": 1.0}
+
+
+async def test_aging_bound_at_the_executor():
+    """With max_wait_s, a request that has waited that long goes ahead of fresher, higher-score
+    ones, and a running request past it is not preempted by them."""
+    engine = Engine(tiny_config(max_num_seqs=1, max_wait_s=0.3))
+    finished: list[str] = []
+    engine.start()
+    try:
+        def sink(output):
+            if not isinstance(output, Delta):
+                finished.append(output.request_id)
+
+        engine.add_request(greedy([20, 21], max_tokens=1500, request_id="busy"), sink, score=5.0)
+        await asyncio.sleep(0.05)
+        engine.add_request(greedy([22, 23], max_tokens=8, request_id="low"), sink, score=1.0)
+        await asyncio.sleep(0.5)  # both have waited past the bound now
+        engine.add_request(greedy([24, 25], max_tokens=8, request_id="high"), sink, score=9.0)
+        await asyncio.sleep(0.1)  # high is fresh: it may neither preempt busy nor pass low
+        assert [s.request_id for s in engine.scheduler.running] == ["busy"]
+        assert [s.request_id for s in engine.scheduler.waiting] == ["low", "high"]
+        assert engine.scheduler.num_preemptions == 0
+        engine.abort("busy")
+        while len(finished) < 3:
+            await asyncio.sleep(0.01)
+    finally:
+        await engine.stop()
+    assert finished == ["busy", "low", "high"]
+
+
+def test_max_wait_s_reaches_the_engine_only_under_the_adaptive_policy():
+    from shared.config import load_config
+
+    adaptive = load_config(None, {})
+    assert adaptive.engine_config("e").max_wait_s == 60.0
+    fcfs = load_config(None, {"JETSERVE_SCHEDULER__REQUEST_LEVEL__POLICY": "fcfs"})
+    assert fcfs.engine_config("e").max_wait_s is None

@@ -186,3 +186,12 @@ def test_a_high_score_prefill_never_stalls_the_decodes_beside_it():
         batch = sched.schedule()
         assert {item.seq: item.num_new_tokens for item in batch} == {low: 1, high: 15}
         resolve(batch)
+
+
+def test_age_moves_a_waiting_sequence_to_the_front():
+    sched = make(max_num_seqs=8)
+    high, low = scored(4, score=9.0), scored(4, score=1.0)
+    sched.add(high)
+    sched.add(low)
+    sched.age(low)
+    assert sched.waiting == [low, high] and low.aged

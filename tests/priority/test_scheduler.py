@@ -102,14 +102,14 @@ def test_load_counts_executors_and_the_queue():
     assert sched.load == (6 + 2 + 1) / 16
 
 
-def test_aged_dispatches_are_marked_for_the_executor():
+def test_aged_requests_go_first_without_an_inflated_score():
     sched = RequestScheduler(RequestLevel(max_wait_s=10.0))
     sched.push(item("old", priority=1, arrival=0.0))
     sched.push(item("new", priority=9, arrival=9.0))
     old, new = sched.pop(2, now=11.0)
-    assert (old.item.request_id, old.item.aged) == ("old", True)
-    assert (new.item.request_id, new.item.aged) == ("new", False)
-    assert old.score < new.score  # the score itself is not inflated by the bound
+    assert (old.item.request_id, old.terms["aged"]) == ("old", 1.0)
+    assert (new.item.request_id, new.terms["aged"]) == ("new", 0.0)
+    assert old.score < new.score and old.item.standing < new.item.standing
 
 
 def test_the_executor_gets_the_score_without_the_clock_dependent_urgency():
