@@ -99,10 +99,11 @@ class RequestLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     load_adjustment_min: NonNegative = 0.5  # ... clamped to [min, max]
     load_adjustment_max: NonNegative = 2.0
     # Tenant fairness by virtual token counters: prompt + 2 x output tokens served, divided by
-    # the tenant's weight; a tenant `fairness_scale_tokens` ahead of the least-served backlogged
-    # tenant loses `fairness_factor` points.
+    # the tenant's weight; a tenant `fairness_scale_tokens` ahead of the least-served active
+    # tenant loses `fairness_factor` points, `fairness_max` at most (so classes still count).
     fairness_factor: NonNegative = 1.0
     fairness_scale_tokens: Positive = 1000.0
+    fairness_max: NonNegative = 3.0
     tenant_weights: dict[str, Positive] = {}  # absent tenants weigh 1
     # Aging bound: a request that has waited this long goes ahead of every request that has not.
     max_wait_s: Positive = 60.0

@@ -86,6 +86,7 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     step_ms: float  # mean model step time over the last interval
     started_at: float  # wall clock; a restart shows as a new value
     finished: list[Finished] = []  # requests ended since the previous heartbeat
+    tenants: dict[str, int] = {}  # requests each tenant has here (running or waiting)
 
 
 class Holding(msgspec.Struct):

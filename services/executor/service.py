@@ -55,6 +55,7 @@ class ExecutorService:
         self.started_at = time.time()
         self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0)
         self.finished: list[Finished] = []  # reported with the next heartbeat
+        self.tenant_load: dict[str, int] = {}  # requests each tenant has here
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -139,6 +140,7 @@ class ExecutorService:
             await self.outbox.final(item, exc.to_error(item.request_id))
         else:
             self.running[key] = _Running(item, span)
+            self.tenant_load[item.tenant] = self.tenant_load.get(item.tenant, 0) + 1
         return AssignReply(accepted=True)
 
     async def on_cancel(self, msg) -> None:
@@ -172,6 +174,10 @@ class ExecutorService:
             await self.outbox.delta(item, output)
             return
         running = self.running.pop(engine_id(item), None)
+        if running is not None:
+            left = self.tenant_load.pop(item.tenant, 1) - 1
+            if left:
+                self.tenant_load[item.tenant] = left
         if isinstance(output, Completion):
             output = msgspec.structs.replace(output, scheduling=msgspec.structs.replace(
                 output.scheduling, priority_score=item.priority_score,
@@ -248,7 +254,7 @@ class ExecutorService:
             waiting=len(self.running) - len(scheduler.running),
             assigned_total=self.assigned_total, free_kv_blocks=blocks.num_free_blocks,
             total_kv_blocks=blocks.num_blocks, step_ms=step_ms, started_at=self.started_at,
-            finished=self.take_finished())
+            finished=self.take_finished(), tenants=dict(self.tenant_load))
 
     def take_finished(self) -> list[Finished]:
         finished, self.finished = self.finished, []

@@ -12,22 +12,29 @@ from shared.config import RequestLevel
 
 class TenantCounters:
     """Virtual token counters (VTC): each tenant's counter grows by the tokens it is served
-    (prompt + 2 x output), divided by its weight. The least-served backlogged tenant is favoured;
-    a tenant that becomes backlogged starts no lower than the least-served backlogged one, so
-    time spent idle is not banked as credit."""
+    (prompt + 2 x output), divided by its weight. The least-served active tenant is favoured;
+    a tenant that becomes active starts no lower than the least-served active one, so time spent
+    idle is not banked as credit. Active: requests waiting here (backlogged) or running at an
+    executor — a tenant whose requests never wait, because it asks for less than its share, is
+    still competing for the executors its requests run on."""
 
     def __init__(self, weights: dict[str, float] | None = None):
         self.weights = dict(weights or {})
         self.counters: dict[str, float] = {}
         self.backlog: dict[str, int] = {}  # tenant -> requests waiting
+        self.running: set[str] = set()  # tenants with requests at executors (kept by the caller)
+
+    def active(self) -> set[str]:
+        return self.running.union(self.backlog)
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         return float(prompt_tokens + 2 * output_tokens)
 
     def enqueued(self, tenant: str) -> None:
-        if not self.backlog.get(tenant):
-            floor = min((self.counters[t] for t in self.backlog), default=None)
-            if floor is None:  # nobody waits: start level with the most served so far
+        active = self.active()
+        if tenant not in active:
+            floor = min((self.counters.get(t, 0.0) for t in active), default=None)
+            if floor is None:  # nobody is active: start level with the most served so far
                 floor = max(self.counters.values(), default=0.0)
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
         self.backlog[tenant] = self.backlog.get(tenant, 0) + 1
@@ -45,8 +52,8 @@ class TenantCounters:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens / weight
 
     def lag(self, tenant: str) -> float:
-        """How far (in weighted tokens) the tenant is ahead of the least-served backlogged one."""
-        floor = min((self.counters[t] for t in self.backlog), default=0.0)
+        """How far (in weighted tokens) the tenant is ahead of the least-served active one."""
+        floor = min((self.counters.get(t, 0.0) for t in self.active()), default=0.0)
         return max(0.0, self.counters.get(tenant, 0.0) - floor)
 
 

@@ -11,7 +11,7 @@ the executors' load. Each term works on scalars too, which is how the unit tests
     urgency         = 1 / (1 + exp(slack / time_window))     slack = deadline - now
     resource        = ln(prompt + predicted output) / resource_scale
     load_adjustment = clamp(1 + (load - load_threshold) * load_weight)
-    fairness        = -fairness_factor * (tenant counter - least backlogged counter) / scale
+    fairness        = -min(fairness_max, fairness_factor * (counter - least active counter) / scale)
 
 The aging bound sits above the score: a request that has waited `max_wait_s` goes ahead of every
 request that has not, the longest waiting first.

@@ -33,6 +33,7 @@ class RequestScheduler:
         self.predictor = OutputPredictor(cfg.predictor_alpha, cfg.predictor_prior)
         self.class_weights = ClassWeights(cfg)
         self.executor_load: dict[str, tuple[int, int]] = {}  # name -> (busy, slots)
+        self.executor_tenants: dict[str, dict[str, int]] = {}  # name -> requests per tenant
         self.served: dict[str, dict[str, int]] = {}  # tenant -> prompt and output tokens
 
     def __len__(self) -> int:
@@ -72,8 +73,10 @@ class RequestScheduler:
 
     def fairness_terms(self) -> np.ndarray:
         """The fairness term of every tenant the queue has seen, by tenant index."""
-        factor = -self.cfg.fairness_factor / self.cfg.fairness_scale_tokens
-        return np.array([factor * self.counters.lag(t) for t in self.queue.tenants] or [0.0])
+        cfg = self.cfg
+        factor = cfg.fairness_factor / cfg.fairness_scale_tokens
+        return np.array([-min(cfg.fairness_max, factor * self.counters.lag(t))
+                         for t in self.queue.tenants] or [0.0])
 
     def pop(self, max_items: int, now: float) -> list[Dispatch]:
         """The best `max_items` now. Each dispatch charges its tenant in advance for what it
@@ -85,7 +88,7 @@ class RequestScheduler:
         scored = self.scores(now)
         seq = self.queue.waiting(self.fairness_terms()).seq
         fair_pull = (self.cfg.policy == "adaptive" and self.cfg.fairness_factor > 0
-                     and len(self.counters.backlog) > 1)
+                     and len(self.counters.backlog) > 1)  # only then can the order change
         if not fair_pull:  # fairness cannot change the order within this pull: one selection
             rows = [int(r) for r in policy.best(scored.key, seq, max_items)]
             shifts = [0.0] * len(rows)
@@ -141,6 +144,22 @@ class RequestScheduler:
         self.counters.charge(item.tenant, self.counters.cost(item.num_prompt_tokens,
                                                              item.predicted_output_tokens))
 
+    def executor_report(self, name: str, busy: int, slots: int,
+                        tenants: dict[str, int]) -> None:
+        """An executor's heartbeat: its load, and how many requests each tenant has there."""
+        self.executor_load[name] = (busy, slots)
+        self.executor_tenants[name] = tenants
+        self._update_running()
+
+    def executor_gone(self, name: str) -> None:
+        self.executor_load.pop(name, None)
+        self.executor_tenants.pop(name, None)
+        self._update_running()
+
+    def _update_running(self) -> None:
+        self.counters.running = {t for tenants in self.executor_tenants.values()
+                                 for t, n in tenants.items() if n > 0}
+
     def finished(self, report: Finished, now: float) -> None:
         """An executor ended a request: correct the advance charge, learn its length, and count
         its TTFT against its class's target."""
@@ -160,4 +179,5 @@ class RequestScheduler:
         return {"policy": self.cfg.policy, "load": round(self.load, 4),
                 "class_weights": self.class_weights.stats(now),
                 "tenant_counters": {t: round(c, 1) for t, c in self.counters.counters.items()},
-                "backlogged_tenants": dict(self.counters.backlog), "tenant_served": self.served}
+                "backlogged_tenants": dict(self.counters.backlog),
+                "running_tenants": sorted(self.counters.running), "tenant_served": self.served}

@@ -100,9 +100,9 @@ class PriorityService:
         """An executor's load, and the requests it finished since its previous beat."""
         heartbeat = _heartbeat.decode(msg.data)
         now = time.time()
-        slots = heartbeat.max_num_seqs + heartbeat.queue_depth
-        self.scheduler.executor_load[heartbeat.executor] = (
-            heartbeat.running + heartbeat.waiting, slots)
+        self.scheduler.executor_report(heartbeat.executor, heartbeat.running + heartbeat.waiting,
+                                       heartbeat.max_num_seqs + heartbeat.queue_depth,
+                                       heartbeat.tenants)
         self.executor_seen[heartbeat.executor] = time.monotonic()
         for report in heartbeat.finished:
             self.scheduler.finished(report, now)
@@ -116,7 +116,7 @@ class PriorityService:
                 limit = time.monotonic() - self.distributed.heartbeat_timeout_s
                 for name in [n for n, seen in self.executor_seen.items() if seen < limit]:
                     del self.executor_seen[name]
-                    self.scheduler.executor_load.pop(name, None)
+                    self.scheduler.executor_gone(name)
             except Exception:  # a bug must not stop expiry for good
                 log.exception("expiry failed")
 
@@ -137,7 +137,10 @@ class PriorityService:
         interval = self.scheduler.cfg.class_feedback_interval_s
         while True:
             await asyncio.sleep(interval)
-            self.scheduler.class_weights.update(time.time())
+            try:
+                self.scheduler.class_weights.update(time.time())
+            except Exception:  # a bug must not stop the feedback for good
+                log.exception("class feedback failed")
 
     async def on_submit(self, request: Request) -> None:
         item = _item.decode(request.data)

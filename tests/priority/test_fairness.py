@@ -110,3 +110,17 @@ def test_predictor_ignores_requests_cut_short_and_stays_in_range():
     assert predictor.predict("a", 5, 100) == 50
     predictor.observe("a", 5, 100, 0, "stop")
     assert predictor.predict("a", 5, 100) == 1  # at least one token
+
+
+def test_a_tenant_with_requests_running_is_active_though_nothing_of_it_waits():
+    counters = TenantCounters()
+    counters.enqueued("heavy")
+    counters.charge("heavy", 5000.0)
+    counters.running = {"light"}  # light's requests run; none wait
+    counters.counters["light"] = 1000.0
+    assert counters.active() == {"heavy", "light"}
+    assert counters.lag("heavy") == 4000.0 and counters.lag("light") == 0.0
+    counters.enqueued("light")  # already active: keeps its counter, no lift
+    assert counters.counters["light"] == 1000.0
+    counters.enqueued("new")  # lifted to the least-served active tenant, not the most served
+    assert counters.counters["new"] == 1000.0

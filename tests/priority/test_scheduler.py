@@ -118,3 +118,16 @@ def test_the_executor_gets_the_score_without_the_clock_dependent_urgency():
     [dispatch] = sched.pop(1, now=1.0)
     assert dispatch.terms["urgency"] > 1.0
     assert dispatch.item.standing == pytest.approx(dispatch.score - dispatch.terms["urgency"])
+
+
+def test_executors_report_running_tenants_and_the_fairness_term_is_bounded():
+    sched = RequestScheduler(RequestLevel(fairness_max=3.0))
+    sched.executor_report("e0", busy=2, slots=4, tenants={"light": 2})
+    sched.counters.counters["light"] = 0.0
+    sched.push(item("h0", tenant="heavy"))
+    sched.counters.charge("heavy", 50_000.0)  # far ahead of light, which only runs
+    [dispatch] = sched.pop(1, now=0.0)
+    assert dispatch.terms["fairness"] == -3.0  # bounded: priority classes still count
+    assert dispatch.item.standing < 5.0 - 2.0
+    sched.executor_gone("e0")
+    assert sched.counters.running == set() and sched.load == 0.0
