@@ -69,31 +69,18 @@ class Scheduler:
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
-        preempted = False
         self.running.sort(key=Sequence.sort_key)
 
-        # Decodes first, then prefill chunks, each in score order: a long prefill of a
-        # high-score request never stalls the decodes beside it (stall-free batching).
-        for seq in sorted(self.running, key=lambda s: self._tokens_to_run(s) > 1):
-            if budget <= 0:
-                break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this step
-            num_new = min(self._tokens_to_run(seq), budget)
-            if num_new == 0:
-                continue
-            while not bm.can_allocate(seq, num_new):
-                victim = self.running[-1]  # lowest score, latest
-                budget += scheduled.pop(victim, 0)
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            bm.allocate(seq, num_new)
-            scheduled[seq] = num_new
-            budget -= num_new
+        # Budget order: running decodes (a long prefill never stalls them: stall-free batching),
+        # then the prefill chunks of running sequences that outrank the best waiting one, then
+        # new admissions, then the remaining chunks. A high-score arrival so starts its prefill
+        # at once instead of waiting behind the chunks of lower-score prompts.
+        decodes = [s for s in self.running if self._tokens_to_run(s) <= 1]
+        prefills = [s for s in self.running if self._tokens_to_run(s) > 1]
+        best_waiting = self.waiting[0].sort_key() if self.waiting else None
+        ahead = [s for s in prefills if best_waiting is None or s.sort_key() < best_waiting]
+        behind = [s for s in prefills if best_waiting is not None and s.sort_key() >= best_waiting]
+        budget, preempted = self._schedule_running(decodes + ahead, scheduled, budget)
 
         while self.waiting and budget > 0 and not preempted:
             seq = self.waiting[0]
@@ -126,6 +113,8 @@ class Scheduler:
             scheduled[seq] = num_new
             budget -= num_new
 
+        budget, _ = self._schedule_running(behind, scheduled, budget)
+
         batch = []
         for seq, num_new in scheduled.items():
             start = seq.num_computed_tokens
@@ -136,6 +125,34 @@ class Scheduler:
                 seq.num_pending += 1
             bm.commit_full_blocks(seq)
         return batch
+
+    def _schedule_running(self, seqs: list[Sequence], scheduled: dict[Sequence, int],
+                          budget: int) -> tuple[int, bool]:
+        """Give running sequences their tokens, in the order given, preempting the lowest-score
+        running sequence while KV blocks run short; the budget left and whether it preempted."""
+        bm = self.block_manager
+        preempted = False
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(self._tokens_to_run(seq), budget)
+            if num_new == 0:
+                continue
+            while not bm.can_allocate(seq, num_new):
+                victim = max(self.running, key=Sequence.sort_key)  # lowest score, latest
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            bm.allocate(seq, num_new)
+            scheduled[seq] = num_new
+            budget -= num_new
+        return budget, preempted
 
     def _tokens_to_run(self, seq: Sequence) -> int:
         if seq.num_output_tokens >= seq.sampling.max_tokens:

@@ -195,3 +195,33 @@ def test_age_moves_a_waiting_sequence_to_the_front():
     sched.add(low)
     sched.age(low)
     assert sched.waiting == [low, high] and low.aged
+
+
+def test_a_waiting_high_score_prompt_takes_the_budget_before_lower_score_chunks():
+    """A high-score arrival starts its prefill at once; the chunks of a lower-score prompt that
+    is already running wait for the budget it leaves (no preemption needed)."""
+    sched = make(budget=16, max_num_seqs=8)
+    low = scored(64, score=1.0)
+    sched.add(low)
+    resolve(sched.schedule())  # low's prefill has started
+    high = scored(40, score=9.0)
+    sched.add(high)
+    batch = sched.schedule()
+    assert {item.seq: item.num_new_tokens for item in batch} == {high: 16}
+    assert low.preemptions == 0 and low.status is SeqStatus.RUNNING
+    resolve(batch)
+    batch = sched.schedule()  # still high's prefill first; low gets what is left
+    assert {item.seq: item.num_new_tokens for item in batch} == {high: 16}
+    resolve(batch)
+    batch = sched.schedule()
+    assert {item.seq: item.num_new_tokens for item in batch} == {high: 8, low: 8}
+
+
+def test_equal_scores_keep_running_chunks_first():
+    sched = make(budget=16, max_num_seqs=8)
+    first = scored(64, score=5.0)
+    sched.add(first)
+    resolve(sched.schedule())
+    second = scored(40, score=5.0)
+    sched.add(second)
+    assert {item.seq: item.num_new_tokens for item in sched.schedule()} == {first: 16}
