@@ -47,6 +47,7 @@ async def sweep(args) -> list[dict]:
         await stack.start()
         try:
             pids = {name: p.pid for name, p in stack.processes.items()}
+            pids["load generator (this process)"] = os.getpid()
             for rate in args.rates:
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 start = time.perf_counter()
