@@ -32,7 +32,8 @@ def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
         field, name = "tenant", "tenant"
         groups = sorted({r[field] for records in done for r in records})
     panels = [None] + (groups if len(groups) > 1 else [])
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    figure, axes = plt.subplots(1, len(panels), figsize=(max(8, 5 * len(panels)), 4.2),
+                                squeeze=False)
     for axis, group in zip(axes[0], panels):
         for run, records in zip(runs, done):
             mine = [r for r in records if group is None or r[field] == group]
