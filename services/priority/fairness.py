@@ -53,8 +53,11 @@ class TenantCounters:
 
     def lag(self, tenant: str) -> float:
         """How far (in weighted tokens) the tenant is ahead of the least-served active one."""
+        return self.lags([tenant])[0]
+
+    def lags(self, tenants: list[str]) -> list[float]:
         floor = min((self.counters.get(t, 0.0) for t in self.active()), default=0.0)
-        return max(0.0, self.counters.get(tenant, 0.0) - floor)
+        return [max(0.0, self.counters.get(t, 0.0) - floor) for t in tenants]
 
 
 class ClassWeights:

@@ -75,8 +75,8 @@ class RequestScheduler:
         """The fairness term of every tenant the queue has seen, by tenant index."""
         cfg = self.cfg
         factor = cfg.fairness_factor / cfg.fairness_scale_tokens
-        return np.array([-min(cfg.fairness_max, factor * self.counters.lag(t))
-                         for t in self.queue.tenants] or [0.0])
+        return np.array([-min(cfg.fairness_max, factor * lag)
+                         for lag in self.counters.lags(self.queue.tenants)] or [0.0])
 
     def pop(self, max_items: int, now: float) -> list[Dispatch]:
         """The best `max_items` now. Each dispatch charges its tenant in advance for what it
