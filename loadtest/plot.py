@@ -52,6 +52,12 @@ def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
     params = runs[0]["parameters"]
     figure.suptitle(f"{title or 'run set'} — model {params['model']}, {params['executors']} "
                     f"executor(s), rate {params['request_rate']}/s")
+    _save(figure, path)
+
+
+def _save(figure, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
@@ -109,7 +115,4 @@ def plot_run(result: dict, path: Path) -> None:
     params = result["parameters"]
     figure.suptitle(f"jetserve bench serve {label} — {params['dataset']}, rate "
                     f"{params['request_rate']}/s, model {params['model']}")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    _save(figure, path)

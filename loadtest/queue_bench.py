@@ -76,7 +76,8 @@ def time_python_rebuild(sched: RequestScheduler, k: int, now: float, repeats: in
         demand = item.num_prompt_tokens + item.predicted_output_tokens
         return (cfg.base_weight * item.request.priority / top + cfg.urgency_weight * urgency
                 + cfg.resource_weight * math.log(demand) / cfg.resource_scale
-                - cfg.fairness_factor * lags[item.tenant] / cfg.fairness_scale_tokens)
+                - min(cfg.fairness_max,
+                      cfg.fairness_factor * lags[item.tenant] / cfg.fairness_scale_tokens))
 
     total = 0.0
     for _ in range(repeats):

@@ -111,7 +111,6 @@ def step_features(batch: list[ScheduledSeq]) -> tuple[int, int, int, int]:
 class SimStep:
     sleep_s: float
     tokens: list[int]
-    num_tokens: int
 
 
 class SimRunner:
@@ -125,8 +124,7 @@ class SimRunner:
     def prepare(self, batch: list[ScheduledSeq]) -> SimStep:
         features = step_features(batch)
         tokens = [self._token(item.seq) for item in batch if item.samples]
-        return SimStep(sleep_s=self.profile.cost.ms(*features) / 1e3, tokens=tokens,
-                       num_tokens=features[0])
+        return SimStep(sleep_s=self.profile.cost.ms(*features) / 1e3, tokens=tokens)
 
     def _token(self, seq) -> int:
         index = seq.num_tokens - 1 - seq.num_prompt_tokens  # the one this step samples

@@ -67,9 +67,9 @@ class RequestScheduler:
             self.class_weights.observe(item.request.priority, MISSED_MS, now)
         return items
 
-    def scores(self, now: float) -> policy.Scores:
-        return policy.scores(self.queue.waiting(self.fairness_terms()), now, self.load,
-                             self.class_weights.weights, self.cfg)
+    def scores(self, now: float, waiting: policy.Waiting | None = None) -> policy.Scores:
+        waiting = waiting or self.queue.waiting(self.fairness_terms())
+        return policy.scores(waiting, now, self.load, self.class_weights.weights, self.cfg)
 
     def fairness_terms(self) -> np.ndarray:
         """The fairness term of every tenant the queue has seen, by tenant index."""
@@ -85,8 +85,8 @@ class RequestScheduler:
         n = len(self.queue)
         if n == 0 or max_items <= 0:
             return []
-        scored = self.scores(now)
-        seq = self.queue.waiting(self.fairness_terms()).seq
+        waiting = self.queue.waiting(self.fairness_terms())
+        scored, seq = self.scores(now, waiting), waiting.seq
         fair_pull = (self.cfg.policy == "adaptive" and self.cfg.fairness_factor > 0
                      and len(self.counters.backlog) > 1)  # only then can the order change
         if not fair_pull:  # fairness cannot change the order within this pull: one selection

@@ -2,13 +2,45 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from services.stack import Stack, free_port
+from shared.protocol import Completion, GenerateRequest
 
 TINY_STACK = {"model.name": "dummy:tiny", "kv_cache.num_blocks": 512,
               "distributed.heartbeat_interval_s": 0.2, "distributed.drain_timeout_s": 5}
+# One executor that runs two sequences at a time and holds no queue of its own, so requests
+# beyond two wait at priority (where order and cancels are decided).
+SMALL_EXECUTOR = {"scheduler.batch_level.max_num_seqs": 2,
+                  "scheduler.batch_level.executor_queue_depth": 0}
+
+
+async def finish_order_with_a_late_urgent_request(
+        client, make: Callable[..., GenerateRequest],
+        before_urgent: Callable[[], Awaitable[None]] | None = None) -> list[str]:
+    """On SMALL_EXECUTOR: two slots busy (one ends before the other), four priority-1 requests
+    wait, then one priority-9 request arrives. The ids in the order they finished."""
+    finished: list[str] = []
+
+    async def run(request: GenerateRequest):
+        completion = await client.generate(request, timeout=120)
+        assert isinstance(completion, Completion), completion
+        finished.append(request.request_id)
+
+    tasks = [asyncio.create_task(run(make("busy-a", 1000, priority=1))),
+             asyncio.create_task(run(make("busy-b", 1600, priority=1)))]
+    await asyncio.sleep(0.3)
+    for i in range(4):
+        tasks.append(asyncio.create_task(run(make(f"low-{i}", 60, priority=1))))
+    await asyncio.sleep(0.3)
+    if before_urgent is not None:
+        await before_urgent()
+    tasks.append(asyncio.create_task(run(make("urgent", 60, priority=9))))
+    await asyncio.gather(*tasks)
+    return finished
 
 
 @contextlib.asynccontextmanager

@@ -13,16 +13,15 @@ from shared.bus import discover
 from shared.client import JetserveClient
 from shared.protocol import Completion, Delta, Error, GenerateRequest
 from shared.subjects import RESULTS_STREAM
-from tests.integration.conftest import running_stack
+from tests.integration.conftest import (
+    SMALL_EXECUTOR,
+    finish_order_with_a_late_urgent_request,
+    running_stack,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 decode_output = msgspec.json.Decoder(Delta | Completion | Error).decode
-
-# One executor that runs two sequences at a time and holds no queue of its own, so requests
-# beyond two wait at priority (where order and cancels are decided).
-SMALL_EXECUTOR = {"scheduler.batch_level.max_num_seqs": 2,
-                  "scheduler.batch_level.executor_queue_depth": 0}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -193,22 +192,10 @@ async def test_cancel_a_queued_request(client):
 async def test_a_later_urgent_request_overtakes_queued_ones(client):
     """Two slots busy (one ends before the other); four priority-1 requests wait, then one
     priority-9 request arrives: it runs in the first slot that frees, before all four."""
-    finished: list[str] = []
+    async def four_waiting():
+        assert await priority_queue_depth(client) == 4
 
-    async def run(request: GenerateRequest):
-        completion = await client.generate(request, timeout=120)
-        assert isinstance(completion, Completion), completion
-        finished.append(request.request_id)
-
-    tasks = [asyncio.create_task(run(long_request("busy-a", 1000, priority=1))),
-             asyncio.create_task(run(long_request("busy-b", 1600, priority=1)))]
-    await asyncio.sleep(0.3)
-    for i in range(4):
-        tasks.append(asyncio.create_task(run(long_request(f"low-{i}", 60, priority=1))))
-    await asyncio.sleep(0.3)
-    assert await priority_queue_depth(client) == 4
-    tasks.append(asyncio.create_task(run(long_request("urgent", 60, priority=9))))
-    await asyncio.gather(*tasks)
+    finished = await finish_order_with_a_late_urgent_request(client, long_request, four_waiting)
     assert finished.index("urgent") < min(finished.index(f"low-{i}") for i in range(4)), finished
 
 

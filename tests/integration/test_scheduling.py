@@ -10,13 +10,13 @@ import pytest_asyncio
 from shared.bus import discover
 from shared.client import JetserveClient
 from shared.protocol import Completion, Error, GenerateRequest
-from tests.integration.conftest import running_stack
+from tests.integration.conftest import (
+    SMALL_EXECUTOR,
+    finish_order_with_a_late_urgent_request,
+    running_stack,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-# Two slots and no executor queue: a third request waits at priority.
-SMALL_EXECUTOR = {"scheduler.batch_level.max_num_seqs": 2,
-                  "scheduler.batch_level.executor_queue_depth": 0}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -101,19 +101,5 @@ async def test_fcfs_policy_by_environment_keeps_arrival_order(tmp_path):
     async with running_stack(tmp_path, settings=SMALL_EXECUTOR, env=env) as stack:
         async with await JetserveClient.connect(stack.url, tenant="fifo") as client:
             assert (await priority_stats(client))["policy"] == "fcfs"
-            finished: list[str] = []
-
-            async def run(r: GenerateRequest):
-                completion = await client.generate(r, timeout=120)
-                assert isinstance(completion, Completion), completion
-                finished.append(r.request_id)
-
-            tasks = [asyncio.create_task(run(request("busy-a", 1000, priority=1))),
-                     asyncio.create_task(run(request("busy-b", 1600, priority=1)))]
-            await asyncio.sleep(0.3)
-            for i in range(4):
-                tasks.append(asyncio.create_task(run(request(f"low-{i}", 60, priority=1))))
-            await asyncio.sleep(0.3)
-            tasks.append(asyncio.create_task(run(request("urgent", 60, priority=9))))
-            await asyncio.gather(*tasks)
+            finished = await finish_order_with_a_late_urgent_request(client, request)
     assert finished.index("urgent") > max(finished.index(f"low-{i}") for i in range(4)), finished
