@@ -28,6 +28,8 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None  # the Error's code
     queue_wait_ms: float | None = None  # the Completion's: waiting at priority, server clock
+    scheduled_ms: float | None = None  # the Completion's: from admission to its first step
+    preemptions: int = 0  # the Completion's: times the executor preempted it
 
     @property
     def ok(self) -> bool:

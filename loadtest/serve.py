@@ -181,6 +181,8 @@ async def one_request(client: JetserveClient, request: GenerateRequest, record: 
                     record.prompt_tokens = output.usage.prompt_tokens
                     record.finish_reason = output.finish_reason
                     record.queue_wait_ms = output.scheduling.queue_wait_ms
+                    record.scheduled_ms = output.metrics.queue_ms
+                    record.preemptions = output.scheduling.preemptions
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a timeout or a lost connection is this request's error

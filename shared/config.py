@@ -128,6 +128,11 @@ class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     # Requests an executor may hold beyond max_num_seqs, so a finished slot refills at once.
     executor_queue_depth: Annotated[int, msgspec.Meta(ge=0)] = 4
+    # With no room anywhere, still send a request that outranks, by the preemption margin,
+    # everything waiting at some executor (and its weakest running request, if every slot is
+    # taken) there; it starts at once, ahead of them. At most `overtake_extra` beyond the room.
+    overtaking_dispatch: bool = True
+    overtake_extra: Annotated[int, msgspec.Meta(ge=0)] = 2
 
 
 class TokenLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

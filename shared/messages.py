@@ -25,6 +25,7 @@ class WorkItem(msgspec.Struct, kw_only=True):
     standing: float = 0.0
     queue_wait_ms: float = 0.0
     predicted_output_tokens: int = 0  # what the tenant was charged for in advance
+    ages: bool = True  # the executor applies the aging bound (not to a tenant over its share)
 
     @property
     def request_id(self) -> str:
@@ -46,6 +47,9 @@ class NextRequest(msgspec.Struct):
 
     max_items: int
     wait_ms: int
+    # Only requests whose standing reaches this (overtaking dispatch: each goes to an executor
+    # without room, ahead of what waits or runs there); None: any request.
+    min_standing: float | None = None
 
 
 class NextReply(msgspec.Struct):
@@ -87,6 +91,10 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     started_at: float  # wall clock; a restart shows as a new value
     finished: list[Finished] = []  # requests ended since the previous heartbeat
     tenants: dict[str, int] = {}  # requests each tenant has here (running or waiting)
+    # The standing a request needs to start here at once although there is no room: to go ahead
+    # of every waiting request and, with every slot taken, to preempt the weakest running one
+    # (see Scheduler.overtake_above); None when nothing is in the way or it was aged.
+    overtake_above: float | None = None
 
 
 class Holding(msgspec.Struct):

@@ -24,14 +24,19 @@ class ExecutorState:
         return self.heartbeat.running + self.heartbeat.waiting + self.in_transit
 
     @property
+    def room(self) -> int:
+        """Requests it takes: running, waiting and in transit."""
+        return self.heartbeat.max_num_seqs + self.heartbeat.queue_depth
+
+    @property
     def free_slots(self) -> int:
-        hb = self.heartbeat
-        return max(0, hb.max_num_seqs + hb.queue_depth - self.load)
+        return max(0, self.room - self.load)
 
 
 class ExecutorRegistry:
-    def __init__(self):
+    def __init__(self, overtake_extra: int = 0):
         self.executors: dict[str, ExecutorState] = {}
+        self.overtake_extra = overtake_extra  # how far beyond its room an executor may be sent
 
     def update(self, heartbeat: Heartbeat, now: float) -> bool:
         """Record a heartbeat; True when the executor is new (or restarted)."""
@@ -68,6 +73,32 @@ class ExecutorRegistry:
                                               -s.heartbeat.free_kv_blocks))
         best.sent_total += 1
         return best.heartbeat.executor
+
+    def overtake_threshold(self, now: float) -> float | None:
+        """The lowest standing that would start at once at some executor without room (ahead
+        of what waits there, or preempting its weakest running request); None: nowhere."""
+        thresholds = [s.heartbeat.overtake_above for s in self._overtakable(None, now)]
+        return min(thresholds) if thresholds else None
+
+    def pick_overtake(self, model: str | None, standing: float, now: float) -> str | None:
+        """An executor of `model` without room where a request of `standing` starts at once:
+        the one with the lowest threshold, then the least loaded; None if there is none."""
+        candidates = [s for s in self._overtakable(model, now)
+                      if s.heartbeat.overtake_above <= standing]
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda s: (s.heartbeat.overtake_above, s.load))
+        best.sent_total += 1
+        return best.heartbeat.executor
+
+    def _overtakable(self, model: str | None, now: float) -> list[ExecutorState]:
+        # Nothing in transit (the threshold would be stale once that arrives), and no more than
+        # `overtake_extra` beyond the executor's room.
+        return [s for s in self.executors.values()
+                if s.heartbeat.overtake_above is not None and s.free_slots == 0
+                and s.in_transit == 0 and s.suspended_until <= now
+                and s.load < s.room + self.overtake_extra
+                and (model is None or s.heartbeat.model == model)]
 
     def unsend(self, name: str, suspend_until: float = 0.0) -> None:
         """An assignment that did not reach the executor (which is then skipped for a while)."""

@@ -1,5 +1,8 @@
 """The batcher service: pulls the best waiting requests from priority whenever executors have room
 (`llm.internal.priority.next`) and assigns each to an executor (`llm.internal.executor.<n>.assign`).
+With no room anywhere, a second loop pulls only requests that would start at once at some executor,
+ahead of everything waiting there (and, with every slot taken, preempting its weakest running
+request), and sends each there: overtaking dispatch.
 """
 
 from __future__ import annotations
@@ -45,9 +48,10 @@ class BatcherService:
         self.subjects = Subjects(config.nats.prefix)
         self.outbox = Outbox(nc, js, self.subjects)
         self.timeout = config.nats.request_timeout_s
-        self.registry = ExecutorRegistry()
+        self.registry = ExecutorRegistry(config.scheduler.batch_level.overtake_extra)
         self.room = asyncio.Event()  # set when an executor may have free slots
-        self.counts = dict(pulled=0, assigned=0, requeued=0, executors_lost=0)
+        self.beat = asyncio.Event()  # set on every heartbeat
+        self.counts = dict(pulled=0, assigned=0, overtaking=0, requeued=0, executors_lost=0)
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -58,6 +62,8 @@ class BatcherService:
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         self.tasks = [asyncio.create_task(self.dispatch_loop(), name="dispatch"),
                       asyncio.create_task(self.liveness_loop(), name="liveness")]
+        if self.config.scheduler.batch_level.overtaking_dispatch:
+            self.tasks.append(asyncio.create_task(self.overtake_loop(), name="overtake"))
 
     async def stop(self) -> None:
         for task in self.tasks:
@@ -85,6 +91,7 @@ class BatcherService:
                      max_num_seqs=heartbeat.max_num_seqs)
         if self.registry.free_slots():
             self.room.set()
+        self.beat.set()
 
     async def liveness_loop(self) -> None:
         distributed = self.config.distributed
@@ -98,11 +105,20 @@ class BatcherService:
     async def dispatch_loop(self) -> None:
         """Pull only as many requests as executors have room for: the rest keep waiting at
         priority, where a later, more urgent request can still overtake them."""
+        await self._forever(self.dispatch_once)
+
+    async def overtake_loop(self) -> None:
+        """With no room anywhere, pull one request at a time that would start at once at some
+        executor, ahead of what waits there."""
+        await self._forever(self.overtake_once)
+
+    @staticmethod
+    async def _forever(once) -> None:
         while True:
             try:
-                await self.dispatch_once()
+                await once()
             except Exception:  # a bug must not stop dispatching for good
-                log.exception("dispatch failed; continuing")
+                log.exception("dispatch failed; continuing", loop=once.__name__)
                 await asyncio.sleep(0.2)
 
     async def dispatch_once(self) -> None:
@@ -128,14 +144,45 @@ class BatcherService:
         if items:
             await asyncio.gather(*(self.assign(item) for item in items))
 
-    async def assign(self, item: WorkItem) -> None:
-        executor = self.registry.pick(item.request.model, time.monotonic())
+    async def overtake_once(self) -> None:
+        now = time.monotonic()
+        threshold = None if self.registry.free_slots(now) else \
+            self.registry.overtake_threshold(now)
+        if threshold is None:
+            self.beat.clear()
+            try:
+                await asyncio.wait_for(self.beat.wait(), SUSPEND_S)
+            except TimeoutError:
+                pass
+            return
+        try:
+            reply = await self.nc.request(
+                self.subjects.priority_next,
+                encode(NextRequest(max_items=1, wait_ms=PULL_WAIT_MS, min_standing=threshold)),
+                timeout=PULL_WAIT_MS / 1e3 + self.timeout)
+        except (NatsTimeoutError, NoRespondersError) as exc:
+            log.warning("priority did not answer an overtaking pull", error=repr(exc))
+            await asyncio.sleep(0.2)
+            return
+        for item in _next_reply.decode(reply.data).items:
+            self.counts["pulled"] += 1
+            await self.assign(item, overtaking=True)
+
+    async def assign(self, item: WorkItem, overtaking: bool = False) -> None:
+        now = time.monotonic()
+        executor = self.registry.pick(item.request.model, now)
+        overtakes = False  # sent beyond an executor's room, to go ahead of what is there
+        if executor is None and overtaking:
+            executor = self.registry.pick_overtake(item.request.model, item.standing, now)
+            overtakes = executor is not None
+            self.counts["overtaking"] += overtakes
         if executor is None:  # room vanished (an executor died): back to the queue
             await self.requeue(item)
             return
         with self.tracer.start_as_current_span(
                 "batcher.route", context=context_from(item.trace),
-                attributes={"request_id": item.request_id, "executor": executor}) as span:
+                attributes={"request_id": item.request_id, "executor": executor,
+                            "overtaking": overtakes}) as span:
             item.trace = carrier_of(span)
             try:
                 reply = await self.nc.request(self.subjects.executor_assign(executor), encode(item),

@@ -142,11 +142,12 @@ class Engine:
         return prompt_token_ids(self.tokenizer, request, self.model_config.vocab_size)
 
     def add_request(self, request: GenerateRequest, sink: OutputSink,
-                    arrival_time: float | None = None, score: float | None = None) -> str:
+                    arrival_time: float | None = None, score: float | None = None,
+                    ages: bool = True) -> str:
         """Validate and queue a request; its outputs go to `sink`. Raises ProtocolError.
 
         `score` orders it against the others (default: its base priority); with `max_wait_s`
-        configured, it goes ahead of all others once it has waited that long. With `deadline_ms`
+        configured (and `ages`), it goes ahead of all others once it has waited that long. With `deadline_ms`
         it ends at arrival + deadline_ms: a `deadline` Completion with what it has generated,
         or a `deadline_exceeded` Error when that is nothing yet."""
         request.check()
@@ -183,7 +184,7 @@ class Engine:
             left = seq.arrival_time + request.deadline_ms / 1e3 - time.monotonic()
             state.timers.append(asyncio.get_running_loop().call_later(
                 max(0.0, left), self._deadline_passed, state, request.deadline_ms))
-        if self.config.max_wait_s is not None:
+        if self.config.max_wait_s is not None and ages:
             left = seq.arrival_time + self.config.max_wait_s - time.monotonic()
             if left <= 0:
                 seq.aged = True

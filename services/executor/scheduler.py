@@ -53,6 +53,20 @@ class Scheduler:
         else:
             seq.aged = True
 
+    def overtake_above(self) -> float | None:
+        """The score a newcomer needs to start here at once: to outrank, by the preemption
+        margin, every running prefill (their chunks would go first), the best waiting sequence
+        and, with every slot taken, the weakest running one (preempted for it). None when
+        nothing is in its way (there is room) or something in its way was aged."""
+        rivals = [s for s in self.running if self._tokens_to_run(s) > 1]
+        if self.waiting:
+            rivals.append(self.waiting[0])
+        if len(self.running) >= self.max_num_seqs:
+            rivals.append(max(self.running, key=Sequence.sort_key))
+        if not rivals or any(s.aged for s in rivals):
+            return None
+        return max(s.score for s in rivals) + self.preemption_margin
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

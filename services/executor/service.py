@@ -134,7 +134,8 @@ class ExecutorService:
         request = msgspec.structs.replace(item.request, request_id=key)
         try:
             self.engine.add_request(request, lambda out, item=item: self.outputs.put_nowait(
-                (item, out)), arrival_time=arrival, score=item.standing)
+                (item, out)), arrival_time=arrival, score=item.standing,
+                ages=item.ages)
         except ProtocolError as exc:
             span.end()
             await self.outbox.final(item, exc.to_error(item.request_id))
@@ -254,7 +255,8 @@ class ExecutorService:
             waiting=len(self.running) - len(scheduler.running),
             assigned_total=self.assigned_total, free_kv_blocks=blocks.num_free_blocks,
             total_kv_blocks=blocks.num_blocks, step_ms=step_ms, started_at=self.started_at,
-            finished=self.take_finished(), tenants=dict(self.tenant_load))
+            finished=self.take_finished(), tenants=dict(self.tenant_load),
+            overtake_above=None if self.draining else scheduler.overtake_above())
 
     def take_finished(self) -> list[Finished]:
         finished, self.finished = self.finished, []

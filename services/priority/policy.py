@@ -14,7 +14,10 @@ the executors' load. Each term works on scalars too, which is how the unit tests
     fairness        = -min(fairness_max, fairness_factor * (counter - least active counter) / scale)
 
 The aging bound sits above the score: a request that has waited `max_wait_s` goes ahead of every
-request that has not, the longest waiting first.
+request that has not, the longest waiting first — unless its tenant is over its share (more than
+`fairness_scale_tokens` ahead of the least-served active tenant, i.e. its fairness term is below
+-fairness_factor). Then it goes to the head of its own tenant's line only: a tenant that sends more
+than it is given cannot turn its backlog's age into the share of a tenant that sends less.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 from shared.config import RequestLevel
 
 AGED = 1e9  # added to the key of a request past the aging bound: above any score
+HEAD_STEP = 1e-6  # per second waited: an aged request held to its own line sits just above its head
 SEQ_SPAN = 2.0**32  # strict priority keys: priority * SEQ_SPAN - arrival sequence, exact in float64
 
 
@@ -63,6 +67,7 @@ class Waiting:
     deadline: np.ndarray  # s, wall clock; inf without one
     demand: np.ndarray  # prompt + predicted output tokens
     fairness: np.ndarray  # the tenant's fairness term
+    tenant: np.ndarray  # the tenant's index (int)
 
 
 @dataclass
@@ -92,8 +97,24 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     score = terms["base"] + terms["urgency"] + terms["resource"] + terms["fairness"]
     waited = now - waiting.arrival
     aged = waited >= cfg.max_wait_s
-    terms["aged"] = aged.astype(float)
-    return Scores(key=np.where(aged, AGED + waited, score), score=score, terms=terms)
+    over_share = over_share_of(waiting.fairness, cfg)
+    first = aged & ~over_share
+    terms["aged"] = first.astype(float)
+    key = np.where(first, AGED + waited, score)
+    held = aged & over_share
+    if held.any():  # aged, but its tenant is over its share: the head of its own line only
+        head = np.full(int(waiting.tenant.max()) + 1, -np.inf)
+        np.maximum.at(head, waiting.tenant, score)
+        key = np.where(held, head[waiting.tenant] + HEAD_STEP * waited, key)
+    terms["over_share"] = over_share.astype(float)
+    return Scores(key=key, score=score, terms=terms)
+
+
+def over_share_of(fairness, cfg: RequestLevel):
+    """Whether a tenant with this fairness term is over its share: more than
+    `fairness_scale_tokens` ahead of the least-served active tenant. Its requests' aging bound then
+    orders them only within their own tenant."""
+    return np.asarray(fairness) < -cfg.fairness_factor
 
 
 def best(key: np.ndarray, seq: np.ndarray, k: int) -> np.ndarray:

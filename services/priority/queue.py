@@ -103,7 +103,8 @@ class WaitingQueue:
         return policy.Waiting(priority=cols["priority"][:n], seq=cols["seq"][:n],
                               arrival=cols["arrival"][:n], deadline=cols["deadline"][:n],
                               demand=cols["demand"][:n],
-                              fairness=fairness_by_tenant[cols["tenant"][:n]])
+                              fairness=fairness_by_tenant[cols["tenant"][:n]],
+                              tenant=cols["tenant"][:n])
 
     def item(self, row: int) -> WorkItem:
         return self._items[row]

@@ -78,10 +78,15 @@ class RequestScheduler:
         return np.array([-min(cfg.fairness_max, factor * lag)
                          for lag in self.counters.lags(self.queue.tenants)] or [0.0])
 
-    def pop(self, max_items: int, now: float) -> list[Dispatch]:
-        """The best `max_items` now. Each dispatch charges its tenant in advance for what it
-        will be served (prompt + 2 x predicted output; corrected when the executor reports),
-        and the next pick within the same pull already sees the new fairness terms."""
+    def can_overtake(self, min_standing: float, now: float) -> bool:
+        """Whether some waiting request's standing reaches `min_standing`."""
+        return bool(self.queue) and bool((_standing(self.scores(now)) >= min_standing).any())
+
+    def pop(self, max_items: int, now: float, min_standing: float | None = None) -> list[Dispatch]:
+        """The best `max_items` now (of those whose standing reaches `min_standing`, if given).
+        Each dispatch charges its tenant in advance for what it will be served (prompt + 2 x
+        predicted output; corrected when the executor reports), and the next pick within the
+        same pull already sees the new fairness terms."""
         n = len(self.queue)
         if n == 0 or max_items <= 0:
             return []
@@ -89,7 +94,14 @@ class RequestScheduler:
         scored, seq = self.scores(now, waiting), waiting.seq
         fair_pull = (self.cfg.policy == "adaptive" and self.cfg.fairness_factor > 0
                      and len(self.counters.backlog) > 1)  # only then can the order change
-        if not fair_pull:  # fairness cannot change the order within this pull: one selection
+        if min_standing is not None:  # an overtaking pull: the best of those that may overtake
+            eligible = _standing(scored) >= min_standing
+            key = np.where(eligible, scored.key, -np.inf)
+            rows = [int(r) for r in policy.best(key, seq, min(max_items, int(eligible.sum())))]
+            shifts = [0.0] * len(rows)
+            for row in rows:
+                self._charge(self.queue.item(row))
+        elif not fair_pull:  # fairness cannot change the order within this pull: one selection
             rows = [int(r) for r in policy.best(scored.key, seq, max_items)]
             shifts = [0.0] * len(rows)
             for row in rows:
@@ -103,6 +115,7 @@ class RequestScheduler:
                 terms["fairness"] += shift
             item.priority_score = float(scored.score[row]) + shift
             item.standing = item.priority_score - terms.get("urgency", 0.0)
+            item.ages = not terms.get("over_share", 0.0)
             item.queue_wait_ms = max(0.0, 1e3 * (now - item.arrival_time))
             dispatches.append(Dispatch(item, item.priority_score, terms))
         return dispatches
@@ -181,3 +194,9 @@ class RequestScheduler:
                 "tenant_counters": {t: round(c, 1) for t, c in self.counters.counters.items()},
                 "backlogged_tenants": dict(self.counters.backlog),
                 "running_tenants": sorted(self.counters.running), "tenant_served": self.served}
+
+
+def _standing(scored: policy.Scores) -> np.ndarray:
+    """What the executors order by: the score without deadline urgency (see WorkItem.standing)."""
+    urgency = scored.terms.get("urgency")
+    return scored.score if urgency is None else scored.score - urgency

@@ -54,6 +54,7 @@ class PriorityService:
         self.heartbeat_interval_s = config.distributed.heartbeat_interval_s
         self.executor_seen: dict[str, float] = {}  # monotonic time of each one's last heartbeat
         self.tasks: list[asyncio.Task] = []
+        self.pulls: set[asyncio.Task] = set()  # long polls being answered
 
     async def start(self) -> None:
         service = await add_micro_service(self.nc, "priority", "global waiting queue", self.stats)
@@ -72,9 +73,9 @@ class PriorityService:
         """Stop taking work; whoever waits here is told now rather than left to time out
         (durable requests are not: admission has them run again)."""
         await self.service.stop()
-        for task in self.tasks:
+        for task in [*self.tasks, *self.pulls]:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, *self.pulls, return_exceptions=True)
         for item in self.queue.pop_all():
             if not item.durable:
                 await self.outbox.final(item, Error(
@@ -173,23 +174,39 @@ class PriorityService:
         await request.respond(encode(SubmitReply()))
 
     async def on_next(self, request: Request) -> None:
-        """Long poll: answer at once when requests wait, else when one arrives or `wait_ms` ends."""
+        """Each pull is answered in its own task: an endpoint's handler runs one message at a
+        time, and one long poll must not hold up the next pull."""
+        task = asyncio.create_task(self.answer_next(request))
+        self.pulls.add(task)
+        task.add_done_callback(self.pull_done)
+
+    def pull_done(self, task: asyncio.Task) -> None:
+        self.pulls.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("pull failed", exc_info=task.exception())
+
+    async def answer_next(self, request: Request) -> None:
+        """Long poll: answer at once when requests wait, else when one arrives or `wait_ms` ends.
+        An overtaking pull (`min_standing`) waits for a request whose standing reaches it; scores
+        move with the clock, so it looks again every EXPIRY_CHECK_S as well."""
         ask = _next.decode(request.data)
         deadline = time.monotonic() + ask.wait_ms / 1e3
-        while not self.queue and (left := deadline - time.monotonic()) > 0:
+        recheck = ask.wait_ms / 1e3 if ask.min_standing is None else EXPIRY_CHECK_S
+        while not self.ready(ask.min_standing) and (left := deadline - time.monotonic()) > 0:
             self.arrived.clear()
             try:
-                await asyncio.wait_for(self.arrived.wait(), left)
+                await asyncio.wait_for(self.arrived.wait(), min(left, recheck))
             except TimeoutError:
-                break
+                pass
         now = time.time()
         await self.expire(now)
-        dispatches = self.scheduler.pop(ask.max_items, now)
+        dispatches = self.scheduler.pop(ask.max_items, now, ask.min_standing)
         for dispatch in dispatches:
             item = dispatch.item
             span = self.wait_spans.pop((item.tenant, item.request_id))
             span.set_attributes({"priority_score": dispatch.score,
                                  "queue_wait_ms": item.queue_wait_ms,
+                                 "overtaking_pull": ask.min_standing is not None,
                                  "predicted_output_tokens": item.predicted_output_tokens,
                                  **{f"score.{name}": value
                                     for name, value in dispatch.terms.items()}})
@@ -197,6 +214,11 @@ class PriorityService:
             item.trace = carrier_of(span)
         self.counts["dispatched"] += len(dispatches)
         await request.respond(encode(NextReply(items=[d.item for d in dispatches])))
+
+    def ready(self, min_standing: float | None) -> bool:
+        if min_standing is None:
+            return bool(self.queue)
+        return self.scheduler.can_overtake(min_standing, time.time())
 
     async def on_cancel(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)

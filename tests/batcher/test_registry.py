@@ -4,11 +4,11 @@ from shared.messages import Heartbeat
 
 def heartbeat(name: str, running: int = 0, waiting: int = 0, assigned: int = 0,
               max_num_seqs: int = 4, free_kv: int = 100, started_at: float = 1.0,
-              model: str = "m") -> Heartbeat:
+              model: str = "m", overtake_above: float | None = None) -> Heartbeat:
     return Heartbeat(executor=name, model=model, max_num_seqs=max_num_seqs, queue_depth=1,
                      running=running, waiting=waiting, assigned_total=assigned,
                      free_kv_blocks=free_kv, total_kv_blocks=100, step_ms=1.0,
-                     started_at=started_at)
+                     started_at=started_at, overtake_above=overtake_above)
 
 
 def test_room_counts_assignments_in_transit():
@@ -62,3 +62,24 @@ def test_a_failed_assignment_suspends_and_a_late_arrival_is_recounted():
     # ... but it did arrive: the executor's count wins, so its room is not overstated.
     registry.update(heartbeat(first, running=1, assigned=1), 0.6)
     assert registry.executors[first].sent_total == 1 and registry.executors[first].free_slots == 4
+
+
+def test_overtaking_goes_to_the_easiest_full_executor_one_at_a_time():
+    registry = ExecutorRegistry(overtake_extra=1)
+    registry.update(heartbeat("hard", running=4, waiting=1, overtake_above=8.0), 0.0)
+    registry.update(heartbeat("easy", running=4, waiting=1, overtake_above=3.0), 0.0)
+    registry.update(heartbeat("roomy", running=1, overtake_above=2.0), 0.0)
+    registry.update(heartbeat("other", running=4, waiting=1, model="x", overtake_above=0.0), 0.0)
+    # An executor with room is the plain loop's business; the lowest threshold without room:
+    assert registry.overtake_threshold(0.0) == 0.0
+    assert registry.pick_overtake("m", 2.5, 0.0) is None  # outranks nothing anywhere
+    assert registry.pick_overtake("m", 9.0, 0.0) == "easy"
+    # Its threshold is stale until its heartbeat counts the assignment: none more meanwhile.
+    assert registry.pick_overtake("m", 9.0, 0.0) == "hard"
+    assert registry.pick_overtake("m", 9.0, 0.0) is None
+    # Counted, but now one beyond its room (overtake_extra 1): no more.
+    registry.update(heartbeat("easy", running=4, waiting=2, assigned=1, overtake_above=3.0), 0.1)
+    assert registry.pick_overtake("m", 9.0, 0.1) is None
+    registry.update(heartbeat("easy", running=4, waiting=1, assigned=1, overtake_above=3.0), 0.2)
+    assert registry.pick_overtake("m", 9.0, 0.2) == "easy"
+    assert registry.free_slots() == 4  # only "roomy"; overtaking never counts as room

@@ -225,3 +225,31 @@ def test_equal_scores_keep_running_chunks_first():
     second = scored(40, score=5.0)
     sched.add(second)
     assert {item.seq: item.num_new_tokens for item in sched.schedule()} == {first: 16}
+
+
+def test_overtake_threshold_covers_what_would_go_before_a_newcomer():
+    """What a request must outrank (by the margin) to start here at once: the best waiting
+    sequence, every running prefill, and with every slot taken the weakest running one."""
+    sched = make(budget=16, max_num_seqs=2)
+    sched.preemption_margin = 1.0
+    assert sched.overtake_above() is None  # idle: nothing in the way
+    decoding = scored(4, score=3.0)
+    sched.add(decoding)
+    resolve(sched.schedule())
+    assert sched.overtake_above() is None  # a free slot and nothing waiting or prefilling
+    prefilling = scored(64, score=5.0)
+    sched.add(prefilling)
+    resolve(sched.schedule())
+    assert sched.overtake_above() == 6.0  # its chunks go before anything it outranks
+    waiting = scored(4, score=7.0)
+    sched.add(waiting)
+    assert sched.overtake_above() == 8.0
+    sched.finish(waiting)
+    sched.finish(prefilling)
+    low = scored(4, score=2.0)
+    sched.add(low)
+    resolve(sched.schedule())
+    assert sched.overtake_above() == 3.0  # full: preempting the weakest running (2.0)
+    low.aged = True
+    decoding.aged = True
+    assert sched.overtake_above() is None  # aged runners may not be preempted

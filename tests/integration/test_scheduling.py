@@ -55,7 +55,9 @@ async def test_a_running_request_stops_at_its_deadline_with_its_tokens(client):
 
 
 async def test_a_waiting_request_past_its_deadline_gets_an_error_and_no_slot(client):
-    busy = [asyncio.create_task(client.generate(request(f"busy-{i}", 1500), timeout=60))
+    # The busy requests are priority 9 as well, so the late one cannot overtake them.
+    busy = [asyncio.create_task(client.generate(request(f"busy-{i}", 1500, priority=9),
+                                                timeout=60))
             for i in range(2)]
     await asyncio.sleep(0.5)
     before = (await priority_stats(client))["deadline_exceeded"]
@@ -70,6 +72,31 @@ async def test_a_waiting_request_past_its_deadline_gets_an_error_and_no_slot(cli
     for i in range(2):
         await client.cancel(f"busy-{i}")
     await asyncio.gather(*busy)
+
+
+async def batcher_stats(client) -> dict:
+    [stats] = await discover(client.nc, "STATS", "batcher", wait_s=0.3)
+    return next(ep["data"] for ep in stats["endpoints"] if ep.get("data"))
+
+
+async def test_a_request_that_outranks_a_full_executor_overtakes_without_waiting_for_room(client):
+    """Both slots run priority-1 requests of 1,500 tokens and the executor holds no queue. A
+    priority-9 request still goes there at once (overtaking dispatch), preempts the later one,
+    and finishes while they run; the preempted one resumes and reports the preemption."""
+    before = (await batcher_stats(client))["overtaking"]
+    busy = [asyncio.create_task(client.generate(request(f"low-{i}", 1500, priority=1),
+                                                timeout=60))
+            for i in range(2)]
+    await asyncio.sleep(0.5)
+    urgent = await client.generate(request("overtaker", 8, priority=9), timeout=10)
+    assert isinstance(urgent, Completion), urgent
+    assert len(urgent.token_ids) == 8 and urgent.scheduling.queue_wait_ms < 300
+    assert not any(task.done() for task in busy)
+    assert (await batcher_stats(client))["overtaking"] == before + 1
+    for i in range(2):
+        await client.cancel(f"low-{i}")
+    low = await asyncio.gather(*busy)
+    assert sorted(c.scheduling.preemptions for c in low) == [0, 1], low
 
 
 async def test_executors_report_what_each_tenant_was_served(stack):

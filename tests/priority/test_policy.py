@@ -11,14 +11,16 @@ def cfg(**overrides) -> RequestLevel:
     return RequestLevel(**overrides)
 
 
-def waiting(priority, seq=None, arrival=None, deadline=None, demand=None, fairness=None):
+def waiting(priority, seq=None, arrival=None, deadline=None, demand=None, fairness=None,
+            tenant=None):
     n = len(priority)
     return policy.Waiting(
         priority=np.array(priority), seq=np.array(seq if seq is not None else range(n), float),
         arrival=np.array(arrival if arrival is not None else [0.0] * n, float),
         deadline=np.array(deadline if deadline is not None else [math.inf] * n, float),
         demand=np.array(demand if demand is not None else [100.0] * n, float),
-        fairness=np.array(fairness if fairness is not None else [0.0] * n, float))
+        fairness=np.array(fairness if fairness is not None else [0.0] * n, float),
+        tenant=np.array(tenant if tenant is not None else [0] * n, np.int64))
 
 
 def order(w, now=1.0, load=0.0, config=None, k=None):
@@ -111,3 +113,18 @@ def test_best_selects_top_k_with_ties_to_the_earlier_arrival():
     assert list(policy.best(key, seq, 2)) == [2, 4]
     assert list(policy.best(key, seq, 10)) == [2, 4, 1, 3, 0]
     assert list(policy.best(key, seq, 0)) == []
+
+
+def test_aging_holds_an_over_share_tenant_to_the_head_of_its_own_line():
+    """Tenant 1 is over its share (fairness -3 < -fairness_factor): its aged requests go ahead
+    of its own others, longest waiting first, but not ahead of tenant 0's."""
+    config = cfg(max_wait_s=10.0)
+    w = waiting([5, 5, 5, 5], arrival=[0.0, 1.0, 9.0, 9.0], fairness=[-3.0, -3.0, -3.0, 0.0],
+                tenant=[1, 1, 1, 0], demand=[100.0, 100.0, 10.0, 100.0])
+    assert order(w, now=12.0, config=config) == [3, 0, 1, 2]
+    scored = policy.scores(w, 12.0, 0.0, np.ones(11), config)
+    assert scored.terms["aged"].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert scored.terms["over_share"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    # Within its share the same requests go before everything.
+    w.fairness[:] = 0.0
+    assert order(w, now=12.0, config=config) == [0, 1, 2, 3]

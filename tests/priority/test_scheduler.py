@@ -28,7 +28,7 @@ def test_dispatch_records_score_wait_and_charges_the_tenant_in_advance():
     assert dispatch.item.queue_wait_ms == 500.0
     assert dispatch.item.predicted_output_tokens == 100  # the prior: all of max_tokens
     assert sched.counters.counters["t"] == 100 + 2 * 100
-    assert set(dispatch.terms) == {"base", "urgency", "resource", "fairness", "aged"}
+    assert set(dispatch.terms) == {"base", "urgency", "resource", "fairness", "aged", "over_share"}
 
 
 def test_completions_correct_the_charge_and_teach_the_predictor():
@@ -131,3 +131,37 @@ def test_executors_report_running_tenants_and_the_fairness_term_is_bounded():
     assert dispatch.item.standing < 5.0 - 2.0
     sched.executor_gone("e0")
     assert sched.counters.running == set() and sched.load == 0.0
+
+
+def test_a_tenant_over_its_share_ages_only_within_its_own_line():
+    """The heavy tenant is far ahead of the light one: its aged request jumps its own backlog,
+    not the light tenant's request, and the executor is told not to age it either."""
+    sched = RequestScheduler(RequestLevel(max_wait_s=10.0))
+    sched.executor_report("e0", busy=1, slots=4, tenants={"light": 1})
+    sched.counters.counters["light"] = 0.0
+    sched.push(item("heavy-old", tenant="heavy", arrival=0.0, prompt_len=4000))
+    sched.push(item("heavy-new", tenant="heavy", arrival=9.0, prompt_len=100))
+    sched.counters.charge("heavy", 50_000.0)
+    sched.push(item("light", tenant="light", arrival=10.5))
+    picks = sched.pop(3, now=11.0)
+    assert [d.item.request_id for d in picks] == ["light", "heavy-old", "heavy-new"]
+    old = picks[1]
+    assert (old.terms["aged"], old.terms["over_share"], old.item.ages) == (0.0, 1.0, False)
+    assert picks[0].item.ages and picks[0].terms["over_share"] == 0.0
+
+
+def test_an_overtaking_pull_takes_only_requests_that_reach_the_standing():
+    sched = RequestScheduler(RequestLevel())
+    sched.push(item("p1", priority=1))
+    sched.push(item("p5", priority=5))
+    sched.push(item("p9", priority=9))
+    standing_of_p5 = sched.pop(3, now=0.0)[1].item.standing
+    for name, priority in (("p1", 1), ("p5", 5), ("p9", 9)):
+        sched.push(item(name, priority=priority))
+    threshold = standing_of_p5 + 0.5
+    assert sched.can_overtake(threshold, now=0.0)
+    [only] = sched.pop(3, now=0.0, min_standing=threshold)
+    assert only.item.request_id == "p9"
+    assert not sched.can_overtake(threshold, now=0.0)
+    assert sched.pop(3, now=0.0, min_standing=threshold) == []
+    assert len(sched) == 2
