@@ -79,8 +79,9 @@ class RequestScheduler:
                          for lag in self.counters.lags(self.queue.tenants)] or [0.0])
 
     def can_overtake(self, min_standing: float, now: float) -> bool:
-        """Whether some waiting request's standing reaches `min_standing`."""
-        return bool(self.queue) and bool((_standing(self.scores(now)) >= min_standing).any())
+        """Whether some waiting request's standing reaches `min_standing` (and none is aged:
+        those go first, and they wait for room)."""
+        return bool(self.queue) and bool(_overtakers(self.scores(now), min_standing).any())
 
     def pop(self, max_items: int, now: float, min_standing: float | None = None) -> list[Dispatch]:
         """The best `max_items` now (of those whose standing reaches `min_standing`, if given).
@@ -95,7 +96,7 @@ class RequestScheduler:
         fair_pull = (self.cfg.policy == "adaptive" and self.cfg.fairness_factor > 0
                      and len(self.counters.backlog) > 1)  # only then can the order change
         if min_standing is not None:  # an overtaking pull: the best of those that may overtake
-            eligible = _standing(scored) >= min_standing
+            eligible = _overtakers(scored, min_standing)
             key = np.where(eligible, scored.key, -np.inf)
             rows = [int(r) for r in policy.best(key, seq, min(max_items, int(eligible.sum())))]
             shifts = [0.0] * len(rows)
@@ -196,7 +197,13 @@ class RequestScheduler:
                 "running_tenants": sorted(self.counters.running), "tenant_served": self.served}
 
 
-def _standing(scored: policy.Scores) -> np.ndarray:
-    """What the executors order by: the score without deadline urgency (see WorkItem.standing)."""
+def _overtakers(scored: policy.Scores, min_standing: float) -> np.ndarray:
+    """Which requests may overtake at an executor whose threshold is `min_standing`: those whose
+    standing (the score without deadline urgency, what executors order by) reaches it — none
+    while a request aged past the bound waits, since that one goes ahead of them all."""
+    aged = scored.terms.get("aged")
+    if aged is not None and aged.any():
+        return np.zeros(len(scored.score), dtype=bool)
     urgency = scored.terms.get("urgency")
-    return scored.score if urgency is None else scored.score - urgency
+    standing = scored.score if urgency is None else scored.score - urgency
+    return standing >= min_standing

@@ -165,3 +165,13 @@ def test_an_overtaking_pull_takes_only_requests_that_reach_the_standing():
     assert not sched.can_overtake(threshold, now=0.0)
     assert sched.pop(3, now=0.0, min_standing=threshold) == []
     assert len(sched) == 2
+
+
+def test_nothing_overtakes_while_an_aged_request_waits():
+    sched = RequestScheduler(RequestLevel(max_wait_s=10.0))
+    sched.push(item("old", priority=1, arrival=0.0))
+    sched.push(item("p9", priority=9, arrival=10.5))
+    assert sched.can_overtake(0.0, now=5.0)
+    assert not sched.can_overtake(0.0, now=11.0)  # "old" is past the bound: it goes first
+    assert sched.pop(2, now=11.0, min_standing=0.0) == []
+    assert [d.item.request_id for d in sched.pop(2, now=11.0)] == ["old", "p9"]
