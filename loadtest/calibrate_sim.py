@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from services.executor.engine import Engine
-from services.executor.sim import PROFILES_DIR, step_features
+from services.executor.sim import step_features
+from shared.sim_profiles import PROFILES_DIR
 from shared.config import DEFAULT_MODEL, EngineConfig
 from shared.protocol import Delta, GenerateRequest
 

@@ -24,7 +24,7 @@ import torch
 
 from services.executor.engine import Engine
 from services.executor.run_local import run_requests
-from services.executor.weights import ModelConfig, default_gguf_path, load_model_config
+from shared.model_files import ModelConfig, default_gguf_path, load_model_config
 from shared.config import EngineConfig
 from shared.protocol import Completion, GenerateRequest
 

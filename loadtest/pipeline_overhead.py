@@ -27,7 +27,7 @@ import msgspec
 
 from loadtest.engine_bench import make_workload, percentile
 from services.executor.engine import Engine
-from services.executor.weights import load_model_config
+from shared.model_files import load_model_config
 from services.stack import Stack, free_port
 from shared.client import JetserveClient
 from shared.config import EngineConfig

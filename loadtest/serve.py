@@ -103,7 +103,7 @@ def build_requests(args, rng: random.Random) -> list[GenerateRequest]:
     if args.duration is not None and not math.isinf(args.request_rate):
         n = max(n, int(args.request_rate * args.duration * 1.5) + 1)  # few repeats
     if args.dataset in ("random", "shared-prefix"):
-        from services.executor.weights import load_model_config
+        from shared.model_files import load_model_config
 
         vocab = load_model_config(args.model)[0].vocab_size
         if args.dataset == "random":
@@ -118,8 +118,8 @@ def build_requests(args, rng: random.Random) -> list[GenerateRequest]:
     elif args.dataset == "jsonl":
         requests = jsonl_dataset(args.dataset_path)
     else:
-        from services.executor.tokenizer import Tokenizer
-        from services.executor.weights import load_model_config, tokenizer_dir
+        from shared.tokenizer import Tokenizer
+        from shared.model_files import load_model_config, tokenizer_dir
 
         tokenizer = Tokenizer(tokenizer_dir(load_model_config(args.model)[1]))
         requests = sharegpt_dataset(args.dataset_path, lambda t: len(tokenizer.encode(t)),

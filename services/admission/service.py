@@ -25,9 +25,9 @@ from nats.js.errors import NotFoundError
 from nats.micro import Request
 
 from services.admission.rate_limit import TokenBuckets
-from services.executor.preprocess import check_limits, prompt_token_ids
-from services.executor.tokenizer import Tokenizer
-from services.executor.weights import load_model_config, tokenizer_dir
+from shared.preprocess import check_limits, prompt_token_ids
+from shared.tokenizer import Tokenizer
+from shared.model_files import load_model_config, tokenizer_dir
 from shared.bus import (
     Outbox,
     add_micro_service,

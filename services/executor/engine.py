@@ -23,13 +23,15 @@ from services.executor.attention import TorchBackend
 from services.executor.block_manager import BlockManager
 from services.executor.model import LlamaModel
 from services.executor.model_runner import ModelRunner, kv_cache_bytes_per_block
-from services.executor.preprocess import check_limits, prompt_token_ids
+from shared.preprocess import check_limits, prompt_token_ids
 from services.executor.request_state import RequestState
 from services.executor.scheduler import Scheduler
 from services.executor.sequence import SamplingParams, Sequence
-from services.executor.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.executor.sim import SimRunner, load_profile
-from services.executor.weights import load_model_config, load_model_files, tokenizer_dir
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.executor.sim import SimRunner
+from shared.sim_profiles import load_profile
+from services.executor.weights import load_model_files
+from shared.model_files import load_model_config, tokenizer_dir
 from shared.config import EngineConfig
 from shared.protocol import Completion, Delta, Error, GenerateRequest, ProtocolError
 

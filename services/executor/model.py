@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.executor.weights import ModelConfig
+from shared.model_files import ModelConfig
 
 
 @dataclass

@@ -15,7 +15,7 @@ from services.executor.attention import SeqSlice, TorchBackend
 from services.executor.model import LlamaModel
 from services.executor.sampler import SamplingBatch, make_generator, sample
 from services.executor.scheduler import ScheduledSeq
-from services.executor.weights import ModelConfig
+from shared.model_files import ModelConfig
 
 
 @dataclass

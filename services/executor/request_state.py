@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.executor.sequence import Sequence
-from services.executor.tokenizer import IncrementalDetokenizer
+from shared.tokenizer import IncrementalDetokenizer
 from shared.protocol import Completion, Delta, FinishReason, Metrics, Scheduling, Usage
 
 

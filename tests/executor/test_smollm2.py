@@ -7,7 +7,7 @@ import pytest_asyncio
 import torch
 
 from services.executor.engine import Engine
-from services.executor.weights import default_gguf_path
+from shared.model_files import default_gguf_path
 from shared.config import EngineConfig
 from shared.protocol import ChatMessage, GenerateRequest
 from tests.conftest import generate_all

@@ -1,12 +1,12 @@
 import numpy as np
 import torch
 
-from services.executor.weights import (
+from services.executor.weights import load_model_files
+from shared.model_files import (
     ModelConfig,
     converted_gguf_dir,
     default_gguf_path,
     dummy_config,
-    load_model_files,
     unpermute_rotary,
 )
 

@@ -14,7 +14,7 @@ _CONTROL_TOKEN = 3  # GGUF token_type for special tokens (<|im_start|>, ...)
 
 def tokenizer_files_from_gguf(reader, directory: Path) -> None:
     """Write tokenizer.json and tokenizer_config.json from GGUF metadata (byte-level BPE)."""
-    from services.executor.weights import gguf_field
+    from shared.model_files import gguf_field
 
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":

@@ -5,7 +5,7 @@ Admission runs this at the edge; the engine runs it again for requests handed to
 
 from __future__ import annotations
 
-from services.executor.tokenizer import Tokenizer
+from shared.tokenizer import Tokenizer
 from shared.protocol import GenerateRequest, ProtocolError
 
 

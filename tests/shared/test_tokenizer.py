@@ -1,7 +1,7 @@
 import pytest
 
-from services.executor.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.executor.weights import converted_gguf_dir, default_gguf_path
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.model_files import converted_gguf_dir, default_gguf_path
 
 
 @pytest.fixture(scope="module")
