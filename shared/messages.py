@@ -25,7 +25,9 @@ class WorkItem(msgspec.Struct, kw_only=True):
     standing: float = 0.0
     queue_wait_ms: float = 0.0
     predicted_output_tokens: int = 0  # what the tenant was charged for in advance
-    ages: bool = True  # the executor applies the aging bound (not to a tenant over its share)
+    # The tenant was over its share: its aging bound held it only within its own line, so the
+    # executor's bound counts from dispatch, not arrival (it still cannot starve there).
+    age_from_dispatch: bool = False
 
     @property
     def request_id(self) -> str:

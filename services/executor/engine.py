@@ -145,11 +145,12 @@ class Engine:
 
     def add_request(self, request: GenerateRequest, sink: OutputSink,
                     arrival_time: float | None = None, score: float | None = None,
-                    ages: bool = True) -> str:
+                    aging_start: float | None = None) -> str:
         """Validate and queue a request; its outputs go to `sink`. Raises ProtocolError.
 
         `score` orders it against the others (default: its base priority); with `max_wait_s`
-        configured (and `ages`), it goes ahead of all others once it has waited that long. With `deadline_ms`
+        configured, it goes ahead of all others once it has waited that long since
+        `aging_start` (monotonic; default: its arrival). With `deadline_ms`
         it ends at arrival + deadline_ms: a `deadline` Completion with what it has generated,
         or a `deadline_exceeded` Error when that is nothing yet."""
         request.check()
@@ -186,8 +187,9 @@ class Engine:
             left = seq.arrival_time + request.deadline_ms / 1e3 - time.monotonic()
             state.timers.append(asyncio.get_running_loop().call_later(
                 max(0.0, left), self._deadline_passed, state, request.deadline_ms))
-        if self.config.max_wait_s is not None and ages:
-            left = seq.arrival_time + self.config.max_wait_s - time.monotonic()
+        if self.config.max_wait_s is not None:
+            start = seq.arrival_time if aging_start is None else aging_start
+            left = start + self.config.max_wait_s - time.monotonic()
             if left <= 0:
                 seq.aged = True
             else:

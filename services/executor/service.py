@@ -135,7 +135,7 @@ class ExecutorService:
         try:
             self.engine.add_request(request, lambda out, item=item: self.outputs.put_nowait(
                 (item, out)), arrival_time=arrival, score=item.standing,
-                ages=item.ages)
+                aging_start=time.monotonic() if item.age_from_dispatch else None)
         except ProtocolError as exc:
             span.end()
             await self.outbox.final(item, exc.to_error(item.request_id))

@@ -135,7 +135,7 @@ def test_executors_report_running_tenants_and_the_fairness_term_is_bounded():
 
 def test_a_tenant_over_its_share_ages_only_within_its_own_line():
     """The heavy tenant is far ahead of the light one: its aged request jumps its own backlog,
-    not the light tenant's request, and the executor is told not to age it either."""
+    not the light tenant's request, and the executor's bound for it counts from dispatch."""
     sched = RequestScheduler(RequestLevel(max_wait_s=10.0))
     sched.executor_report("e0", busy=1, slots=4, tenants={"light": 1})
     sched.counters.counters["light"] = 0.0
@@ -146,8 +146,9 @@ def test_a_tenant_over_its_share_ages_only_within_its_own_line():
     picks = sched.pop(3, now=11.0)
     assert [d.item.request_id for d in picks] == ["light", "heavy-old", "heavy-new"]
     old = picks[1]
-    assert (old.terms["aged"], old.terms["over_share"], old.item.ages) == (0.0, 1.0, False)
-    assert picks[0].item.ages and picks[0].terms["over_share"] == 0.0
+    assert (old.terms["aged"], old.terms["over_share"], old.item.age_from_dispatch) == \
+        (0.0, 1.0, True)
+    assert not picks[0].item.age_from_dispatch and picks[0].terms["over_share"] == 0.0
 
 
 def test_an_overtaking_pull_takes_only_requests_that_reach_the_standing():
