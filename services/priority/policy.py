@@ -107,6 +107,7 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
         np.maximum.at(head, waiting.tenant, score)
         key = np.where(held, head[waiting.tenant] + HEAD_STEP * waited, key)
     terms["over_share"] = over_share.astype(float)
+    terms["held"] = held.astype(float)
     return Scores(key=key, score=score, terms=terms)
 
 

@@ -116,6 +116,8 @@ class RequestScheduler:
                 terms["fairness"] += shift
             item.priority_score = float(scored.score[row]) + shift
             item.standing = item.priority_score - terms.get("urgency", 0.0)
+            if terms.get("held"):  # aged, at the head of its tenant's line: the same there
+                item.standing = float(scored.key[row]) + shift - terms.get("urgency", 0.0)
             item.age_from_dispatch = bool(terms.get("over_share", 0.0))
             item.queue_wait_ms = max(0.0, 1e3 * (now - item.arrival_time))
             dispatches.append(Dispatch(item, item.priority_score, terms))

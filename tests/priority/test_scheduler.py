@@ -28,7 +28,8 @@ def test_dispatch_records_score_wait_and_charges_the_tenant_in_advance():
     assert dispatch.item.queue_wait_ms == 500.0
     assert dispatch.item.predicted_output_tokens == 100  # the prior: all of max_tokens
     assert sched.counters.counters["t"] == 100 + 2 * 100
-    assert set(dispatch.terms) == {"base", "urgency", "resource", "fairness", "aged", "over_share"}
+    assert set(dispatch.terms) == {"base", "urgency", "resource", "fairness", "aged", "over_share",
+                                   "held"}
 
 
 def test_completions_correct_the_charge_and_teach_the_predictor():
@@ -149,6 +150,10 @@ def test_a_tenant_over_its_share_ages_only_within_its_own_line():
     assert (old.terms["aged"], old.terms["over_share"], old.item.age_from_dispatch) == \
         (0.0, 1.0, True)
     assert not picks[0].item.age_from_dispatch and picks[0].terms["over_share"] == 0.0
+    # At the executor it keeps its place at the head of its tenant's line: above the later,
+    # shorter request of its tenant (which scores higher), below the light tenant's.
+    assert old.terms["held"] == 1.0 and old.score < picks[2].score
+    assert picks[2].item.standing < old.item.standing < picks[0].item.standing
 
 
 def test_an_overtaking_pull_takes_only_requests_that_reach_the_standing():
