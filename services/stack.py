@@ -82,9 +82,11 @@ class Stack:
             config = ["--config", self.config_path] if self.config_path else []
             for service in SERVICES:
                 await self._spawn(service, [sys.executable, "-m", f"services.{service}", *config])
+            base = load_config(self.config_path, self._env()).monitoring.metrics_port.executor
             for i in range(self.num_executors):
-                await self._spawn(f"executor-{i}", [sys.executable, "-m", "services.executor",
-                                                    *config, "--name", f"executor-{i}"])
+                await self._spawn(f"executor-{i}", [
+                    sys.executable, "-m", "services.executor", *config, "--name", f"executor-{i}",
+                    "--metrics-port", str(base + i if base else 0)])
             await asyncio.wait_for(self.wait_ready(), timeout)
         except BaseException:
             await self.stop()

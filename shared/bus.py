@@ -143,11 +143,15 @@ async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]]
 
     from shared.config import ConfigError, load_config
     from shared.logs import setup_logging
+    from shared.metrics import serve_metrics
     from shared.telemetry import setup_tracing, shutdown_tracing
 
     parser = argparse.ArgumentParser(prog=f"python -m services.{service_name}")
     parser.add_argument("--config", help="jetserve.yaml (environment variables override it)")
     parser.add_argument("--name", help="instance name (executors: the name heartbeats carry)")
+    parser.add_argument("--metrics-port", type=int,
+                        help=f"serve /metrics here (0: off; default: monitoring.metrics_port."
+                             f"{service_name})")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
@@ -155,6 +159,9 @@ async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]]
         raise SystemExit(f"{service_name}: {exc}") from None
     setup_logging(service_name, config.monitoring)
     tracer = setup_tracing(service_name)
+    port = args.metrics_port if args.metrics_port is not None else \
+        getattr(config.monitoring.metrics_port, service_name)
+    args.metrics_port = serve_metrics(port if config.monitoring.metrics else 0, service_name)
     nc = await connect(config.nats, service_name)
     js = nc.jetstream()
     try:
@@ -169,10 +176,16 @@ async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]]
 
 async def add_micro_service(nc: Client, name: str, description: str,
                             stats: Callable[[], dict]):
-    """A `nats.micro` service: $SRV.PING/INFO/STATS answer; `stats()` is each endpoint's data."""
+    """A `nats.micro` service: $SRV.PING/INFO/STATS answer; `stats()` is each endpoint's data.
+    Its metadata names the host and process, which is how a container's healthcheck
+    (`python -m shared.health`) finds its own instance among the answers."""
+    import os
+    import socket
+
     from nats import micro
 
     return await micro.add_service(nc, name=name, version="0.1.0", description=description,
+                                   metadata={"host": socket.gethostname(), "pid": str(os.getpid())},
                                    stats_handler=lambda _endpoint: stats())
 
 

@@ -153,9 +153,24 @@ class DistributedSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # SIGTERM: let running finish
 
 
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class MetricsPorts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where each kind of service serves Prometheus `/metrics` (0: off). A process may override
+    its own with `--metrics-port`; `jetserve up` gives executor i the executor port + i."""
+
+    admission: Port = 9401
+    priority: Port = 9402
+    batcher: Port = 9403
+    executor: Port = 9404
+
+
 class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"  # auto: console on a terminal
+    metrics: bool = True  # false: no service serves /metrics, whatever its port
+    metrics_port: MetricsPorts = msgspec.field(default_factory=MetricsPorts)
 
 
 class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

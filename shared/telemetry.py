@@ -1,7 +1,9 @@
 """OpenTelemetry tracing: one trace per request, W3C trace context carried in NATS headers.
 
 Spans are exported over OTLP when the standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or
-`..._TRACES_ENDPOINT`) variable is set; otherwise they are still made, so context propagates.
+`..._TRACES_ENDPOINT`) variable is set, over HTTP/protobuf or, with
+`OTEL_EXPORTER_OTLP_PROTOCOL=grpc` (or `..._TRACES_PROTOCOL`), gRPC; otherwise they are still
+made, so context propagates. `OTEL_SERVICE_NAME` overrides the service's own name.
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ __all__ = ["SpanKind", "Span", "setup_tracing", "context_from", "context_of", "c
 
 
 def setup_tracing(service_name: str) -> trace.Tracer:
+    env = os.environ
+    service_name = env.get("OTEL_SERVICE_NAME") or service_name
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    exporting = (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-    if exporting and os.environ.get("OTEL_SDK_DISABLED", "").lower() != "true":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-            OTLPSpanExporter,
-        )
-
+    exporting = (env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                 or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    if exporting and env.get("OTEL_SDK_DISABLED", "").lower() != "true":
+        protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                    or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     return trace.get_tracer(service_name)

@@ -37,6 +37,7 @@ from shared.bus import (
 )
 from shared.config import JetserveConfig
 from shared.messages import Done, Holding, SubmitReply, WorkItem, decoder, encode
+from shared.metrics import StatsCollector, counter, register, unregister
 from shared.protocol import (
     Error,
     ProtocolError,
@@ -61,6 +62,10 @@ _holding = decoder(Holding)
 DURABLE_FETCH_BATCH = 64
 MAX_IN_FLIGHT = 4096  # generate requests being admitted at once
 MAX_DELIVERIES = 5  # a durable request that keeps failing inside admission gets an Error
+ADMITTED = counter("admitted_requests", "Requests admitted and queued at priority, by tenant",
+                   ("tenant", "durable"))
+REJECTED = counter("rejected_requests", "Requests answered with an Error at admission, by tenant "
+                   "and code", ("tenant", "code"))
 
 
 class Admission:
@@ -87,6 +92,8 @@ class Admission:
         self.tasks: list[asyncio.Task] = []
         self.generate_tasks: set[asyncio.Task] = set()
         self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.collector = StatsCollector(self.read_metrics)
+        register(self.collector)
 
     async def start(self) -> None:
         await ensure_streams(self.js, self.config)
@@ -111,6 +118,7 @@ class Admission:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
+        unregister(self.collector)
 
     def stats(self) -> dict:
         return {**self.counts, "durable_held": len(self.held), "errors": self.errors_by_code,
@@ -164,9 +172,18 @@ class Admission:
                          message=f"the priority service is not answering ({type(exc).__name__})")
         return _submit_reply.decode(reply.data).error
 
-    def count_error(self, code: str) -> None:
+    def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        return [("counter", "durable_redeliveries",
+                 "Durable requests handed back for redelivery after their holder went silent",
+                 {}, self.counts["durable_redelivered"]),
+                ("gauge", "durable_held", "Durable requests admitted and not yet finished", {},
+                 len(self.held))]
+
+    def count_error(self, code: str, tenant: str) -> None:
         self.counts["rejected"] += 1
         self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+        # A tenant name that is not valid is not a label: clients could make any number.
+        REJECTED.labels(tenant if TENANT_PATTERN.fullmatch(tenant) else "", code).inc()
 
     # ---------------------------------------------------------------------- request / reply
 
@@ -204,9 +221,10 @@ class Admission:
                               message=f"admission failed: {exc!r}")
             if error is None:
                 self.counts["admitted"] += 1
+                ADMITTED.labels(tenant, "false").inc()
                 return
             span.set_attribute("error", error.code)
-            self.count_error(error.code)
+            self.count_error(error.code, tenant)
             if msg.reply:
                 await self.nc.publish(msg.reply, json_encode(error),
                                       headers=service_error_headers(error))
@@ -258,7 +276,7 @@ class Admission:
             # No result subject can name it: nothing to answer, so it is dropped (and logged).
             log.warning("durable request without a valid tenant or request id dropped",
                         subject=msg.subject, request_id=claimed_id)
-            self.count_error("invalid_request")
+            self.count_error("invalid_request", tenant)
             await msg.term()
             return
         key = (tenant, claimed_id)
@@ -283,7 +301,7 @@ class Admission:
                     self.counts["durable_delayed"] += 1
                     await msg.nak(delay=exc.retry_after_s)
                     return
-                self.count_error(exc.code)
+                self.count_error(exc.code, tenant)
                 error = exc.to_error(claimed_id)
                 await self.outbox.store_result(tenant, claimed_id, error, carrier_of(span))
                 await msg.ack()
@@ -296,6 +314,7 @@ class Admission:
             await msg.nak(delay=1.0)
             return
         self.counts["durable_admitted"] += 1
+        ADMITTED.labels(tenant, "true").inc()
 
     async def has_result(self, tenant: str, request_id: str) -> bool:
         try:

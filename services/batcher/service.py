@@ -27,6 +27,7 @@ from shared.messages import (
     decoder,
     encode,
 )
+from shared.metrics import StatsCollector, register, unregister
 from shared.protocol import Error
 from shared.subjects import Subjects
 from shared.telemetry import carrier_of, context_from
@@ -53,6 +54,8 @@ class BatcherService:
         self.beat = asyncio.Event()  # set on every heartbeat
         self.counts = dict(pulled=0, assigned=0, overtaking=0, requeued=0, executors_lost=0)
         self.tasks: list[asyncio.Task] = []
+        self.collector = StatsCollector(self.read_metrics)
+        register(self.collector)
 
     async def start(self) -> None:
         self.service = await add_micro_service(self.nc, "batcher", "routes requests to executors",
@@ -70,6 +73,7 @@ class BatcherService:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.service.stop()
+        unregister(self.collector)
 
     def stats(self) -> dict:
         return {**self.counts, "free_slots": self.registry.free_slots(), "executors": {
@@ -79,6 +83,19 @@ class BatcherService:
                    "total_kv_blocks": s.heartbeat.total_kv_blocks,
                    "step_ms": round(s.heartbeat.step_ms, 3)}
             for name, s in self.registry.executors.items()}}
+
+    def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        docs = {"pulled": "Requests pulled from priority",
+                "assigned": "Assignments an executor accepted",
+                "overtaking": "Requests sent beyond an executor's room to overtake",
+                "requeued": "Requests sent back to priority (assignment failed)",
+                "executors_lost": "Executors forgotten after their heartbeats stopped"}
+        return [("gauge", "executors_alive", "Executors heard from within the heartbeat timeout",
+                 {}, len(self.registry.executors)),
+                ("gauge", "executor_free_slots", "Requests the executors can take now", {},
+                 self.registry.free_slots()),
+                *(("counter", f"batcher_{name}", docs[name], {}, value)
+                  for name, value in self.counts.items())]
 
     async def on_executors(self, request) -> None:
         """The live executors and their load (what `jetserve status` shows)."""

@@ -29,6 +29,8 @@ class Block:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order: the least recently freed is taken first.
@@ -83,6 +85,8 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.num_hashed_blocks = len(seq.block_table)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
     def commit_full_blocks(self, seq: Sequence) -> None:

@@ -18,6 +18,16 @@ from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_fo
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
 from shared.messages import AssignReply, Finished, Heartbeat, Holding, WorkItem, decoder, encode
+from shared.metrics import (
+    ITL_BUCKETS,
+    REQUEST_BUCKETS,
+    TTFT_BUCKETS,
+    StatsCollector,
+    counter,
+    histogram,
+    register,
+    unregister,
+)
 from shared.protocol import Completion, Delta, Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from, context_of
@@ -27,11 +37,27 @@ log = structlog.get_logger()
 _item = decoder(WorkItem)
 HEARTBEAT_MIN_GAP_S = 0.005  # load changes are reported at once, but not more often than this
 
+# vLLM's names (`vllm:` there, `jetserve:` here), labelled by model and executor.
+_LABELS = ("model_name", "executor")
+REQUEST_SUCCESS = counter("request_success", "Requests ended with a Completion, by finish reason",
+                          (*_LABELS, "finished_reason"))
+ERRORS = counter("errors", "Requests ended with an Error at this executor, by code",
+                 (*_LABELS, "code"))
+TTFT = histogram("time_to_first_token_seconds", "From admission to the first token", _LABELS,
+                 TTFT_BUCKETS)
+ITL = histogram("inter_token_latency_seconds", "Between consecutive deltas sent to the client",
+                _LABELS, ITL_BUCKETS)
+E2E = histogram("e2e_request_latency_seconds", "From admission to the Completion", _LABELS,
+                REQUEST_BUCKETS)
+QUEUE_TIME = histogram("request_queue_time_seconds", "From admission to the request's first step",
+                       _LABELS, REQUEST_BUCKETS)
+
 
 @dataclass
 class _Running:
     item: WorkItem
     span: Span
+    last_delta: float | None = None  # monotonic, for the inter-token latency
 
 
 def engine_id(item: WorkItem) -> str:
@@ -57,6 +83,12 @@ class ExecutorService:
         self.finished: list[Finished] = []  # reported with the next heartbeat
         self.tenant_load: dict[str, int] = {}  # requests each tenant has here
         self.tasks: list[asyncio.Task] = []
+        self.measuring = config.monitoring.metrics  # off: not even the observations
+        labels = (self.engine.model_name, name)
+        self.metrics = {m: m.labels(*labels) for m in (TTFT, ITL, E2E, QUEUE_TIME)}
+        self.labels = labels
+        self.collector = StatsCollector(self.read_metrics)
+        register(self.collector)
 
     async def start(self) -> None:
         self.engine.start()
@@ -92,6 +124,7 @@ class ExecutorService:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.engine.stop()
+        unregister(self.collector)
 
     def stats(self) -> dict:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
@@ -103,6 +136,29 @@ class ExecutorService:
                 "steps": engine.steps, "prompt_tokens": engine.prompt_tokens,
                 "decode_tokens": engine.decode_tokens, "preemptions": scheduler.num_preemptions,
                 "assigned": self.assigned_total, **self.counts}
+
+    def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        """What the engine already counts, read at scrape time (nothing on the step loop)."""
+        scheduler, blocks, engine = self.engine.scheduler, self.engine.block_manager, \
+            self.engine.stats
+        labels = dict(zip(_LABELS, self.labels))
+        return [
+            ("gauge", "num_requests_running", "Requests in the running batch", labels,
+             len(scheduler.running)),
+            ("gauge", "num_requests_waiting", "Requests here waiting for a slot", labels,
+             len(self.running) - len(scheduler.running)),
+            ("gauge", "kv_cache_usage_perc", "KV-cache blocks in use (1 = full)", labels,
+             1 - blocks.num_free_blocks / blocks.num_blocks),
+            ("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             labels, blocks.prefix_queries),
+            ("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
+             blocks.prefix_hits),
+            ("counter", "num_preemptions", "Requests preempted (recomputed later)", labels,
+             scheduler.num_preemptions),
+            ("counter", "prompt_tokens", "Prompt tokens computed (recomputation included)",
+             labels, engine.prompt_tokens),
+            ("counter", "generation_tokens", "Tokens generated", labels, engine.decode_tokens),
+        ]
 
     # ------------------------------------------------------------------------- requests in
 
@@ -172,6 +228,12 @@ class ExecutorService:
 
     async def publish(self, item: WorkItem, output: Output) -> None:
         if isinstance(output, Delta):
+            running = self.running.get(engine_id(item)) if self.measuring else None
+            if running is not None:
+                now = time.monotonic()
+                if running.last_delta is not None:
+                    self.metrics[ITL].observe(now - running.last_delta)
+                running.last_delta = now
             await self.outbox.delta(item, output)
             return
         running = self.running.pop(engine_id(item), None)
@@ -184,8 +246,12 @@ class ExecutorService:
                 output.scheduling, priority_score=item.priority_score,
                 queue_wait_ms=item.queue_wait_ms))
             self.counts["cancelled" if output.finish_reason == "cancelled" else "completed"] += 1
+            if self.measuring:
+                self.observe(output)
         else:
             self.counts["errors"] += 1
+            if self.measuring:
+                ERRORS.labels(*self.labels, output.code).inc()
         self.finished.append(finished_report(item, output))
         if not self.running:
             self.idle.set()
@@ -196,6 +262,14 @@ class ExecutorService:
                 and output.finish_reason == "cancelled":
             return  # cut short by shutdown, not by its client: it will run again elsewhere
         await self.outbox.final(item, output, carrier_of(running.span) if running else None)
+
+    def observe(self, completion: Completion) -> None:
+        REQUEST_SUCCESS.labels(*self.labels, completion.finish_reason).inc()
+        m = completion.metrics
+        self.metrics[E2E].observe(m.e2e_ms / 1e3)
+        self.metrics[QUEUE_TIME].observe(m.queue_ms / 1e3)
+        if completion.usage.completion_tokens:
+            self.metrics[TTFT].observe(m.ttft_ms / 1e3)
 
     def _end_span(self, span: Span, item: WorkItem, output: Completion | Error) -> None:
         if isinstance(output, Completion):

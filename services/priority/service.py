@@ -26,6 +26,7 @@ from shared.messages import (
     decoder,
     encode,
 )
+from shared.metrics import REQUEST_BUCKETS, StatsCollector, histogram, register, unregister
 from shared.protocol import Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from
@@ -36,6 +37,9 @@ _item = decoder(WorkItem)
 _next = decoder(NextRequest)
 _heartbeat = decoder(Heartbeat)
 EXPIRY_CHECK_S = 0.05  # how late a waiting request may learn that its deadline passed
+QUEUE_WAIT = histogram("priority_queue_wait_seconds",
+                       "Time in priority's waiting queue, from admission to dispatch",
+                       ("priority",), REQUEST_BUCKETS)
 
 
 class PriorityService:
@@ -55,6 +59,9 @@ class PriorityService:
         self.executor_seen: dict[str, float] = {}  # monotonic time of each one's last heartbeat
         self.tasks: list[asyncio.Task] = []
         self.pulls: set[asyncio.Task] = set()  # long polls being answered
+        self.measuring = config.monitoring.metrics
+        self.collector = StatsCollector(self.read_metrics)
+        register(self.collector)
 
     async def start(self) -> None:
         service = await add_micro_service(self.nc, "priority", "global waiting queue", self.stats)
@@ -76,6 +83,7 @@ class PriorityService:
         for task in [*self.tasks, *self.pulls]:
             task.cancel()
         await asyncio.gather(*self.tasks, *self.pulls, return_exceptions=True)
+        unregister(self.collector)
         for item in self.queue.pop_all():
             if not item.durable:
                 await self.outbox.final(item, Error(
@@ -96,6 +104,20 @@ class PriorityService:
     def stats(self) -> dict:
         return {"queue_depth": len(self.queue), "queue_by_priority": self.queue.depth_by_priority(),
                 **self.counts, **self.scheduler.stats(time.time())}
+
+    def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        out = [("gauge", "priority_queue_depth", "Requests waiting at priority, by priority",
+                {"priority": p}, n) for p, n in self.queue.depth_by_priority().items()]
+        out += [("counter", f"priority_{name}", f"Requests {name.replace('_', ' ')} at priority",
+                 {}, value) for name, value in self.counts.items()]
+        out.append(("gauge", "executor_load", "Demand over executor slots, from heartbeats", {},
+                    self.scheduler.load))
+        for tenant, served in self.scheduler.served.items():
+            for kind, tokens in served.items():
+                out.append(("counter", "tenant_served_tokens",
+                            "Tokens executors reported serving each tenant",
+                            {"tenant": tenant, "kind": kind.removesuffix("_tokens")}, tokens))
+        return out
 
     async def on_heartbeat(self, msg) -> None:
         """An executor's load, and the requests it finished since its previous beat."""
@@ -212,6 +234,8 @@ class PriorityService:
                                     for name, value in dispatch.terms.items()}})
             span.end()
             item.trace = carrier_of(span)
+            if self.measuring:
+                QUEUE_WAIT.labels(item.request.priority).observe(item.queue_wait_ms / 1e3)
         self.counts["dispatched"] += len(dispatches)
         await request.respond(encode(NextReply(items=[d.item for d in dispatches])))
 

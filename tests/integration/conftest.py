@@ -11,7 +11,10 @@ from services.stack import Stack, free_port
 from shared.protocol import Completion, GenerateRequest
 
 TINY_STACK = {"model.name": "dummy:tiny", "kv_cache.num_blocks": 512,
-              "distributed.heartbeat_interval_s": 0.2, "distributed.drain_timeout_s": 5}
+              "distributed.heartbeat_interval_s": 0.2, "distributed.drain_timeout_s": 5,
+              # Several stacks may run at once: metrics only where a test asks for them.
+              **{f"monitoring.metrics_port.{kind}": 0
+                 for kind in ("admission", "priority", "batcher", "executor")}}
 # One executor that runs two sequences at a time and holds no queue of its own, so requests
 # beyond two wait at priority (where order and cancels are decided).
 SMALL_EXECUTOR = {"scheduler.batch_level.max_num_seqs": 2,

@@ -1,0 +1,85 @@
+"""Prometheus metrics: each service serves `/metrics` on its own port (`monitoring.metrics_port`,
+one per service kind, `--metrics-port` per process, 0 turns it off).
+
+Names follow vLLM's (`vllm:num_requests_running` is `jetserve:num_requests_running` here) where
+vLLM has one, so existing dashboards and alerts carry over; the pipeline's own metrics (queue per
+priority, tenants, executors alive, requeues) use the same prefix. What a service already counts
+for `$SRV.STATS` is read at scrape time by a collector, so the step loop pays nothing for it; the
+rest are counter increments and histogram observations off the step loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import structlog
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = structlog.get_logger()
+
+PREFIX = "jetserve:"
+
+# Buckets as vLLM's, in seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def counter(name: str, doc: str, labels: Iterable[str] = (),
+            registry: CollectorRegistry = REGISTRY) -> Counter:
+    return Counter(PREFIX + name, doc, list(labels), registry=registry)
+
+
+def histogram(name: str, doc: str, labels: Iterable[str], buckets: tuple[float, ...],
+              registry: CollectorRegistry = REGISTRY) -> Histogram:
+    return Histogram(PREFIX + name, doc, list(labels), buckets=buckets, registry=registry)
+
+
+class StatsCollector(Collector):
+    """Gauges and counters read at scrape time from a function that returns
+    `[(kind, name, doc, {labels}, value), ...]` (kind "gauge" or "counter"; a counter's name
+    without `_total`)."""
+
+    def __init__(self, read: Callable[[], list[tuple[str, str, str, dict[str, str], float]]]):
+        self.read = read
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # names are only known at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for kind, name, doc, labels, value in self.read():
+            family = families.get(name)
+            if family is None:
+                cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                family = families[name] = cls(PREFIX + name, doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+        return list(families.values())
+
+
+def register(collector: Collector, registry: CollectorRegistry = REGISTRY) -> None:
+    registry.register(collector)
+
+
+def unregister(collector: Collector, registry: CollectorRegistry = REGISTRY) -> None:
+    registry.unregister(collector)
+
+
+def serve_metrics(port: int, service: str) -> int | None:
+    """Serve the default registry on `port` (0: not at all); the port, or None if it is off.
+    A port already taken is logged and the service runs on without metrics: they are not worth
+    losing requests over."""
+    if not port:
+        return None
+    try:
+        server, _thread = start_http_server(port)
+    except OSError as exc:
+        log.error("metrics port unavailable; serving without /metrics",
+                  port=port, key=f"monitoring.metrics_port.{service}", error=str(exc))
+        return None
+    return server.server_port

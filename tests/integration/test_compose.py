@@ -1,0 +1,137 @@
+"""compose.yaml without Docker: validated against the Compose Specification's schema, then brought
+to life as host processes — a real nats-server, and each jetserve service of the file with its own
+`command` and `environment` (service host names mapped to 127.0.0.1, published ports to free
+ones) — whose healthchecks must pass, which serve a request, expose /metrics, and send their
+spans over OTLP to a collector standing in for Jaeger."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.stack import free_port, nats_server_binary
+from shared.client import JetserveClient
+from shared.protocol import Completion, GenerateRequest
+from tests.integration.test_metrics import scrape, value
+from tests.integration.test_tracing import OtlpReceiver
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = ROOT.parent / "shared" / "vendor" / "compose-spec.json"
+JETSERVE = ("admission", "priority", "batcher", "executor")
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def test_compose_file_follows_the_compose_specification():
+    if not SCHEMA.exists():
+        pytest.skip(f"the Compose Specification's schema is not at {SCHEMA} (the team handbook's "
+                    f"vendor/compose-spec.json beside the repository)")
+    import jsonschema
+
+    spec = compose()
+    jsonschema.validate(spec, json.loads(SCHEMA.read_text()))
+    assert "version" not in spec
+    services = spec["services"]
+    assert {"nats", "jaeger", "prometheus", *JETSERVE} <= set(services)
+    for name in JETSERVE:
+        service = services[name]
+        assert service["image"] == "jetserve:latest" and service["healthcheck"]["test"][:4] == \
+            ["CMD", "python", "-m", "shared.health"]
+        assert service["environment"]["OTEL_SERVICE_NAME"] == name
+    assert "--name" not in services["executor"]["command"]  # replicas name themselves
+    gpu = services["executor-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    scrape_config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in scrape_config["scrape_configs"]}
+    assert jobs["jetserve-executor"]["dns_sd_configs"][0]["names"] == ["executor", "executor-gpu"]
+
+
+def host_env(environment: dict, hosts: dict[str, int], kind: str, metrics_port: int) -> dict:
+    """The service's compose environment with `name:port` of compose services made local."""
+    env = {}
+    for key, raw in environment.items():
+        text = str(raw)
+        for host, port in hosts.items():
+            text = re.sub(rf"//{host}:\d+", f"//127.0.0.1:{port}", text)
+        env[key] = text
+    return {**os.environ, **env, "PYTHONUNBUFFERED": "1",
+            f"JETSERVE_MONITORING__METRICS_PORT__{kind.upper()}": str(metrics_port)}
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_compose_services_run_as_host_processes(tmp_path):
+    services = compose()["services"]
+    nats_port = free_port()
+    collector = OtlpReceiver()  # standing in for Jaeger's OTLP/HTTP port
+    hosts = {"nats": nats_port, "jaeger": collector.port}
+    ports = {kind: free_port() for kind in JETSERVE}
+    envs = {kind: host_env(services[kind]["environment"], hosts, kind, ports[kind])
+            for kind in JETSERVE}
+    processes = [subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port),
+                                   "-js", "-sd", str(tmp_path / "nats")],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    logs = {kind: open(tmp_path / f"{kind}.log", "wb") for kind in JETSERVE}
+    try:
+        for kind in JETSERVE:
+            command = services[kind]["command"]
+            assert command[:2] == ["python", "-m"]
+            processes.append(subprocess.Popen([sys.executable, *command[1:]], env=envs[kind],
+                                              stdout=logs[kind], stderr=subprocess.STDOUT,
+                                              cwd=ROOT))
+        # Each healthcheck, as Docker would run it, until it passes.
+        for kind in JETSERVE:
+            test = services[kind]["healthcheck"]["test"]
+            assert test[0] == "CMD" and test[1] == "python"
+            for _ in range(240):
+                probe = await asyncio.to_thread(
+                    subprocess.run, [sys.executable, *test[2:]], env=envs[kind], cwd=ROOT,
+                    capture_output=True, text=True)
+                if probe.returncode == 0:
+                    break
+                assert all(p.poll() is None for p in processes), (tmp_path / f"{kind}.log")
+                await asyncio.sleep(0.5)
+            assert probe.returncode == 0, (kind, probe.stderr)
+
+        async with await JetserveClient.connect(f"nats://127.0.0.1:{nats_port}",
+                                                tenant="compose") as client:
+            for _ in range(100):  # healthy executor, then the batcher hears its heartbeat
+                completion = await client.generate(GenerateRequest(
+                    request_id="compose-1", prompt="The capital of France is", max_tokens=8,
+                    temperature=0.0), timeout=60)
+                if isinstance(completion, Completion):
+                    break
+                await asyncio.sleep(0.2)
+            assert isinstance(completion, Completion), completion
+            assert completion.usage.completion_tokens == 8
+
+        admission = await scrape(ports["admission"])
+        assert value(admission, "jetserve:admitted_requests_total", tenant="compose") >= 1
+        executor = await scrape(ports["executor"])
+        assert value(executor, "jetserve:request_success_total", finished_reason="length") == 1
+        assert (await scrape(ports["batcher"]))[("jetserve:executors_alive", ())] == 1
+        assert ("jetserve:priority_dispatched_total", ()) in await scrape(ports["priority"])
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for log in logs.values():
+            log.close()
+        collector.close()
+    # Every service's spans reached the collector, each under its OTEL_SERVICE_NAME.
+    assert {s["service"] for s in collector.spans} == set(JETSERVE)

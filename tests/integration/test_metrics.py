@@ -1,0 +1,116 @@
+"""Prometheus /metrics of every service, read with the client library's own text parser while a
+small load runs: counters move, histograms fill, gauges agree with $SRV.STATS."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.stack import free_port
+from shared.bus import discover
+from shared.client import JetserveClient
+from shared.protocol import Completion, Error, GenerateRequest
+from tests.integration.conftest import running_stack
+
+pytestmark = pytest.mark.asyncio
+
+KINDS = ("admission", "priority", "batcher", "executor")
+
+
+async def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} from one service's /metrics."""
+    def get() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return response.read().decode()
+
+    text = await asyncio.to_thread(get)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples, name: str, **labels) -> float:
+    """The one sample of `name` whose labels include `labels`."""
+    found = [v for (n, ls), v in samples.items()
+             if n == name and labels.items() <= dict(ls).items()]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+async def executor_stats(nc) -> dict:
+    [stats] = await discover(nc, "STATS", "executor", wait_s=0.3)
+    return next(ep["data"] for ep in stats["endpoints"] if ep.get("data"))
+
+
+async def test_every_service_serves_metrics_that_follow_the_load(tmp_path):
+    ports = {kind: free_port() for kind in KINDS}
+    settings = {f"monitoring.metrics_port.{kind}": port for kind, port in ports.items()}
+    async with running_stack(tmp_path, settings=settings) as stack, \
+            await JetserveClient.connect(stack.url, tenant="metered") as client:
+        labels = {"model_name": "dummy:tiny", "executor": "executor-0"}
+        # Three long requests run; the gauges say so, as $SRV.STATS does.
+        long = [asyncio.create_task(client.generate(GenerateRequest(
+            request_id=f"long-{i}", prompt_token_ids=[20, 21, 22], max_tokens=1500,
+            ignore_eos=True), timeout=60)) for i in range(3)]
+        for _ in range(100):
+            stats = await executor_stats(client.nc)
+            if stats["running"] == 3:
+                break
+            await asyncio.sleep(0.05)
+        executor = await scrape(ports["executor"])
+        assert value(executor, "jetserve:num_requests_running", **labels) == 3
+        assert value(executor, "jetserve:num_requests_waiting", **labels) == 0
+        usage = value(executor, "jetserve:kv_cache_usage_perc", **labels)
+        assert 0 < usage < 1 and usage == pytest.approx(stats["kv_usage"], abs=0.01)
+        for i in range(3):
+            await client.cancel(f"long-{i}")
+        await asyncio.gather(*long)
+
+        before = await scrape(ports["executor"])
+        done = await asyncio.gather(*(client.generate(GenerateRequest(
+            request_id=f"short-{i}", prompt_token_ids=list(range(20, 60)), max_tokens=8,
+            ignore_eos=True), timeout=30) for i in range(4)))
+        assert all(isinstance(c, Completion) for c in done), done
+        bad = await client.generate(GenerateRequest(prompt="hi", max_tokens=10**9), timeout=10)
+        assert isinstance(bad, Error)
+
+        executor = await scrape(ports["executor"])
+
+        def moved(name: str, **more) -> float:
+            return (value(executor, name, **labels, **more)
+                    - value(before, name, **labels, **more))
+
+        assert moved("jetserve:request_success_total", finished_reason="length") == 4
+        assert moved("jetserve:generation_tokens_total") == 4 * 8
+        assert moved("jetserve:prompt_tokens_total") >= 4  # prefix-cache hits are not run
+        assert moved("jetserve:prefix_cache_queries_total") == 4 * 40
+        assert 0 < moved("jetserve:prefix_cache_hits_total") < 4 * 40
+        assert moved("jetserve:time_to_first_token_seconds_count") == 4
+        assert moved("jetserve:e2e_request_latency_seconds_count") == 4
+        assert moved("jetserve:request_queue_time_seconds_count") == 4
+        assert moved("jetserve:inter_token_latency_seconds_count") >= 4 * 6
+        assert value(executor, "jetserve:num_requests_running", **labels) == 0
+        assert value(executor, "jetserve:request_success_total", **labels,
+                     finished_reason="cancelled") == 3
+
+        admission = await scrape(ports["admission"])
+        assert value(admission, "jetserve:admitted_requests_total", tenant="metered",
+                     durable="false") == 7
+        assert value(admission, "jetserve:rejected_requests_total", tenant="metered",
+                     code="invalid_request") == 1
+        priority = await scrape(ports["priority"])
+        assert value(priority, "jetserve:priority_queue_wait_seconds_count", priority="5") == 7
+        assert value(priority, "jetserve:priority_dispatched_total") == 7
+        for _ in range(50):  # the executors' reports ride on heartbeats
+            priority = await scrape(ports["priority"])
+            served = value(priority, "jetserve:tenant_served_tokens_total", tenant="metered",
+                           kind="prompt")
+            if served == 3 * 3 + 4 * 40:
+                break
+            await asyncio.sleep(0.1)
+        assert served == 3 * 3 + 4 * 40
+        batcher = await scrape(ports["batcher"])
+        assert value(batcher, "jetserve:executors_alive") == 1
+        assert value(batcher, "jetserve:batcher_assigned_total") == 7
