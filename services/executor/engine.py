@@ -45,7 +45,8 @@ OutputSink = Callable[[Output], None]
 class EngineStats:
     steps: int = 0
     prompt_tokens: int = 0  # tokens run as prefill (recomputation after preemption included)
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # tokens run as decode (one a step per sequence past its prompt)
+    generated_tokens: int = 0  # tokens sampled: each decode's, and the last prefill chunk's
     model_busy_s: float = 0.0  # model thread executing steps
     model_idle_s: float = 0.0  # model thread waiting between consecutive steps while work remained
     loop_cpu_s: float = 0.0  # scheduling, input preparation and output processing
@@ -309,7 +310,9 @@ class Engine:
                 self.stats.prompt_tokens += item.num_new_tokens
         inputs = self.runner.prepare(batch)
         future = asyncio.wrap_future(self._worker.submit(self._execute, inputs))
-        return _Step([item.seq for item in batch if item.samples], future)
+        sampling = [item.seq for item in batch if item.samples]
+        self.stats.generated_tokens += len(sampling)
+        return _Step(sampling, future)
 
     def _execute(self, inputs) -> list[int]:
         """Model thread."""

@@ -45,8 +45,11 @@ ERRORS = counter("errors", "Requests ended with an Error at this executor, by co
                  (*_LABELS, "code"))
 TTFT = histogram("time_to_first_token_seconds", "From admission to the first token", _LABELS,
                  TTFT_BUCKETS)
-ITL = histogram("inter_token_latency_seconds", "Between consecutive deltas sent to the client",
-                _LABELS, ITL_BUCKETS)
+ITL = histogram("inter_token_latency_seconds",
+                "Between consecutive deltas sent to a streaming client", _LABELS, ITL_BUCKETS)
+TPOT = histogram("request_time_per_output_token_seconds",
+                 "Per request: decode time over its output tokens after the first", _LABELS,
+                 ITL_BUCKETS)
 E2E = histogram("e2e_request_latency_seconds", "From admission to the Completion", _LABELS,
                 REQUEST_BUCKETS)
 QUEUE_TIME = histogram("request_queue_time_seconds", "From admission to the request's first step",
@@ -85,7 +88,7 @@ class ExecutorService:
         self.tasks: list[asyncio.Task] = []
         self.measuring = config.monitoring.metrics  # off: not even the observations
         labels = (self.engine.model_name, name)
-        self.metrics = {m: m.labels(*labels) for m in (TTFT, ITL, E2E, QUEUE_TIME)}
+        self.metrics = {m: m.labels(*labels) for m in (TTFT, ITL, TPOT, E2E, QUEUE_TIME)}
         self.labels = labels
         self.collector = StatsCollector(self.read_metrics)
         register(self.collector)
@@ -157,7 +160,7 @@ class ExecutorService:
              scheduler.num_preemptions),
             ("counter", "prompt_tokens", "Prompt tokens computed (recomputation included)",
              labels, engine.prompt_tokens),
-            ("counter", "generation_tokens", "Tokens generated", labels, engine.decode_tokens),
+            ("counter", "generation_tokens", "Tokens generated", labels, engine.generated_tokens),
         ]
 
     # ------------------------------------------------------------------------- requests in
@@ -270,6 +273,8 @@ class ExecutorService:
         self.metrics[QUEUE_TIME].observe(m.queue_ms / 1e3)
         if completion.usage.completion_tokens:
             self.metrics[TTFT].observe(m.ttft_ms / 1e3)
+        if completion.usage.completion_tokens > 1:
+            self.metrics[TPOT].observe(m.tpot_ms / 1e3)
 
     def _end_span(self, span: Span, item: WorkItem, output: Completion | Error) -> None:
         if isinstance(output, Completion):

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.stack import free_port
 from shared.bus import discover
 from shared.client import JetserveClient
-from shared.protocol import Completion, Error, GenerateRequest
+from shared.protocol import Completion, Delta, Error, GenerateRequest
 from tests.integration.conftest import running_stack
 
 pytestmark = pytest.mark.asyncio
@@ -60,57 +60,74 @@ async def test_every_service_serves_metrics_that_follow_the_load(tmp_path):
                 break
             await asyncio.sleep(0.05)
         executor = await scrape(ports["executor"])
+        after = await executor_stats(client.nc)
         assert value(executor, "jetserve:num_requests_running", **labels) == 3
         assert value(executor, "jetserve:num_requests_waiting", **labels) == 0
+        # The caches fill as the three decode: the scrape lies between the stats around it.
         usage = value(executor, "jetserve:kv_cache_usage_perc", **labels)
-        assert 0 < usage < 1 and usage == pytest.approx(stats["kv_usage"], abs=0.01)
+        assert 0 < stats["kv_usage"] - 1e-4 <= usage <= after["kv_usage"] + 1e-4 < 1
         for i in range(3):
             await client.cancel(f"long-{i}")
         await asyncio.gather(*long)
 
         before = await scrape(ports["executor"])
-        done = await asyncio.gather(*(client.generate(GenerateRequest(
-            request_id=f"short-{i}", prompt_token_ids=list(range(20, 60)), max_tokens=8,
-            ignore_eos=True), timeout=30) for i in range(4)))
+
+        def short(i: int) -> GenerateRequest:
+            return GenerateRequest(request_id=f"short-{i}", prompt_token_ids=list(range(20, 60)),
+                                   max_tokens=8, ignore_eos=True)
+
+        # One first, so the other three find its prompt in the prefix cache.
+        done = [await client.generate(short(0), timeout=30)]
+        done += await asyncio.gather(*(client.generate(short(i), timeout=30) for i in (1, 2, 3)))
         assert all(isinstance(c, Completion) for c in done), done
         bad = await client.generate(GenerateRequest(prompt="hi", max_tokens=10**9), timeout=10)
         assert isinstance(bad, Error)
+        streamed = [out async for out in client.stream(GenerateRequest(
+            request_id="streamed", prompt_token_ids=[30, 31], max_tokens=8, ignore_eos=True,
+            stream=True))]
+        deltas = sum(isinstance(out, Delta) for out in streamed)
+        assert isinstance(streamed[-1], Completion) and deltas >= 2
 
         executor = await scrape(ports["executor"])
 
         def moved(name: str, **more) -> float:
-            return (value(executor, name, **labels, **more)
-                    - value(before, name, **labels, **more))
+            """How far a series moved; one that did not exist before started at 0."""
+            earlier = [v for (n, ls), v in before.items()
+                       if n == name and {**labels, **more}.items() <= dict(ls).items()]
+            return value(executor, name, **labels, **more) - sum(earlier)
 
-        assert moved("jetserve:request_success_total", finished_reason="length") == 4
-        assert moved("jetserve:generation_tokens_total") == 4 * 8
+        assert moved("jetserve:request_success_total", finished_reason="length") == 5
+        assert moved("jetserve:generation_tokens_total") == 5 * 8
         assert moved("jetserve:prompt_tokens_total") >= 4  # prefix-cache hits are not run
-        assert moved("jetserve:prefix_cache_queries_total") == 4 * 40
-        assert 0 < moved("jetserve:prefix_cache_hits_total") < 4 * 40
-        assert moved("jetserve:time_to_first_token_seconds_count") == 4
-        assert moved("jetserve:e2e_request_latency_seconds_count") == 4
-        assert moved("jetserve:request_queue_time_seconds_count") == 4
-        assert moved("jetserve:inter_token_latency_seconds_count") >= 4 * 6
+        assert moved("jetserve:prefix_cache_queries_total") == 4 * 40 + 2
+        block = 16  # the default block size; a cache hit leaves the last token to compute
+        assert moved("jetserve:prefix_cache_hits_total") == 3 * ((40 - 1) // block * block)
+        for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                          "request_queue_time_seconds", "request_time_per_output_token_seconds"):
+            assert moved(f"jetserve:{histogram}_count") == 5, histogram
+        # Only the streamed request had deltas: one interval between each two.
+        assert moved("jetserve:inter_token_latency_seconds_count") == deltas - 1
+        assert moved("jetserve:e2e_request_latency_seconds_sum") > 0
         assert value(executor, "jetserve:num_requests_running", **labels) == 0
         assert value(executor, "jetserve:request_success_total", **labels,
                      finished_reason="cancelled") == 3
 
         admission = await scrape(ports["admission"])
         assert value(admission, "jetserve:admitted_requests_total", tenant="metered",
-                     durable="false") == 7
+                     durable="false") == 8
         assert value(admission, "jetserve:rejected_requests_total", tenant="metered",
-                     code="invalid_request") == 1
+                     code=bad.code) == 1
         priority = await scrape(ports["priority"])
-        assert value(priority, "jetserve:priority_queue_wait_seconds_count", priority="5") == 7
-        assert value(priority, "jetserve:priority_dispatched_total") == 7
+        assert value(priority, "jetserve:priority_queue_wait_seconds_count", priority="5") == 8
+        assert value(priority, "jetserve:priority_dispatched_total") == 8
         for _ in range(50):  # the executors' reports ride on heartbeats
             priority = await scrape(ports["priority"])
             served = value(priority, "jetserve:tenant_served_tokens_total", tenant="metered",
                            kind="prompt")
-            if served == 3 * 3 + 4 * 40:
+            if served == 3 * 3 + 4 * 40 + 2:
                 break
             await asyncio.sleep(0.1)
-        assert served == 3 * 3 + 4 * 40
+        assert served == 3 * 3 + 4 * 40 + 2
         batcher = await scrape(ports["batcher"])
         assert value(batcher, "jetserve:executors_alive") == 1
-        assert value(batcher, "jetserve:batcher_assigned_total") == 7
+        assert value(batcher, "jetserve:batcher_assigned_total") == 8
