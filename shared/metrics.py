@@ -10,11 +10,14 @@ rest are counter increments and histogram observations off the step loop.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import structlog
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
 log = structlog.get_logger()
@@ -70,16 +73,41 @@ def unregister(collector: Collector, registry: CollectorRegistry = REGISTRY) -> 
     registry.unregister(collector)
 
 
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """`/metrics` in Prometheus's classic text format, whatever the scraper's Accept header.
+    prometheus-client 0.26 writes OpenMetrics sample names with label-name rules, so
+    `jetserve:request_success_total` would reach Prometheus as `jetserve_request_success_total`
+    (while its HELP and TYPE lines keep the colon); the text format keeps the names as made."""
+
+    registry: CollectorRegistry = REGISTRY
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path.split("?")[0] not in ("/", "/metrics"):
+            self.send_error(404)
+            return
+        body = generate_latest(self.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass  # a scrape every few seconds is not news
+
+
 def serve_metrics(port: int, service: str) -> int | None:
-    """Serve the default registry on `port` (0: not at all); the port, or None if it is off.
-    A port already taken is logged and the service runs on without metrics: they are not worth
-    losing requests over."""
+    """Serve the default registry on `port` (0: not at all), on a thread of its own; the port,
+    or None if it is off. A port already taken is logged and the service runs on without
+    metrics: they are not worth losing requests over."""
     if not port:
         return None
     try:
-        server, _thread = start_http_server(port)
+        server = ThreadingHTTPServer(("", port), _MetricsHandler)
     except OSError as exc:
         log.error("metrics port unavailable; serving without /metrics",
                   port=port, key=f"monitoring.metrics_port.{service}", error=str(exc))
         return None
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server.server_port

@@ -131,3 +131,63 @@ async def test_every_service_serves_metrics_that_follow_the_load(tmp_path):
         batcher = await scrape(ports["batcher"])
         assert value(batcher, "jetserve:executors_alive") == 1
         assert value(batcher, "jetserve:batcher_assigned_total") == 8
+
+
+async def test_prometheus_scrapes_the_projects_scrape_config(tmp_path):
+    """Prometheus itself, with deploy/prometheus.yml's jobs pointed at this host's ports, scrapes
+    every service and answers a query for a jetserve series."""
+    import json
+    import shutil
+    import subprocess
+    import urllib.parse
+    from pathlib import Path
+
+    import yaml
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no `prometheus` on PATH (Debian: apt-get install prometheus; CI does)")
+    ports = {kind: free_port() for kind in KINDS}
+    config = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = "1s"
+    for job in config["scrape_configs"]:
+        kind = job["job_name"].removeprefix("jetserve-")
+        del job["dns_sd_configs"]  # compose's DNS names, made local
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{ports[kind]}"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    web = free_port()
+    settings = {f"monitoring.metrics_port.{kind}": port for kind, port in ports.items()}
+    prometheus = subprocess.Popen(
+        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def query(expr: str) -> list:
+        url = f"http://127.0.0.1:{web}/api/v1/query?query={urllib.parse.quote(expr)}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return json.loads(response.read())["data"]["result"]
+
+    try:
+        async with running_stack(tmp_path / "stack", settings=settings) as stack, \
+                await JetserveClient.connect(stack.url, tenant="scraped") as client:
+            completion = await client.generate(GenerateRequest(
+                prompt_token_ids=[20, 21, 22], max_tokens=4, ignore_eos=True), timeout=30)
+            assert isinstance(completion, Completion)
+            for _ in range(100):
+                try:
+                    success = await asyncio.to_thread(query, "jetserve:request_success_total")
+                    up = await asyncio.to_thread(query, "up")
+                except OSError:  # not listening yet
+                    success, up = [], []
+                if success and len(up) == 4 and all(s["value"][1] == "1" for s in up):
+                    break
+                await asyncio.sleep(0.2)
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
+    assert {s["metric"]["job"] for s in up} == {f"jetserve-{kind}" for kind in KINDS}
+    assert all(s["value"][1] == "1" for s in up), up
+    [series] = success
+    assert series["metric"]["model_name"] == "dummy:tiny"
+    assert series["metric"]["executor"] == "executor-0"
+    assert (series["metric"]["finished_reason"], series["value"][1]) == ("length", "1")
