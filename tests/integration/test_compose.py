@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ import yaml
 from services.stack import free_port, nats_server_binary
 from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest
+from shared.subjects import Subjects
 from tests.integration.test_metrics import scrape, value
 from tests.integration.test_tracing import OtlpReceiver
 
@@ -116,6 +118,12 @@ async def test_compose_services_run_as_host_processes(tmp_path):
                 await asyncio.sleep(0.2)
             assert isinstance(completion, Completion), completion
             assert completion.usage.completion_tokens == 8
+            # Started without --name, the executor named itself after its host (a container's
+            # hostname is unique per replica, so `--scale executor=3` gives three names).
+            reply = await client.nc.request(Subjects("llm").batcher_executors, b"", timeout=5)
+            [name] = json.loads(reply.data)
+            assert name.startswith(f"executor-{socket.gethostname()}-")
+            assert completion.scheduling.executor == name
 
         admission = await scrape(ports["admission"])
         assert value(admission, "jetserve:admitted_requests_total", tenant="compose") >= 1
