@@ -1,26 +1,30 @@
 # One image for every jetserve service; the compose file picks the command.
 #   docker build -t jetserve .                                  CPU torch (the default)
-#   docker build -t jetserve:cuda --build-arg BASE=nvidia/cuda:12.4.1-runtime-ubuntu22.04 \
-#       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124 .
+#   docker build -t jetserve:cuda --build-arg BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#       --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
+# Not built on the machine this project is developed on (it has no Docker engine).
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
-# A CUDA base image brings no Python; a python base already has it.
-RUN if ! command -v python3 >/dev/null; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
-        && rm -rf /var/lib/apt/lists/*; \
+# A C++ compiler for the CPU attention kernel torch builds on first use, and a C compiler with
+# Python's headers for Triton's launcher on a GPU; a CUDA base image also brings no Python.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && if ! command -v python3 >/dev/null; then \
+        apt-get install -y --no-install-recommends python3 python3-venv python3-dev; \
     fi \
+    && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1
 
 WORKDIR /app
-# What `make` installs: torch first (from the chosen index), then the project, then the default
-# model's GGUF. Dependencies first, so code changes reuse the cached layers.
+# What `make` installs, less the test extras: torch first (from the chosen index) and the default
+# model's GGUF in a layer of their own, kept across code changes; then the project.
 COPY pyproject.toml README.md ./
 RUN pip install -q --upgrade pip \
     && pip install -q --index-url ${TORCH_INDEX} torch==${TORCH_VERSION} \

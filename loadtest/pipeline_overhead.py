@@ -122,7 +122,7 @@ def main() -> None:
     config = EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks,
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
-    vocab = load_model_config(args.model)[0].vocab_size
+    vocab = load_model_config(args.model, weights=False)[0].vocab_size
     load = make_workload(args.num_requests, args.seed, vocab, prompt_range=(16, 256),
                          output_range=(16, 128))
     probes = [msgspec.structs.replace(r, max_tokens=4)

@@ -105,7 +105,7 @@ def build_requests(args, rng: random.Random) -> list[GenerateRequest]:
     if args.dataset in ("random", "shared-prefix"):
         from shared.model_files import load_model_config
 
-        vocab = load_model_config(args.model)[0].vocab_size
+        vocab = load_model_config(args.model, weights=False)[0].vocab_size
         if args.dataset == "random":
             requests = random_dataset(n, tuple(args.input_len_range),
                                       tuple(args.output_len_range), vocab, rng)
@@ -121,7 +121,7 @@ def build_requests(args, rng: random.Random) -> list[GenerateRequest]:
         from shared.tokenizer import Tokenizer
         from shared.model_files import load_model_config, tokenizer_dir
 
-        tokenizer = Tokenizer(tokenizer_dir(load_model_config(args.model)[1]))
+        tokenizer = Tokenizer(tokenizer_dir(load_model_config(args.model, weights=False)[1]))
         requests = sharegpt_dataset(args.dataset_path, lambda t: len(tokenizer.encode(t)),
                                     args.sharegpt_max_output, args.ignore_eos)
     if not requests:

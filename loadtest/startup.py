@@ -26,6 +26,8 @@ from services.stack import free_port, nats_server_binary
 from shared.bus import discover
 from shared.config import env_overrides
 
+START_TIMEOUT_S = 300.0  # a first start may convert the model
+
 
 async def time_to_ping(service: str, url: str, env: dict[str, str]) -> float:
     nc = await nats.connect(url)
@@ -37,6 +39,8 @@ async def time_to_ping(service: str, url: str, env: dict[str, str]) -> float:
             while not await discover(nc, "PING", service, wait_s=0.02):
                 if process.poll() is not None:
                     raise SystemExit(f"{service} exited with {process.returncode}")
+                if time.perf_counter() - start > START_TIMEOUT_S:
+                    raise SystemExit(f"{service} did not answer within {START_TIMEOUT_S:.0f} s")
             return time.perf_counter() - start
         finally:
             process.terminate()

@@ -161,7 +161,7 @@ async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]]
     tracer = setup_tracing(service_name)
     port = args.metrics_port if args.metrics_port is not None else \
         getattr(config.monitoring.metrics_port, service_name)
-    args.metrics_port = serve_metrics(port if config.monitoring.metrics else 0, service_name)
+    serve_metrics(port if config.monitoring.metrics else 0, service_name)
     nc = await connect(config.nats, service_name)
     js = nc.jetstream()
     try:

@@ -1,6 +1,7 @@
 """`python -m shared.health <service>`: a container's healthcheck. Exits 0 when this host's
 instance of the service answers `$SRV.PING.<service>` on NATS (`NATS_URL` or the config's
-`nats.url`), 1 when it does not answer within the wait, 2 when NATS cannot be reached."""
+`nats.url`); 1 when it does not answer within the wait or NATS cannot be reached (Docker reserves
+2), with the reason on stderr."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = asyncio.run(healthy(args.service, url, args.wait))
     except Exception as exc:  # no NATS: unhealthy, and say why
         print(f"{args.service}: cannot reach NATS at {url}: {exc!r}", file=sys.stderr)
-        return 2
+        return 1
     if not ok:
         print(f"{args.service}: no answer from this host ({socket.gethostname()}) "
               f"to $SRV.PING.{args.service}", file=sys.stderr)

@@ -25,6 +25,7 @@ class WorkItem(msgspec.Struct, kw_only=True):
     standing: float = 0.0
     queue_wait_ms: float = 0.0
     predicted_output_tokens: int = 0  # what the tenant was charged for in advance
+    charged: float = 0.0  # that charge, refunded if the request comes back to the queue
     # The tenant was over its share: its aging bound held it only within its own line, so the
     # executor's bound counts from dispatch, not arrival (it still cannot starve there).
     age_from_dispatch: bool = False

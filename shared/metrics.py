@@ -10,6 +10,7 @@ rest are counter increments and histogram observations off the step loop.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +24,8 @@ from prometheus_client.registry import Collector
 log = structlog.get_logger()
 
 PREFIX = "jetserve:"
+SCRAPE_TIMEOUT_S = 5.0  # a service whose event loop does not answer in this long fails the scrape
+TENANT_LABELS_MAX = 100  # distinct tenant label values; later tenants are counted as "other"
 
 # Buckets as vLLM's, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -46,23 +49,56 @@ def histogram(name: str, doc: str, labels: Iterable[str], buckets: tuple[float, 
 class StatsCollector(Collector):
     """Gauges and counters read at scrape time from a function that returns
     `[(kind, name, doc, {labels}, value), ...]` (kind "gauge" or "counter"; a counter's name
-    without `_total`)."""
+    without `_total`). Scrapes arrive on the metrics thread; `read` runs on the event loop that
+    made the collector, so it sees the service's state between two of its steps, never halfway
+    through a change."""
 
     def __init__(self, read: Callable[[], list[tuple[str, str, str, dict[str, str], float]]]):
         self.read = read
+        try:
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+
+    def _rows(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        if self.loop is None or not self.loop.is_running():
+            return self.read()
+
+        async def read():
+            return self.read()
+
+        return asyncio.run_coroutine_threadsafe(read(), self.loop).result(SCRAPE_TIMEOUT_S)
 
     def describe(self) -> Iterable[Metric]:
         return []  # names are only known at scrape time; nothing to check at registration
 
     def collect(self) -> Iterable[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-        for kind, name, doc, labels, value in self.read():
+        for kind, name, doc, labels, value in self._rows():
             family = families.get(name)
             if family is None:
                 cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                 family = families[name] = cls(PREFIX + name, doc, labels=list(labels))
             family.add_metric(list(labels.values()), value)
         return list(families.values())
+
+
+class TenantLabels:
+    """A tenant's label value: its name for the first `limit` tenants seen, then "other".
+    Tenant names come from clients' subjects, and every label value is a series Prometheus
+    keeps: unbounded, a client could make any number."""
+
+    def __init__(self, limit: int = TENANT_LABELS_MAX):
+        self.limit = limit
+        self.seen: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self.seen:
+            return tenant
+        if len(self.seen) < self.limit:
+            self.seen.add(tenant)
+            return tenant
+        return "other"
 
 
 def register(collector: Collector, registry: CollectorRegistry = REGISTRY) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -227,43 +228,77 @@ def weights_cache_root(cache_dir: str | None) -> Path:
     return Path(base) / "jetserve"
 
 
-def converted_gguf_dir(gguf_path: Path, cache_dir: str | None) -> Path:
-    """The HF directory a GGUF converts to, made on first use and reused after."""
+WEIGHTS_FILE = "model.safetensors"
+LIGHT_DONE_FILE = "jetserve.json"  # written last of config and tokenizer files
+
+
+def converted_gguf_dir(gguf_path: Path, cache_dir: str | None, weights: bool = True) -> Path:
+    """The HF directory a GGUF converts to, made on first use and reused after. Without
+    `weights` only its config and tokenizer files (what the control plane reads) are made:
+    dequantizing an 8B model's weights takes tens of GB the control plane has no use for.
+
+    Safe to call from several processes at once (replicas sharing a cache volume start
+    together): one converts under a file lock while the others wait, and every file appears
+    whole (written aside, then renamed), so a crash never leaves half a cache."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     directory = weights_cache_root(cache_dir) / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
-    if (directory / "model.safetensors").exists():
+
+    def done() -> bool:
+        return (directory / (WEIGHTS_FILE if weights else LIGHT_DONE_FILE)).exists()
+
+    if done():
         return directory
-    from gguf import GGUFReader
-    from safetensors.numpy import save_file
+    import fcntl
 
-    from shared.tokenizer import tokenizer_files_from_gguf
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if done():  # another process converted it while this one waited
+            return directory
+        from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf_path))
-    config = gguf_config(reader)
-    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    write_hf_config(tmp, config)
-    tokenizer_files_from_gguf(reader, tmp)
-    save_file(gguf_arrays(reader, config), str(tmp / "model.safetensors"))
-    (tmp / "jetserve.json").write_text(json.dumps({"source": str(gguf_path),
-                                                   "config": asdict(config)}))
-    os.replace(tmp, directory)  # atomic: a crash mid-conversion never leaves a half cache
+        reader = GGUFReader(str(gguf_path))  # memory-mapped: metadata costs no weight reads
+        config = gguf_config(reader)
+        if not (directory / LIGHT_DONE_FILE).exists():
+            from shared.tokenizer import tokenizer_files_from_gguf
+
+            write_hf_config(directory, config)
+            tokenizer_files_from_gguf(reader, directory)
+            _write_whole(directory / LIGHT_DONE_FILE, lambda path: path.write_text(
+                json.dumps({"source": str(gguf_path), "config": asdict(config)})))
+        if weights:
+            from safetensors.numpy import save_file
+
+            _write_whole(directory / WEIGHTS_FILE,
+                         lambda path: save_file(gguf_arrays(reader, config), str(path)))
     return directory
 
 
-def load_model_config(model: str, cache_dir: str | None = None) -> tuple[ModelConfig, Path | None]:
-    """The model's shape, and the HF directory holding its files (None for a dummy model)."""
+def _write_whole(path: Path, write) -> None:
+    """`write(aside)`, then rename `aside` to `path`: readers see all of the file or none."""
+    aside = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        write(aside)
+        os.replace(aside, path)
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def load_model_config(model: str, cache_dir: str | None = None,
+                      weights: bool = True) -> tuple[ModelConfig, Path | None]:
+    """The model's shape, and the HF directory holding its files (None for a dummy model);
+    without `weights`, a GGUF's directory may hold only its config and tokenizer."""
     source = resolve_model_path(model)
     if isinstance(source, str) and source.startswith("sim:"):
         return sim_config(source.removeprefix("sim:")), None
     if isinstance(source, str):
         return dummy_config(source.removeprefix("dummy:")), None
-    directory = converted_gguf_dir(source, cache_dir) if source.is_file() else source
+    directory = converted_gguf_dir(source, cache_dir, weights) if source.is_file() else source
     return hf_config(directory), directory
 
 
 def tokenizer_dir(model_dir: Path | None, cache_dir: str | None = None) -> Path:
     """Where a model's tokenizer files are: its own directory; dummy and sim models use the
     default's."""
-    return model_dir or converted_gguf_dir(default_gguf_path(), cache_dir)
+    return model_dir or converted_gguf_dir(default_gguf_path(), cache_dir, weights=False)

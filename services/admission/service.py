@@ -37,7 +37,7 @@ from shared.bus import (
 )
 from shared.config import JetserveConfig
 from shared.messages import Done, Holding, SubmitReply, WorkItem, decoder, encode
-from shared.metrics import StatsCollector, counter, register, unregister
+from shared.metrics import StatsCollector, TenantLabels, counter, register, unregister
 from shared.protocol import (
     Error,
     ProtocolError,
@@ -75,7 +75,8 @@ class Admission:
         self.outbox = Outbox(nc, js, self.subjects)
         model = config.model
         self.model_name = model.name
-        model_config, model_dir = load_model_config(model.name, model.weights_cache_dir)
+        model_config, model_dir = load_model_config(model.name, model.weights_cache_dir,
+                                                    weights=False)
         self.tokenizer = Tokenizer(tokenizer_dir(model_dir, model.weights_cache_dir))
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(model.max_model_len or model_config.max_position,
@@ -94,6 +95,7 @@ class Admission:
         self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         self.collector = StatsCollector(self.read_metrics)
         register(self.collector)
+        self.tenant_label = TenantLabels()
 
     async def start(self) -> None:
         await ensure_streams(self.js, self.config)
@@ -183,7 +185,8 @@ class Admission:
         self.counts["rejected"] += 1
         self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
         # A tenant name that is not valid is not a label: clients could make any number.
-        REJECTED.labels(tenant if TENANT_PATTERN.fullmatch(tenant) else "", code).inc()
+        REJECTED.labels(self.tenant_label(tenant) if TENANT_PATTERN.fullmatch(tenant) else "",
+                        code).inc()
 
     # ---------------------------------------------------------------------- request / reply
 
@@ -221,7 +224,7 @@ class Admission:
                               message=f"admission failed: {exc!r}")
             if error is None:
                 self.counts["admitted"] += 1
-                ADMITTED.labels(tenant, "false").inc()
+                ADMITTED.labels(self.tenant_label(tenant), "false").inc()
                 return
             span.set_attribute("error", error.code)
             self.count_error(error.code, tenant)
@@ -314,7 +317,7 @@ class Admission:
             await msg.nak(delay=1.0)
             return
         self.counts["durable_admitted"] += 1
-        ADMITTED.labels(tenant, "true").inc()
+        ADMITTED.labels(self.tenant_label(tenant), "true").inc()
 
     async def has_result(self, tenant: str, request_id: str) -> bool:
         try:

@@ -1,9 +1,6 @@
-"""The batcher service: pulls the best waiting requests from priority whenever executors have room
-(`llm.internal.priority.next`) and assigns each to an executor (`llm.internal.executor.<n>.assign`).
-With no room anywhere, a second loop pulls only requests that would start at once at some executor,
-ahead of everything waiting there (and, with every slot taken, preempting its weakest running
-request), and sends each there: overtaking dispatch.
-"""
+"""The batcher service: pulls the best waiting requests from priority when executors have room
+and assigns each to one; with no room anywhere, sends those that outrank what is at an executor
+there at once (overtaking dispatch)."""
 
 from __future__ import annotations
 
@@ -183,9 +180,18 @@ class BatcherService:
             return
         for item in _next_reply.decode(reply.data).items:
             self.counts["pulled"] += 1
-            await self.assign(item, overtaking=True)
+            if not await self.assign(item, overtaking=True):
+                # Its executor's threshold moved, or it serves another model: until the next
+                # heartbeat, pulling again would hand out the same request again.
+                self.beat.clear()
+                try:
+                    await asyncio.wait_for(self.beat.wait(), SUSPEND_S)
+                except TimeoutError:
+                    pass
 
-    async def assign(self, item: WorkItem, overtaking: bool = False) -> None:
+    async def assign(self, item: WorkItem, overtaking: bool = False) -> bool:
+        """Send `item` to an executor (beyond its room, if `overtaking` and it outranks what is
+        there); back to priority's queue if none takes it. Whether one took it."""
         now = time.monotonic()
         executor = self.registry.pick(item.request.model, now)
         overtakes = False  # sent beyond an executor's room, to go ahead of what is there
@@ -195,7 +201,7 @@ class BatcherService:
             self.counts["overtaking"] += overtakes
         if executor is None:  # room vanished (an executor died): back to the queue
             await self.requeue(item)
-            return
+            return False
         with self.tracer.start_as_current_span(
                 "batcher.route", context=context_from(item.trace),
                 attributes={"request_id": item.request_id, "executor": executor,
@@ -209,12 +215,13 @@ class BatcherService:
                 answer = AssignReply(accepted=False, reason=repr(exc))
             if answer.accepted:
                 self.counts["assigned"] += 1
-                return
+                return True
             span.set_attribute("rejected", answer.reason)
         log.warning("assignment failed", executor=executor, request_id=item.request_id,
                     reason=answer.reason)
         self.registry.unsend(executor, suspend_until=time.monotonic() + SUSPEND_S)
         await self.requeue(item)
+        return False
 
     async def requeue(self, item: WorkItem) -> None:
         self.counts["requeued"] += 1

@@ -56,12 +56,15 @@ class Scheduler:
     def overtake_above(self) -> float | None:
         """The score a newcomer needs to start here at once: to outrank, by the preemption
         margin, every running prefill (their chunks would go first), the best waiting sequence
-        and, with every slot taken, the weakest running one (preempted for it). None when
-        nothing is in its way (there is room) or something in its way was aged."""
+        and, when every slot is taken or others already wait (for slots or KV blocks), the
+        weakest running one (preempted for it). None when nothing is in its way (there is
+        room), something in its way was aged, or there is no margin to outrank by."""
+        if self.preemption_margin <= 0:
+            return None
         rivals = [s for s in self.running if self._tokens_to_run(s) > 1]
         if self.waiting:
             rivals.append(self.waiting[0])
-        if len(self.running) >= self.max_num_seqs:
+        if self.running and (self.waiting or len(self.running) >= self.max_num_seqs):
             rivals.append(max(self.running, key=Sequence.sort_key))
         if not rivals or any(s.aged for s in rivals):
             return None

@@ -41,9 +41,12 @@ HEARTBEAT_MIN_GAP_S = 0.005  # load changes are reported at once, but not more o
 _LABELS = ("model_name", "executor")
 REQUEST_SUCCESS = counter("request_success", "Requests ended with a Completion, by finish reason",
                           (*_LABELS, "finished_reason"))
+PROMPT_TOKENS = counter("prompt_tokens", "Prompt tokens of the requests that ended with a "
+                        "Completion (prefix-cache hits included)", _LABELS)
 ERRORS = counter("errors", "Requests ended with an Error at this executor, by code",
                  (*_LABELS, "code"))
-TTFT = histogram("time_to_first_token_seconds", "From admission to the first token", _LABELS,
+TTFT = histogram("time_to_first_token_seconds",
+                 "From admission to the first token (observed when the request ends)", _LABELS,
                  TTFT_BUCKETS)
 ITL = histogram("inter_token_latency_seconds",
                 "Between consecutive deltas sent to a streaming client", _LABELS, ITL_BUCKETS)
@@ -88,7 +91,8 @@ class ExecutorService:
         self.tasks: list[asyncio.Task] = []
         self.measuring = config.monitoring.metrics  # off: not even the observations
         labels = (self.engine.model_name, name)
-        self.metrics = {m: m.labels(*labels) for m in (TTFT, ITL, TPOT, E2E, QUEUE_TIME)}
+        self.metrics = {m: m.labels(*labels)
+                        for m in (TTFT, ITL, TPOT, E2E, QUEUE_TIME, PROMPT_TOKENS)}
         self.labels = labels
         self.collector = StatsCollector(self.read_metrics)
         register(self.collector)
@@ -158,8 +162,9 @@ class ExecutorService:
              blocks.prefix_hits),
             ("counter", "num_preemptions", "Requests preempted (recomputed later)", labels,
              scheduler.num_preemptions),
-            ("counter", "prompt_tokens", "Prompt tokens computed (recomputation included)",
-             labels, engine.prompt_tokens),
+            ("counter", "prefill_tokens_computed", "Prompt tokens run through the model "
+             "(prefix-cache hits left out, recomputation after preemption counted)", labels,
+             engine.prompt_tokens),
             ("counter", "generation_tokens", "Tokens generated", labels, engine.generated_tokens),
         ]
 
@@ -268,6 +273,7 @@ class ExecutorService:
 
     def observe(self, completion: Completion) -> None:
         REQUEST_SUCCESS.labels(*self.labels, completion.finish_reason).inc()
+        self.metrics[PROMPT_TOKENS].inc(completion.usage.prompt_tokens)
         m = completion.metrics
         self.metrics[E2E].observe(m.e2e_ms / 1e3)
         self.metrics[QUEUE_TIME].observe(m.queue_ms / 1e3)

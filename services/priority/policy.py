@@ -73,7 +73,8 @@ class Waiting:
 @dataclass
 class Scores:
     key: np.ndarray  # larger goes first
-    score: np.ndarray  # what the executor orders by (no aging offset)
+    score: np.ndarray  # the score (no aging offset): reported, and on the trace
+    standing: np.ndarray  # what the executor orders by: the score without deadline urgency
     terms: dict[str, np.ndarray]  # each term, for the trace
 
 
@@ -82,10 +83,11 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     """Every waiting request's sort key under the configured policy."""
     if cfg.policy == "fcfs":
         zero = np.zeros_like(waiting.seq)
-        return Scores(key=-waiting.seq, score=zero, terms={})
+        return Scores(key=-waiting.seq, score=zero, standing=zero, terms={})
     if cfg.policy == "priority":
         priority = waiting.priority.astype(float)
-        return Scores(key=priority * SEQ_SPAN - waiting.seq, score=priority, terms={})
+        return Scores(key=priority * SEQ_SPAN - waiting.seq, score=priority, standing=priority,
+                      terms={})
     adjust = load_adjustment(load, cfg)
     terms = {
         "base": base(waiting.priority, class_weights[np.minimum(waiting.priority,
@@ -95,6 +97,7 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
         "fairness": waiting.fairness,
     }
     score = terms["base"] + terms["urgency"] + terms["resource"] + terms["fairness"]
+    standing = score - terms["urgency"]
     waited = now - waiting.arrival
     aged = waited >= cfg.max_wait_s
     over_share = over_share_of(waiting.fairness, cfg)
@@ -102,20 +105,34 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     terms["aged"] = first.astype(float)
     key = np.where(first, AGED + waited, score)
     held = aged & over_share
-    if held.any():  # aged, but its tenant is over its share: the head of its own line only
-        head = np.full(int(waiting.tenant.max()) + 1, -np.inf)
-        np.maximum.at(head, waiting.tenant, score)
-        key = np.where(held, head[waiting.tenant] + HEAD_STEP * waited, key)
+    if held.any():  # aged, but its tenant is over its share: the head of its own line only,
+        # here and at the executor (there by standing, which leaves out every urgency)
+        rows = waiting.tenant
+        key = np.where(held, _tenant_max(score, rows)[rows] + HEAD_STEP * waited, key)
+        standing = np.where(held, _tenant_max(standing, rows)[rows] + HEAD_STEP * waited,
+                            standing)
     terms["over_share"] = over_share.astype(float)
     terms["held"] = held.astype(float)
-    return Scores(key=key, score=score, terms=terms)
+    return Scores(key=key, score=score, standing=standing, terms=terms)
+
+
+def _tenant_max(values: np.ndarray, tenant: np.ndarray) -> np.ndarray:
+    """The largest of `values` per tenant index."""
+    top = np.full(int(tenant.max()) + 1, -np.inf)
+    np.maximum.at(top, tenant, values)
+    return top
 
 
 def over_share_of(fairness, cfg: RequestLevel):
     """Whether a tenant with this fairness term is over its share: more than
-    `fairness_scale_tokens` ahead of the least-served active tenant. Its requests' aging bound then
-    orders them only within their own tenant."""
-    return np.asarray(fairness) < -cfg.fairness_factor
+    `fairness_scale_tokens` ahead of the least-served active tenant (or, when `fairness_max` caps
+    the term below `fairness_factor`, at that cap). Its requests' aging bound then orders them
+    only within their own tenant. Never, with tenant fairness off."""
+    bound = min(cfg.fairness_factor, cfg.fairness_max)
+    fairness = np.asarray(fairness)
+    if bound <= 0:
+        return np.zeros(fairness.shape, dtype=bool)
+    return fairness < -bound if cfg.fairness_max > cfg.fairness_factor else fairness <= -bound
 
 
 def best(key: np.ndarray, seq: np.ndarray, k: int) -> np.ndarray:

@@ -34,6 +34,7 @@ class WaitingQueue:
         self._tenant_ids: dict[str, int] = {}
         self.tenants: list[str] = []  # index -> name
         self._arrivals = itertools.count()
+        self.last_seq = -1  # the arrival sequence number of the latest push
 
     def __len__(self) -> int:
         return len(self._items)
@@ -58,7 +59,7 @@ class WaitingQueue:
         row = len(self._items)
         if row == self._rows:
             self._grow()
-        seq = next(self._arrivals)
+        seq = self.last_seq = next(self._arrivals)
         deadline = item.deadline if item.deadline is not None else math.inf
         cols = self._cols
         cols["priority"][row] = item.request.priority

@@ -4,6 +4,7 @@ executors' load — fed by submissions, pulls and the executors' reports. Knows 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +48,9 @@ class RequestScheduler:
         return busy / slots if slots else 0.0
 
     def push(self, item: WorkItem) -> None:
+        if item.charged:  # back from the batcher (an assignment failed): refund the advance
+            self.counters.charge(item.tenant, -item.charged)
+            item.charged = 0.0
         request = item.request
         item.predicted_output_tokens = self.predictor.predict(item.tenant, request.priority,
                                                               request.max_tokens)
@@ -78,10 +82,21 @@ class RequestScheduler:
         return np.array([-min(cfg.fairness_max, factor * lag)
                          for lag in self.counters.lags(self.queue.tenants)] or [0.0])
 
-    def can_overtake(self, min_standing: float, now: float) -> bool:
-        """Whether some waiting request's standing reaches `min_standing` (and none is aged:
-        those go first, and they wait for room)."""
-        return bool(self.queue) and bool(_overtakers(self.scores(now), min_standing).any())
+    def can_overtake(self, min_standing: float, now: float, after_seq: int = -1) -> bool:
+        """Whether some waiting request that arrived after `after_seq` (an arrival sequence
+        number; -1: any) has a standing that reaches `min_standing`, and none of them is aged
+        (those go first, and they wait for room). Scores only those rows: a long poll looks at
+        each arrival as it comes, and at the whole queue only now and then."""
+        if not self.queue:
+            return False
+        waiting = self.queue.waiting(self.fairness_terms())
+        new = waiting.seq > after_seq
+        if not new.all():
+            if not new.any():
+                return False
+            waiting = policy.Waiting(**{f.name: getattr(waiting, f.name)[new]
+                                        for f in dataclasses.fields(waiting)})
+        return bool(_overtakers(self.scores(now, waiting), min_standing).any())
 
     def pop(self, max_items: int, now: float, min_standing: float | None = None) -> list[Dispatch]:
         """The best `max_items` now (of those whose standing reaches `min_standing`, if given).
@@ -115,9 +130,7 @@ class RequestScheduler:
             if "fairness" in terms:
                 terms["fairness"] += shift
             item.priority_score = float(scored.score[row]) + shift
-            item.standing = item.priority_score - terms.get("urgency", 0.0)
-            if terms.get("held"):  # aged, at the head of its tenant's line: the same there
-                item.standing = float(scored.key[row]) + shift - terms.get("urgency", 0.0)
+            item.standing = float(scored.standing[row]) + shift
             item.age_from_dispatch = bool(terms.get("over_share", 0.0))
             item.queue_wait_ms = max(0.0, 1e3 * (now - item.arrival_time))
             dispatches.append(Dispatch(item, item.priority_score, terms))
@@ -157,8 +170,8 @@ class RequestScheduler:
 
     def _charge(self, item: WorkItem) -> None:
         self.counters.dequeued(item.tenant)
-        self.counters.charge(item.tenant, self.counters.cost(item.num_prompt_tokens,
-                                                             item.predicted_output_tokens))
+        item.charged = self.counters.cost(item.num_prompt_tokens, item.predicted_output_tokens)
+        self.counters.charge(item.tenant, item.charged)
 
     def executor_report(self, name: str, busy: int, slots: int,
                         tenants: dict[str, int]) -> None:
@@ -206,6 +219,4 @@ def _overtakers(scored: policy.Scores, min_standing: float) -> np.ndarray:
     aged = scored.terms.get("aged")
     if aged is not None and aged.any():
         return np.zeros(len(scored.score), dtype=bool)
-    urgency = scored.terms.get("urgency")
-    standing = scored.score if urgency is None else scored.score - urgency
-    return standing >= min_standing
+    return scored.standing >= min_standing

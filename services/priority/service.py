@@ -26,7 +26,14 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.metrics import REQUEST_BUCKETS, StatsCollector, histogram, register, unregister
+from shared.metrics import (
+    TTFT_BUCKETS,
+    StatsCollector,
+    TenantLabels,
+    histogram,
+    register,
+    unregister,
+)
 from shared.protocol import Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from
@@ -39,7 +46,7 @@ _heartbeat = decoder(Heartbeat)
 EXPIRY_CHECK_S = 0.05  # how late a waiting request may learn that its deadline passed
 QUEUE_WAIT = histogram("priority_queue_wait_seconds",
                        "Time in priority's waiting queue, from admission to dispatch",
-                       ("priority",), REQUEST_BUCKETS)
+                       ("priority",), TTFT_BUCKETS)
 
 
 class PriorityService:
@@ -62,6 +69,7 @@ class PriorityService:
         self.measuring = config.monitoring.metrics
         self.collector = StatsCollector(self.read_metrics)
         register(self.collector)
+        self.tenant_label = TenantLabels()
 
     async def start(self) -> None:
         service = await add_micro_service(self.nc, "priority", "global waiting queue", self.stats)
@@ -112,11 +120,13 @@ class PriorityService:
                  {}, value) for name, value in self.counts.items()]
         out.append(("gauge", "executor_load", "Demand over executor slots, from heartbeats", {},
                     self.scheduler.load))
-        for tenant, served in self.scheduler.served.items():
-            for kind, tokens in served.items():
-                out.append(("counter", "tenant_served_tokens",
-                            "Tokens executors reported serving each tenant",
-                            {"tenant": tenant, "kind": kind.removesuffix("_tokens")}, tokens))
+        served: dict[tuple[str, str], int] = {}
+        for tenant, tokens in self.scheduler.served.items():
+            for kind, n in tokens.items():
+                key = (self.tenant_label(tenant), kind.removesuffix("_tokens"))
+                served[key] = served.get(key, 0) + n
+        out += [("counter", "tenant_served_tokens", "Tokens executors reported serving each tenant",
+                 {"tenant": tenant, "kind": kind}, n) for (tenant, kind), n in served.items()]
         return out
 
     async def on_heartbeat(self, msg) -> None:
@@ -209,17 +219,21 @@ class PriorityService:
 
     async def answer_next(self, request: Request) -> None:
         """Long poll: answer at once when requests wait, else when one arrives or `wait_ms` ends.
-        An overtaking pull (`min_standing`) waits for a request whose standing reaches it; scores
-        move with the clock, so it looks again every EXPIRY_CHECK_S as well."""
+        An overtaking pull (`min_standing`) waits for a request whose standing reaches it. It
+        looks at each arrival as it comes (O(1) a request) and, since scores move with the
+        clock, at the whole queue every EXPIRY_CHECK_S (O(n))."""
         ask = _next.decode(request.data)
         deadline = time.monotonic() + ask.wait_ms / 1e3
-        recheck = ask.wait_ms / 1e3 if ask.min_standing is None else EXPIRY_CHECK_S
-        while not self.ready(ask.min_standing) and (left := deadline - time.monotonic()) > 0:
-            self.arrived.clear()
-            try:
-                await asyncio.wait_for(self.arrived.wait(), min(left, recheck))
-            except TimeoutError:
-                pass
+        if ask.min_standing is None:
+            while not self.queue and (left := deadline - time.monotonic()) > 0:
+                await self.next_arrival(left)
+        else:
+            seen = -1  # the first look covers the whole queue
+            while (left := deadline - time.monotonic()) > 0:
+                latest = self.queue.last_seq
+                if self.scheduler.can_overtake(ask.min_standing, time.time(), seen):
+                    break
+                seen = latest if await self.next_arrival(min(left, EXPIRY_CHECK_S)) else -1
         now = time.time()
         await self.expire(now)
         dispatches = self.scheduler.pop(ask.max_items, now, ask.min_standing)
@@ -239,10 +253,14 @@ class PriorityService:
         self.counts["dispatched"] += len(dispatches)
         await request.respond(encode(NextReply(items=[d.item for d in dispatches])))
 
-    def ready(self, min_standing: float | None) -> bool:
-        if min_standing is None:
-            return bool(self.queue)
-        return self.scheduler.can_overtake(min_standing, time.time())
+    async def next_arrival(self, timeout: float) -> bool:
+        """Wait up to `timeout` for a request to arrive; whether one did."""
+        self.arrived.clear()
+        try:
+            await asyncio.wait_for(self.arrived.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def on_cancel(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)

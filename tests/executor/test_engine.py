@@ -298,17 +298,17 @@ async def test_aging_bound_at_the_executor():
 async def test_the_aging_bound_can_count_from_dispatch():
     """A request of a tenant over its share arrives long after admission: its bound counts from
     `aging_start`, so it is not aged on arrival and a higher score still goes first."""
-    engine = Engine(tiny_config(max_num_seqs=1, max_wait_s=0.3))
+    engine = Engine(tiny_config(max_num_seqs=1, max_wait_s=1.0))
     old = time.monotonic() - 10.0
     engine.add_request(greedy([20, 21], max_tokens=8, request_id="held"), lambda out: None,
                        arrival_time=old, score=1.0, aging_start=time.monotonic())
     engine.add_request(greedy([22, 23], max_tokens=8, request_id="aged"), lambda out: None,
                        arrival_time=old, score=1.0)
-    await asyncio.sleep(0.15)
+    await asyncio.sleep(0.5)
     engine.add_request(greedy([24, 25], max_tokens=8, request_id="high"), lambda out: None,
                        score=9.0)
     assert [s.request_id for s in engine.scheduler.waiting] == ["aged", "high", "held"]
-    await asyncio.sleep(0.2)  # held has now waited 0.3 s since its start; high only 0.2 s
+    await asyncio.sleep(0.75)  # held has waited 1.25 s since its start (aged); high 0.75 s
     waiting = [s.request_id for s in engine.scheduler.waiting]
     assert sorted(waiting[:2]) == ["aged", "held"] and waiting[2] == "high"
     for request_id in ("held", "aged", "high"):

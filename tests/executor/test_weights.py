@@ -43,3 +43,27 @@ def test_dummy_weights_are_deterministic_and_shaped():
     _, b, _ = load_model_files("dummy:tiny", torch.device("cpu"), torch.float32)
     assert torch.equal(a["model.layers.1.mlp.up_proj.weight"], b["model.layers.1.mlp.up_proj.weight"])
     assert a["model.embed_tokens.weight"].shape == (49152, 64)
+
+
+def test_conversion_is_light_for_the_control_plane_and_safe_to_race(tmp_path):
+    """Without weights only config and tokenizer are written (the control plane's needs); several
+    converters at once (replicas sharing a cache volume) leave one whole cache and no debris."""
+    import threading
+
+    from safetensors.numpy import load_file
+
+    from shared.model_files import WEIGHTS_FILE, hf_config
+
+    light = converted_gguf_dir(default_gguf_path(), str(tmp_path), weights=False)
+    assert (light / "tokenizer.json").exists() and hf_config(light).num_layers == 30
+    assert not (light / WEIGHTS_FILE).exists()
+    found = []
+    racers = [threading.Thread(target=lambda: found.append(
+        converted_gguf_dir(default_gguf_path(), str(tmp_path)))) for _ in range(3)]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join()
+    assert found == [light] * 3
+    assert len(load_file(str(light / WEIGHTS_FILE))) == 3 + 9 * 30 - 1  # tied lm_head
+    assert not [p.name for p in light.iterdir() if ".tmp-" in p.name]

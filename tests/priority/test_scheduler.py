@@ -181,3 +181,44 @@ def test_nothing_overtakes_while_an_aged_request_waits():
     assert not sched.can_overtake(0.0, now=11.0)  # "old" is past the bound: it goes first
     assert sched.pop(2, now=11.0, min_standing=0.0) == []
     assert [d.item.request_id for d in sched.pop(2, now=11.0)] == ["old", "p9"]
+
+
+def test_a_held_request_takes_its_tenants_best_standing_without_anyones_urgency():
+    """Held at the head of its over-share tenant's line, a request's standing at the executor is
+    that line's best standing (urgency left out, as for every standing), never a deadline
+    urgency borrowed from another request."""
+    sched = RequestScheduler(RequestLevel(max_wait_s=10.0))
+    sched.executor_report("e0", busy=1, slots=4, tenants={"light": 1})
+    sched.counters.counters["light"] = 0.0
+    sched.push(item("old", tenant="heavy", priority=1, arrival=0.0))
+    sched.push(item("urgent", tenant="heavy", priority=5, arrival=10.5, deadline=11.2))
+    sched.counters.charge("heavy", 50_000.0)
+    [old, urgent] = sched.pop(2, now=11.0)
+    assert old.item.request_id == "old" and old.terms["held"] == 1.0
+    assert urgent.terms["urgency"] > 1.0
+    assert urgent.item.standing == pytest.approx(urgent.score - urgent.terms["urgency"])
+    assert old.item.standing == pytest.approx(urgent.item.standing, abs=1e-3)
+    assert old.item.standing < urgent.score - 1.0
+
+
+def test_a_request_sent_back_by_the_batcher_is_not_charged_twice():
+    sched = RequestScheduler(RequestLevel())
+    sched.push(item("a"))
+    [dispatch] = sched.pop(1, now=0.0)
+    assert sched.counters.counters["t"] == dispatch.item.charged == 100 + 2 * 100
+    sched.push(dispatch.item)  # the assignment failed: back to the queue, refunded
+    assert sched.counters.counters["t"] == 0.0 and dispatch.item.charged == 0.0
+    sched.pop(1, now=0.0)
+    assert sched.counters.counters["t"] == 100 + 2 * 100
+
+
+def test_an_overtaking_long_poll_can_look_at_new_arrivals_only():
+    sched = RequestScheduler(RequestLevel())
+    sched.push(item("p9-old", priority=9))
+    seen = sched.queue.last_seq
+    assert sched.can_overtake(5.0, now=0.0)  # the whole queue: p9-old qualifies
+    assert not sched.can_overtake(5.0, now=0.0, after_seq=seen)  # nothing new
+    sched.push(item("p1", priority=1))
+    assert not sched.can_overtake(5.0, now=0.0, after_seq=seen)  # the newcomer does not
+    sched.push(item("p9-new", priority=9))
+    assert sched.can_overtake(5.0, now=0.0, after_seq=seen)
