@@ -29,6 +29,7 @@ class RequestRecord:
     error: str | None = None  # the Error's code
     queue_wait_ms: float | None = None  # the Completion's: waiting at priority, server clock
     scheduled_ms: float | None = None  # the Completion's: from admission to its first step
+    cached_tokens: int = 0  # the Completion's: prompt tokens found in the prefix cache
     preemptions: int = 0  # the Completion's: times the executor preempted it
 
     @property
@@ -138,6 +139,9 @@ def latency_figures(records: list[RequestRecord], duration_s: float,
         "queue_wait_ms": distribution([r.queue_wait_ms / 1e3 for r in done
                                        if r.queue_wait_ms is not None]),
     }
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    figures["prefix_cache_hit_rate"] = (sum(r.cached_tokens for r in done) / prompt_tokens
+                                        if prompt_tokens else None)
     with_deadline = [r for r in records if r.deadline_ms is not None]
     if with_deadline:
         met = sum(1 for r in with_deadline if r.ok and 1e3 * r.e2e <= r.deadline_ms)

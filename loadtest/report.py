@@ -22,7 +22,8 @@ def print_summary(result: dict) -> None:
             ("duration (s)", _fmt(s["duration_s"], 2)),
             ("request throughput (req/s)", _fmt(s["request_throughput"], 2)),
             ("output token throughput (tok/s)", _fmt(s["output_throughput"])),
-            ("total token throughput (tok/s)", _fmt(s["total_token_throughput"]))]
+            ("total token throughput (tok/s)", _fmt(s["total_token_throughput"])),
+            ("prefix-cache hit rate (cached / prompt)", _fmt(s["prefix_cache_hit_rate"], 3))]
     if "goodput" in s:
         rows.append(("goodput (req/s)", f"{_fmt(s['goodput'], 2)}  "
                                         f"({_fmt(100 * s['goodput_fraction'])} % of requests)"))
@@ -62,6 +63,7 @@ COMPARED = [("output tok/s", ("output_throughput",)), ("request/s", ("request_th
             ("TTFT p99 ms", ("ttft_ms", "p99")), ("TPOT p50 ms", ("tpot_ms", "p50")),
             ("TPOT p99 ms", ("tpot_ms", "p99")), ("ITL p99 ms", ("itl_ms", "p99")),
             ("E2E p50 ms", ("e2e_ms", "p50")), ("E2E p99 ms", ("e2e_ms", "p99")),
+            ("prefix-cache hit rate", ("prefix_cache_hit_rate",)),
             ("failed", ("failed",)), ("outstanding", ("outstanding",)),
             ("Jain fairness", ("jain_fairness",))]
 

@@ -182,6 +182,7 @@ async def one_request(client: JetserveClient, request: GenerateRequest, record: 
                     record.finish_reason = output.finish_reason
                     record.queue_wait_ms = output.scheduling.queue_wait_ms
                     record.scheduled_ms = output.metrics.queue_ms
+                    record.cached_tokens = output.usage.cached_tokens
                     record.preemptions = output.scheduling.preemptions
     except asyncio.CancelledError:
         raise

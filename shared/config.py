@@ -128,6 +128,9 @@ class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     # Requests an executor may hold beyond max_num_seqs, so a finished slot refills at once.
     executor_queue_depth: Annotated[int, msgspec.Meta(ge=0)] = 4
+    # Which executor with room gets a request: the least loaded (relative to its size, then the
+    # one with the most free KV blocks), or each in turn.
+    routing: Literal["least_loaded", "round_robin"] = "least_loaded"
     # With no room anywhere, still send a request that outranks, by the preemption margin,
     # everything waiting at some executor (and its weakest running request, if every slot is
     # taken) there; it starts at once, ahead of them. At most `overtake_extra` beyond the room.

@@ -34,9 +34,11 @@ class ExecutorState:
 
 
 class ExecutorRegistry:
-    def __init__(self, overtake_extra: int = 0):
+    def __init__(self, overtake_extra: int = 0, routing: str = "least_loaded"):
         self.executors: dict[str, ExecutorState] = {}
         self.overtake_extra = overtake_extra  # how far beyond its room an executor may be sent
+        self.routing = routing  # "least_loaded" or "round_robin"
+        self.last_picked = ""  # round robin: the name picked last
 
     def update(self, heartbeat: Heartbeat, now: float) -> bool:
         """Record a heartbeat; True when the executor is new (or restarted)."""
@@ -62,15 +64,22 @@ class ExecutorRegistry:
                    if now is None or state.suspended_until <= now)
 
     def pick(self, model: str | None, now: float) -> str | None:
-        """The least loaded executor of `model` with room (relative to its size), then the one
-        with the most free KV blocks."""
+        """An executor of `model` with room: the least loaded (relative to its size), then the
+        one with the most free KV blocks; or, routing round robin, the next by name after the
+        one picked last."""
         candidates = [s for s in self.executors.values()
                       if s.free_slots > 0 and s.suspended_until <= now
                       and (model is None or s.heartbeat.model == model)]
         if not candidates:
             return None
-        best = min(candidates, key=lambda s: (s.load / max(1, s.heartbeat.max_num_seqs),
-                                              -s.heartbeat.free_kv_blocks))
+        if self.routing == "round_robin":
+            ordered = sorted(candidates, key=lambda s: s.heartbeat.executor)
+            best = next((s for s in ordered if s.heartbeat.executor > self.last_picked),
+                        ordered[0])
+            self.last_picked = best.heartbeat.executor
+        else:
+            best = min(candidates, key=lambda s: (s.load / max(1, s.heartbeat.max_num_seqs),
+                                                  -s.heartbeat.free_kv_blocks))
         best.sent_total += 1
         return best.heartbeat.executor
 

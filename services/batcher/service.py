@@ -46,7 +46,8 @@ class BatcherService:
         self.subjects = Subjects(config.nats.prefix)
         self.outbox = Outbox(nc, js, self.subjects)
         self.timeout = config.nats.request_timeout_s
-        self.registry = ExecutorRegistry(config.scheduler.batch_level.overtake_extra)
+        batch = config.scheduler.batch_level
+        self.registry = ExecutorRegistry(batch.overtake_extra, batch.routing)
         self.room = asyncio.Event()  # set when an executor may have free slots
         self.beat = asyncio.Event()  # set on every heartbeat
         self.counts = dict(pulled=0, assigned=0, overtaking=0, requeued=0, executors_lost=0)

@@ -83,3 +83,15 @@ def test_overtaking_goes_to_the_easiest_full_executor_one_at_a_time():
     registry.update(heartbeat("easy", running=4, waiting=1, assigned=1, overtake_above=3.0), 0.2)
     assert registry.pick_overtake("m", 9.0, 0.2) == "easy"
     assert registry.free_slots() == 4  # only "roomy"; overtaking never counts as room
+
+
+def test_round_robin_takes_each_executor_with_room_in_turn():
+    registry = ExecutorRegistry(routing="round_robin")
+    registry.update(heartbeat("e1", running=3), 0.0)  # busier: least_loaded would avoid it
+    registry.update(heartbeat("e0"), 0.0)
+    registry.update(heartbeat("e2", running=4, waiting=1), 0.0)  # full: skipped
+    registry.update(heartbeat("x", model="other"), 0.0)
+    # e1 has room for 2 (4 slots + 1 queued - 3 running), e0 for 5; then e0 alone.
+    assert [registry.pick("m", 0.0) for _ in range(7)] == \
+        ["e0", "e1", "e0", "e1", "e0", "e0", "e0"]
+    assert registry.pick("m", 0.0) is None

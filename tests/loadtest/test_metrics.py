@@ -99,3 +99,17 @@ def test_deadline_goodput_needs_the_whole_output_within_the_deadline():
     assert not slo.met(record(2000.0, 2.5))  # late
     assert not slo.met(record(2000.0, 1.9, finish_reason="deadline"))  # cut short at it
     assert slo.met(record(None, 30.0))  # no deadline: only the other limits apply
+
+
+def test_prefix_cache_hit_rate_is_cached_over_prompt_tokens_of_completed_requests():
+    records = [record("a1", 0.0, [0.1], 0.1, 1, tenant="a"),
+               record("a2", 0.0, [0.1], 0.1, 1, tenant="a"),
+               record("b1", 0.0, [0.1], 0.1, 1, tenant="b"),
+               record("b2", 0.0, [], 0.1, 0, tenant="b", error="overloaded")]
+    records[1].cached_tokens = 8  # of its 10 prompt tokens
+    records[3].cached_tokens = 10  # failed: not counted
+    s = summarize(records, duration_s=1.0)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(8 / 30)
+    assert s["per_tenant"]["a"]["prefix_cache_hit_rate"] == pytest.approx(8 / 20)
+    assert s["per_tenant"]["b"]["prefix_cache_hit_rate"] == 0.0
+    assert summarize([records[3]], duration_s=1.0)["prefix_cache_hit_rate"] is None
