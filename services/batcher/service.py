@@ -164,11 +164,7 @@ class BatcherService:
         threshold = None if self.registry.free_slots(now) else \
             self.registry.overtake_threshold(now)
         if threshold is None:
-            self.beat.clear()
-            try:
-                await asyncio.wait_for(self.beat.wait(), SUSPEND_S)
-            except TimeoutError:
-                pass
+            await self.next_beat()
             return
         try:
             reply = await self.nc.request(
@@ -184,11 +180,15 @@ class BatcherService:
             if not await self.assign(item, overtaking=True):
                 # Its executor's threshold moved, or it serves another model: until the next
                 # heartbeat, pulling again would hand out the same request again.
-                self.beat.clear()
-                try:
-                    await asyncio.wait_for(self.beat.wait(), SUSPEND_S)
-                except TimeoutError:
-                    pass
+                await self.next_beat()
+
+    async def next_beat(self) -> None:
+        """Until the next heartbeat from any executor, or SUSPEND_S."""
+        self.beat.clear()
+        try:
+            await asyncio.wait_for(self.beat.wait(), SUSPEND_S)
+        except TimeoutError:
+            pass
 
     async def assign(self, item: WorkItem, overtaking: bool = False) -> bool:
         """Send `item` to an executor (beyond its room, if `overtaking` and it outranks what is
