@@ -4,7 +4,9 @@ and delivering a request's outputs to wherever its client listens."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -179,9 +181,6 @@ async def add_micro_service(nc: Client, name: str, description: str,
     """A `nats.micro` service: $SRV.PING/INFO/STATS answer; `stats()` is each endpoint's data.
     Its metadata names the host and process, which is how a container's healthcheck
     (`python -m shared.health`) finds its own instance among the answers."""
-    import os
-    import socket
-
     from nats import micro
 
     return await micro.add_service(nc, name=name, version="0.1.0", description=description,

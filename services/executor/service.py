@@ -144,6 +144,12 @@ class ExecutorService:
                 "decode_tokens": engine.decode_tokens, "preemptions": scheduler.num_preemptions,
                 "assigned": self.assigned_total, **self.counts}
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests here not running: waiting in the scheduler, or assigned but not yet in it
+        (their outputs still queued)."""
+        return len(self.running) - len(self.engine.scheduler.running)
+
     def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
         """What the engine already counts, read at scrape time (nothing on the step loop)."""
         scheduler, blocks, engine = self.engine.scheduler, self.engine.block_manager, \
@@ -153,7 +159,7 @@ class ExecutorService:
             ("gauge", "num_requests_running", "Requests in the running batch", labels,
              len(scheduler.running)),
             ("gauge", "num_requests_waiting", "Requests here waiting for a slot", labels,
-             len(self.running) - len(scheduler.running)),
+             self.num_waiting),
             ("gauge", "kv_cache_usage_perc", "KV-cache blocks in use (1 = full)", labels,
              1 - blocks.num_free_blocks / blocks.num_blocks),
             ("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
@@ -336,8 +342,7 @@ class ExecutorService:
             max_num_seqs=0 if self.draining else batch.max_num_seqs,
             queue_depth=0 if self.draining else batch.executor_queue_depth,
             running=len(scheduler.running),
-            # Assigned but not yet in the scheduler counts as waiting (outputs still queued).
-            waiting=len(self.running) - len(scheduler.running),
+            waiting=self.num_waiting,
             assigned_total=self.assigned_total, free_kv_blocks=blocks.num_free_blocks,
             total_kv_blocks=blocks.num_blocks, step_ms=step_ms, started_at=self.started_at,
             finished=self.take_finished(), tenants=dict(self.tenant_load),
