@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import platform
-import random
 import statistics
 import time
 from pathlib import Path
@@ -27,22 +26,7 @@ from services.executor.run_local import run_requests
 from shared.model_files import ModelConfig, default_gguf_path, load_model_config
 from shared.config import EngineConfig
 from shared.protocol import Completion, GenerateRequest
-
-FIRST_ORDINARY_TOKEN = 17  # SmolLM2's ids below this are special tokens
-
-
-def make_workload(num_requests: int, seed: int, vocab_size: int,
-                  prompt_range=(16, 512), output_range=(16, 256)) -> list[GenerateRequest]:
-    rng = random.Random(seed)
-    requests = []
-    for i in range(num_requests):
-        prompt_len = rng.randint(*prompt_range)
-        requests.append(GenerateRequest(
-            request_id=f"bench-{i}",
-            prompt_token_ids=[rng.randrange(FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(prompt_len)],
-            max_tokens=rng.randint(*output_range), temperature=0.0, ignore_eos=True))
-    return requests
-
+from loadtest.datasets import engine_workload
 
 def workload_flops(config: ModelConfig, requests: list[GenerateRequest]) -> float:
     """Useful FLOPs of the workload: every token through every layer, attention by context."""
@@ -179,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           attention_backend=args.attention_backend)
     model_config, _ = load_model_config(args.model)
-    requests = make_workload(args.num_requests, args.seed, model_config.vocab_size)
+    requests = engine_workload(args.num_requests, args.seed, model_config.vocab_size)
     flops = workload_flops(model_config, requests)
     matmul = matmul_flops_per_s()
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import msgspec
 
-from loadtest.engine_bench import make_workload, percentile
+from loadtest.datasets import engine_workload
+from loadtest.engine_bench import percentile
 from services.executor.engine import Engine
 from shared.model_files import load_model_config
 from services.stack import Stack, free_port
@@ -123,10 +124,10 @@ def main() -> None:
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     vocab = load_model_config(args.model, weights=False)[0].vocab_size
-    load = make_workload(args.num_requests, args.seed, vocab, prompt_range=(16, 256),
+    load = engine_workload(args.num_requests, args.seed, vocab, prompt_range=(16, 256),
                          output_range=(16, 128))
     probes = [msgspec.structs.replace(r, max_tokens=4)
-              for r in make_workload(args.num_probes, args.seed + 1, vocab, prompt_range=(32, 32))]
+              for r in engine_workload(args.num_probes, args.seed + 1, vocab, prompt_range=(32, 32))]
 
     results = {"in_process": asyncio.run(run_in_process(config, load, probes)),
                "pipeline": asyncio.run(run_pipeline(config, load, probes))}
