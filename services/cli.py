@@ -22,15 +22,24 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size in blocks (default: what fits the memory budget)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    _quantization_option(parser, defaults.quantization)
     parser.add_argument("--no-pipeline", action="store_true",
                         help="run scheduling and output processing between steps, not beside them")
+
+
+def _quantization_option(parser: argparse.ArgumentParser, default: str | None) -> None:
+    parser.add_argument("--quantization", choices=["none", "int8", "int4", "auto"],
+                        default=default,
+                        help="weight-only quantization of the matmuls on a CPU; auto keeps a "
+                             "GGUF's own blocks (default: " + (default or "the config's") + ")")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                        device=args.device, pipeline=not args.no_pipeline)
+                        device=args.device, quantization=args.quantization,
+                        pipeline=not args.no_pipeline)
 
 
 def _client_options(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--state-dir", default=".jetserve", help="JetStream data and logs")
     up.add_argument("--executors", type=int, default=1)
     up.add_argument("--model", default=None, help=f"default: the config's, else {DEFAULT_MODEL}")
+    _quantization_option(up, None)
     up.add_argument("--config", help="jetserve.yaml (environment variables override it)")
 
     generate = commands.add_parser("generate", help="one request over llm.generate.<tenant>")

@@ -30,7 +30,8 @@ async def up(args) -> int:
     model = args.model or config.model.name
     stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
                   executors=args.executors, config_path=args.config,
-                  settings={"model.name": model})
+                  settings={"model.name": model} | (
+                      {"model.quantization": args.quantization} if args.quantization else {}))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

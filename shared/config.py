@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 import msgspec
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+Quantization = Literal["none", "int8", "int4", "auto"]
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -18,6 +19,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str = DEFAULT_MODEL  # a name, a GGUF path, an HF directory, or dummy:<shape>
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Weight-only quantization of the matmuls on a CPU (services/executor/linear.py): none,
+    # int8, int4, or auto (a GGUF's own blocks: Q4_x stays int4, Q8_0 int8; none otherwise).
+    quantization: Quantization = "none"
     # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
@@ -58,6 +62,7 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str = DEFAULT_MODEL
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Quantization = "none"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
     weights_cache_dir: str | None = None
@@ -192,7 +197,7 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         model, kv, batch = self.model, self.kv_cache, self.scheduler.batch_level
         return EngineConfig(
             model=model.name, device=model.device, dtype=model.dtype,
-            attention_backend=model.attention_backend, max_model_len=model.max_model_len,
+            quantization=model.quantization, attention_backend=model.attention_backend, max_model_len=model.max_model_len,
             max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=batch.max_num_batched_tokens,
             block_size=kv.block_size, num_kv_blocks=kv.num_blocks,
             gpu_memory_utilization=kv.gpu_memory_utilization, cpu_kv_cache_gib=kv.cpu_cache_gib,

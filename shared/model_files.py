@@ -196,28 +196,38 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .reshape(rows, cols))
 
 
+def gguf_hf_name(tensor_name: str) -> tuple[str, str] | None:
+    """A GGUF tensor's HF name and its GGUF kind (`attn_q`, `token_embd`, ...); None for
+    tensors the model does not use (e.g. rope_freqs: llama-3 scaling is not supported here)."""
+    parts = tensor_name.split(".")  # blk.<i>.<kind>.weight  or  <kind>.weight
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight", parts[2]
+    if parts[0] not in _GGUF_TOP_NAMES:
+        return None
+    return f"{_GGUF_TOP_NAMES[parts[0]]}.weight", parts[0]
+
+
+def hf_row_order(array: np.ndarray, kind: str, config: ModelConfig) -> np.ndarray:
+    """Rows of a GGUF matrix in HF order (works on raw quantized rows too: rows are whole)."""
+    if kind == "attn_q":
+        return unpermute_rotary(array, config.num_heads)
+    if kind == "attn_k":
+        return unpermute_rotary(array, config.num_kv_heads)
+    return array
+
+
 def gguf_arrays(reader, config: ModelConfig) -> dict[str, np.ndarray]:
     """The GGUF's tensors, dequantized to float32, by their HF names."""
     from gguf.quants import dequantize
 
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        parts = tensor.name.split(".")  # blk.<i>.<kind>.weight  or  <kind>.weight
-        if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
-            kind = parts[2]
-        else:
-            if parts[0] not in _GGUF_TOP_NAMES:
-                continue  # e.g. rope_freqs: llama-3 scaling is not supported here
-            name = f"{_GGUF_TOP_NAMES[parts[0]]}.weight"
-            kind = parts[0]
+        named = gguf_hf_name(tensor.name)
+        if named is None:
+            continue
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
         array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if kind == "attn_q":
-            array = unpermute_rotary(array, config.num_heads)
-        elif kind == "attn_k":
-            array = unpermute_rotary(array, config.num_kv_heads)
-        weights[name] = np.ascontiguousarray(array)
+        weights[named[0]] = np.ascontiguousarray(hf_row_order(array, named[1], config))
     return weights
 
 

@@ -5,7 +5,8 @@
 // gathered into a contiguous copy first, so each byte of the cache crosses the memory bus once
 // per step instead of three times.
 
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -95,9 +96,4 @@ void paged_decode_attention(
       std::copy(acc.begin(), acc.end(), o);
     }
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged fp32 KV cache");
 }

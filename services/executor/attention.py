@@ -59,27 +59,36 @@ class TorchAttentionMetadata:
     prefills: list[PrefillSlice]
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Views of a fused QKV output [T, (H + 2 * KVH) * D] as q [T, H, D], k and v [T, KVH, D]."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    return (qkv[:, :q_size].unflatten(1, (num_heads, head_dim)),
+            qkv[:, q_size:q_size + kv_size].unflatten(1, (num_kv_heads, head_dim)),
+            qkv[:, q_size + kv_size:].unflatten(1, (num_kv_heads, head_dim)))
+
+
 class TorchBackend:
     """Paged attention in torch: prefill chunks one by one through SDPA; decodes through the C++
-    kernel on a CPU with fp32, else gathered into groups of similar length for SDPA."""
+    kernel on a CPU with fp32, else gathered into groups of similar length for SDPA. On a CPU
+    with fp32 the element-wise ops and matmuls run on the C++ kernels too (kernels/cpu/)."""
 
     name = "torch"
 
     def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype,
-                 use_cpu_kernel: bool = True):
+                 use_cpu_kernels: bool = True):
         self.block_size = block_size
         self.device = device
-        self.cpu_kernel = None
-        if use_cpu_kernel and device.type == "cpu" and dtype == torch.float32:
-            from kernels import cpu_attention
+        self.cpu_kernels = None
+        if use_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+            from kernels import cpu_ops
 
-            self.cpu_kernel = cpu_attention if cpu_attention.load() is not None else None
+            self.cpu_kernels = cpu_ops.load()
 
     def prepare(self, seqs: list[SeqSlice], slot_mapping: list[int]) -> TorchAttentionMetadata:
         device, bs = self.device, self.block_size
         decodes = [s for s in seqs if s.q_len == 1]
         paged = None
-        if self.cpu_kernel is not None and decodes:
+        if self.cpu_kernels is not None and decodes:
             width = max(len(s.block_table) for s in decodes)
             paged = PagedDecodes(
                 block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table))
@@ -127,18 +136,37 @@ class TorchBackend:
 
     # --------------------------------------------------------------------------- per-layer ops
 
-    # The element-wise ops are the kernels' torch references: one statement of each.
-    rms_norm = staticmethod(reference.rms_norm)
-    rotary_embedding = staticmethod(reference.rotary_embedding)
-    silu_and_mul = staticmethod(reference.silu_and_mul)
+    # Without the C++ kernels the element-wise ops are the kernels' torch references.
 
-    @staticmethod
-    def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """The reference's write without its negative-slot filter: the engine never pads."""
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        if self.cpu_kernels is None:
+            return reference.rms_norm(x, weight, eps, residual)
+        out = self.cpu_kernels.rms_norm(x, residual, weight, eps)  # adds x into residual in place
+        return out if residual is None else (out, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is None:
+            return reference.silu_and_mul(x)
+        return self.cpu_kernels.silu_and_mul(x)
+
+    def rotary_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor,
+                         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+        """Rotary on q and k in place in the fused QKV output, k and v into their cache slots;
+        returns the q, k, v views."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
+        if self.cpu_kernels is not None:
+            self.cpu_kernels.rotary_and_cache(qkv, positions, cos_sin_cache, k_cache, v_cache,
+                                              slot_mapping, num_heads, num_kv_heads)
+            return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        reference.rotary_embedding(positions, q, k, cos_sin_cache)
+        # The reference's write without its negative-slot filter: the engine never pads.
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        return q, k, v
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
@@ -147,7 +175,7 @@ class TorchBackend:
         out = torch.empty_like(q)
         if meta.paged_decodes is not None:
             d = meta.paged_decodes
-            self.cpu_kernel.paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens,
+            self.cpu_kernels.paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens,
                                                    d.q_rows, out, scale)
         for group in meta.decode_groups:
             size = group.q_index.shape[0]

@@ -96,7 +96,8 @@ class Engine:
             self.device = _pick_device(config)
             self.dtype = _pick_dtype(config, self.device)
             model_config, weights, model_dir = load_model_files(
-                config.model, self.device, self.dtype, config.weights_cache_dir)
+                config.model, self.device, self.dtype, config.weights_cache_dir,
+                config.quantization)
         self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.weights_cache_dir))
         self.model_config = model_config
         self.model_name = config.model

@@ -2,7 +2,7 @@
 
 RMSNorm, rotary embeddings (rotate-half), grouped-query attention through a backend that reads and
 writes the paged KV cache, SwiGLU MLP, tied or untied output embeddings. Q/K/V and gate/up are
-fused into one matmul each.
+fused into one matmul each; matmuls run on dense or quantized weights (linear.py).
 """
 
 from __future__ import annotations
@@ -12,17 +12,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.executor.linear import DenseLinear, QuantizedLinear, concat, make_linear
 from shared.model_files import ModelConfig
+
+Linear = DenseLinear | QuantizedLinear
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv_proj: torch.Tensor  # [(H + 2 * KVH) * D, hidden]
-    o_proj: torch.Tensor
+    qkv_proj: Linear  # [(H + 2 * KVH) * D, hidden]
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.Tensor
+    gate_up_proj: Linear  # [2 * intermediate, hidden]
+    down_proj: Linear
 
 
 def rotary_cos_sin(config: ModelConfig, max_position: int, device: torch.device) -> torch.Tensor:
@@ -34,31 +37,30 @@ def rotary_cos_sin(config: ModelConfig, max_position: int, device: torch.device)
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], backend,
-                 max_position: int):
+    def __init__(self, config: ModelConfig, weights: dict, backend, max_position: int):
         self.config = config
         self.backend = backend
         self.scale = config.head_dim ** -0.5
+        kernels = backend.cpu_kernels
         self.embed_tokens = weights.pop("model.embed_tokens.weight")
-        self.lm_head = weights.pop("lm_head.weight", self.embed_tokens)
+        self.lm_head = make_linear(weights.pop("lm_head.weight", self.embed_tokens), kernels)
         self.norm = weights.pop("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
-            def take(name: str, prefix: str = f"model.layers.{i}.") -> torch.Tensor:
-                return weights.pop(prefix + name)
+            def take(*names: str, prefix: str = f"model.layers.{i}.") -> Linear:
+                return make_linear(concat([weights.pop(prefix + n + ".weight") for n in names]),
+                                   kernels)
 
             self.layers.append(LayerWeights(
-                input_norm=take("input_layernorm.weight"),
-                qkv_proj=torch.cat([take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),
-                                    take("self_attn.v_proj.weight")]),
-                o_proj=take("self_attn.o_proj.weight"),
-                post_norm=take("post_attention_layernorm.weight"),
-                gate_up_proj=torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
-                down_proj=take("mlp.down_proj.weight"),
+                input_norm=weights.pop(f"model.layers.{i}.input_layernorm.weight"),
+                qkv_proj=take("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                o_proj=take("self_attn.o_proj"),
+                post_norm=weights.pop(f"model.layers.{i}.post_attention_layernorm.weight"),
+                gate_up_proj=take("mlp.gate_proj", "mlp.up_proj"),
+                down_proj=take("mlp.down_proj"),
             ))
         self.cos_sin_cache = rotary_cos_sin(config, max_position, self.embed_tokens.device)
         self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta,
@@ -75,19 +77,14 @@ class LlamaModel:
                 hidden = ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = F.linear(hidden, layer.qkv_proj)
-            q = qkv[:, :self.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(
-                num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            ops.reshape_and_cache(k, v, k_cache, v_cache, attn_meta.slot_mapping)
+            q, k, v = ops.rotary_and_cache(layer.qkv_proj(hidden), positions, self.cos_sin_cache,
+                                           k_cache, v_cache, attn_meta.slot_mapping)
             attn = ops.attention(q, k, v, k_cache, v_cache, self.scale, attn_meta)
-            hidden = F.linear(attn.view(num_tokens, self.q_size), layer.o_proj)
+            hidden = layer.o_proj(attn.view(num_tokens, self.q_size))
             hidden, residual = ops.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
-            hidden = F.linear(ops.silu_and_mul(F.linear(hidden, layer.gate_up_proj)), layer.down_proj)
+            hidden = layer.down_proj(ops.silu_and_mul(layer.gate_up_proj(hidden)))
         # Only the rows that sample need the final norm and the (large) output projection.
         hidden = hidden[logits_indices]
         residual = residual[logits_indices]
         hidden, _ = ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from services.executor.attention import SeqSlice
+from services.executor.attention import SeqSlice, split_qkv
 
 
 @dataclass
@@ -52,10 +52,19 @@ class TritonBackend:
             max_seq_len=max(s.context_len for s in seqs),
         )
 
+    cpu_kernels = None  # matmuls run on torch's (cuBLAS) kernels
     rms_norm = staticmethod(kernels.rms_norm)
-    rotary_embedding = staticmethod(kernels.rotary_embedding)
     silu_and_mul = staticmethod(kernels.silu_and_mul)
-    reshape_and_cache = staticmethod(kernels.reshape_and_cache)
+
+    @staticmethod
+    def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
+        """Rotary on q and k in place, k and v into their cache slots; the q, k, v views."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        q, k, v = split_qkv(qkv, qkv.shape[1] // head_dim - 2 * num_kv_heads, num_kv_heads, head_dim)
+        kernels.rotary_embedding(positions, q, k, cos_sin_cache)
+        kernels.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        return q, k, v
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,

@@ -51,9 +51,9 @@ def test_mixed_batch_matches_reference(use_cpu_kernel):
     # Decodes ending mid-block and on a block edge, a fresh prefill, a chunk after cached context.
     specs = [(37, 1), (16, 1), (100, 1), (23, 23), (70, 30), (1, 1)]
     k_cache, v_cache, q, slices, kv = build_batch(0, specs)
-    backend = TorchBackend(BLOCK, torch.device("cpu"), torch.float32, use_cpu_kernel=use_cpu_kernel)
+    backend = TorchBackend(BLOCK, torch.device("cpu"), torch.float32, use_cpu_kernels=use_cpu_kernel)
     if use_cpu_kernel:
-        assert backend.cpu_kernel is not None, "the C++ kernel did not build"
+        assert backend.cpu_kernels is not None, "the C++ kernels did not build"
     meta = backend.prepare(slices, slot_mapping=[0] * q.shape[0])
     scale = DIM ** -0.5
     fresh_k = torch.cat([keys[ctx - new:] for (keys, _), (ctx, new) in zip(kv, specs)])
@@ -71,7 +71,7 @@ def test_kernel_reads_strided_queries():
     q = qkv[:, :HEADS * DIM].view(2, HEADS, DIM)  # a view with a row stride, as in the model
     outs = []
     for use in (False, True):
-        backend = TorchBackend(BLOCK, torch.device("cpu"), torch.float32, use_cpu_kernel=use)
+        backend = TorchBackend(BLOCK, torch.device("cpu"), torch.float32, use_cpu_kernels=use)
         meta = backend.prepare(slices, slot_mapping=[0, 0])
         outs.append(backend.attention(q, None, None, k_cache, v_cache, 0.1, meta))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

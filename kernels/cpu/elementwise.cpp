@@ -1,0 +1,112 @@
+// The per-layer element-wise ops of the CPU path (fp32), each one pass over its rows: in torch
+// each is a chain of small ops, and at decode batch sizes the dispatch of those ops costs more
+// than their arithmetic. Semantics are those of kernels/reference.py.
+
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat32 && t.stride(1) == 1, name,
+              ": fp32 [T, C] with contiguous rows expected");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tensor>& residual,
+                       const torch::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight size");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto out = torch::empty({rows, cols}, x.options());
+  float* res = nullptr;
+  if (residual.has_value()) {
+    check_rows(*residual, "rms_norm residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "rms_norm: residual shape");
+    res = residual->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), rs = res ? residual->stride(0) : 0;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * xs;
+      float* o = op + r * cols;
+      const float* src = xr;
+      if (res) {  // residual += x, and the sum is what gets normalized
+        float* rr = res + r * rs;
+        for (int64_t c = 0; c < cols; ++c) rr[c] += xr[c];
+        src = rr;
+      }
+      float squares = 0.0f;
+      for (int64_t c = 0; c < cols; ++c) squares += src[c] * src[c];
+      const float inv = 1.0f / std::sqrt(squares / cols + feps);
+      for (int64_t c = 0; c < cols; ++c) o[c] = src[c] * inv * wp[c];
+    }
+  });
+  return out;
+}
+
+void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
+                      const torch::Tensor& cos_sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                      const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "rotary_and_cache qkv");
+  const int64_t head_dim = k_cache.size(3), half = head_dim / 2;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "rotary_and_cache: width");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() &&
+              cos_sin.size(1) == head_dim, "rotary_and_cache: cache or table layout");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && slot_mapping.scalar_type() == torch::kLong,
+              "rotary_and_cache: int64 positions and slots");
+  const int64_t tokens = qkv.size(0), stride = qkv.stride(0);
+  const int64_t kv_width = num_kv_heads * head_dim;
+  float* base = qkv.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = table + pos[t] * head_dim;
+      const float* sin = cos + half;
+      float* row = base + t * stride;
+      // q heads then k heads: NeoX rotate-half, [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        float* x = row + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * cos[i] - x2 * sin[i];
+          x[i + half] = x2 * cos[i] + x1 * sin[i];
+        }
+      }
+      const float* k = row + num_heads * head_dim;
+      std::copy(k, k + kv_width, kc + slots[t] * kv_width);
+      std::copy(k + kv_width, k + 2 * kv_width, vc + slots[t] * kv_width);
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  check_rows(x, "silu_and_mul x");
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  auto out = torch::empty({rows, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = xp + r * xs;
+      const float* up = gate + d;
+      float* o = op + r * d;
+      for (int64_t c = 0; c < d; ++c) o[c] = gate[c] / (1.0f + std::exp(-gate[c])) * up[c];
+    }
+  });
+  return out;
+}

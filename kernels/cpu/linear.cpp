@@ -1,0 +1,249 @@
+// y = x W^T for the CPU, with W in fp32, int8 or int4 (weight-only quantization, fp32 activations).
+//
+// Decode steps multiply a few rows of activations by every weight of the model, so they are bound
+// by how fast the weights stream in. BLAS libraries pack the weight matrix on every call for small
+// M, which costs more than the product itself. These kernels read W once, in place, in its stored
+// format: each weight vector is loaded (and dequantized) once per tile and multiplied into up to
+// MR rows of x held in registers. Larger M goes through BLAS (after dequantizing W tile by tile).
+//
+// Quantized layouts, in groups of 32 along K (the layout of GGUF's Q8_0, Q4_0 and Q4_1 blocks):
+//   int8: q int8 [N, K], scale fp32 [N, K/32];                         w = scale * q
+//   int4: q uint8 [N, K/2], scale and min fp32 [N, K/32];              w = scale * q + min
+//         byte j of a group holds weight j in its low nibble and weight j + 16 in its high one.
+
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int kMaxRows = 4;  // rows of x per register tile
+constexpr int kCols = 4;     // rows of W per register tile
+
+// Dequantized weights of one group, 32 floats, written to `out` (the portable path and the
+// tiled BLAS path share these).
+inline void dequant_group_int8(const int8_t* q, float scale, float* out) {
+  for (int i = 0; i < kGroup; ++i) out[i] = scale * q[i];
+}
+inline void dequant_group_int4(const uint8_t* q, float scale, float min, float* out) {
+  for (int i = 0; i < kGroup / 2; ++i) {
+    out[i] = scale * (q[i] & 0xF) + min;
+    out[i + kGroup / 2] = scale * (q[i] >> 4) + min;
+  }
+}
+
+enum class Format { F32, Int8, Int4 };
+
+struct Weight {
+  Format format;
+  int64_t n, k;
+  const float* f32 = nullptr;
+  const int8_t* q8 = nullptr;
+  const uint8_t* q4 = nullptr;
+  const float* scale = nullptr;
+  const float* min = nullptr;
+
+  // Row r's group g dequantized into out[0..32).
+  void dequant(int64_t r, int64_t g, float* out) const {
+    const int64_t groups = k / kGroup;
+    switch (format) {
+      case Format::F32:
+        for (int i = 0; i < kGroup; ++i) out[i] = f32[r * k + g * kGroup + i];
+        break;
+      case Format::Int8:
+        dequant_group_int8(q8 + r * k + g * kGroup, scale[r * groups + g], out);
+        break;
+      case Format::Int4:
+        dequant_group_int4(q4 + r * (k / 2) + g * (kGroup / 2), scale[r * groups + g],
+                           min[r * groups + g], out);
+        break;
+    }
+  }
+};
+
+#if defined(__AVX512F__)
+// The 32 weights of row r, group g, as two vectors of 16 floats.
+template <Format F>
+inline void load_group(const Weight& w, int64_t r, int64_t g, __m512& lo, __m512& hi) {
+  const int64_t groups = w.k / kGroup;
+  if constexpr (F == Format::F32) {
+    const float* p = w.f32 + r * w.k + g * kGroup;
+    lo = _mm512_loadu_ps(p);
+    hi = _mm512_loadu_ps(p + 16);
+  } else if constexpr (F == Format::Int8) {
+    const int8_t* p = w.q8 + r * w.k + g * kGroup;
+    const __m512 s = _mm512_set1_ps(w.scale[r * groups + g]);
+    lo = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+    hi = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
+  } else {
+    const uint8_t* p = w.q4 + r * (w.k / 2) + g * (kGroup / 2);
+    const __m512 s = _mm512_set1_ps(w.scale[r * groups + g]);
+    const __m512 m = _mm512_set1_ps(w.min[r * groups + g]);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF));
+    const __m512i high = _mm512_srli_epi32(bytes, 4);
+    lo = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(low), m);
+    hi = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(high), m);
+  }
+}
+
+// y[m0 .. m0+MR, n0 .. n0+NR] for one register tile: every weight is loaded once and multiplied
+// into MR rows of x.
+template <Format F, int MR, int NR>
+void tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t y_stride,
+          int64_t m0, int64_t n0) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t groups = w.k / kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 lo[NR], hi[NR];
+    for (int j = 0; j < NR; ++j) load_group<F>(w, n0 + j, g, lo[j], hi[j]);
+    for (int i = 0; i < MR; ++i) {
+      const float* xr = x + (m0 + i) * x_stride + g * kGroup;
+      const __m512 xl = _mm512_loadu_ps(xr);
+      const __m512 xh = _mm512_loadu_ps(xr + 16);
+      for (int j = 0; j < NR; ++j) {
+        acc[i][j] = _mm512_fmadd_ps(xl, lo[j], acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(xh, hi[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * y_stride + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <Format F, int MR>
+void tile_rows(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t y_stride,
+               int64_t m0, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + kCols <= n_end; n += kCols) tile<F, MR, kCols>(w, x, x_stride, y, y_stride, m0, n);
+  for (; n < n_end; ++n) tile<F, MR, 1>(w, x, x_stride, y, y_stride, m0, n);
+}
+
+template <Format F>
+void skinny(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  // Columns split across threads; within a thread, a block of W is reused for every row tile.
+  at::parallel_for(0, w.n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+      switch (std::min<int64_t>(kMaxRows, m - m0)) {
+        case 4: tile_rows<F, 4>(w, x, x_stride, y, w.n, m0, begin, end); break;
+        case 3: tile_rows<F, 3>(w, x, x_stride, y, w.n, m0, begin, end); break;
+        case 2: tile_rows<F, 2>(w, x, x_stride, y, w.n, m0, begin, end); break;
+        default: tile_rows<F, 1>(w, x, x_stride, y, w.n, m0, begin, end); break;
+      }
+    }
+  });
+}
+#endif
+
+// Portable path (no AVX-512): dequantize a group, then plain loops the compiler vectorizes.
+void skinny_portable(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  at::parallel_for(0, w.n, 64, [&](int64_t begin, int64_t end) {
+    float group[kGroup];
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t i = 0; i < m; ++i) y[i * w.n + n] = 0.0f;
+      for (int64_t g = 0; g < w.k / kGroup; ++g) {
+        w.dequant(n, g, group);
+        for (int64_t i = 0; i < m; ++i) {
+          const float* xr = x + i * x_stride + g * kGroup;
+          float dot = 0.0f;
+          for (int t = 0; t < kGroup; ++t) dot += xr[t] * group[t];
+          y[i * w.n + n] += dot;
+        }
+      }
+    }
+  });
+}
+
+void check_x(const torch::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "linear: x must be fp32 [M, K] with contiguous rows");
+  TORCH_CHECK(x.size(1) == k, "linear: x has ", x.size(1), " columns, the weight ", k);
+  TORCH_CHECK(k % kGroup == 0, "linear: K must be a multiple of ", kGroup);
+}
+
+torch::Tensor run_skinny(const Weight& w, const torch::Tensor& x) {
+  const int64_t m = x.size(0);
+  auto y = torch::empty({m, w.n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if defined(__AVX512F__)
+  switch (w.format) {
+    case Format::F32: skinny<Format::F32>(w, xp, x.stride(0), yp, m); break;
+    case Format::Int8: skinny<Format::Int8>(w, xp, x.stride(0), yp, m); break;
+    case Format::Int4: skinny<Format::Int4>(w, xp, x.stride(0), yp, m); break;
+  }
+#else
+  skinny_portable(w, xp, x.stride(0), yp, m);
+#endif
+  return y;
+}
+
+// Many rows: dequantize W a block of rows at a time into fp32 and let BLAS multiply.
+torch::Tensor run_blas(const Weight& w, const torch::Tensor& x) {
+  constexpr int64_t kBlockRows = 256;
+  const int64_t m = x.size(0);
+  auto y = torch::empty({m, w.n}, x.options());
+  auto block = torch::empty({kBlockRows, w.k}, x.options());
+  for (int64_t n0 = 0; n0 < w.n; n0 += kBlockRows) {
+    const int64_t rows = std::min(kBlockRows, w.n - n0);
+    float* bp = block.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < w.k / kGroup; ++g) w.dequant(n0 + r, g, bp + r * w.k + g * kGroup);
+    });
+    y.narrow(1, n0, rows).copy_(torch::mm(x, block.narrow(0, 0, rows).t()));
+  }
+  return y;
+}
+
+torch::Tensor run(const Weight& w, const torch::Tensor& x, int64_t skinny_max_rows) {
+  return x.size(0) <= skinny_max_rows ? run_skinny(w, x) : run_blas(w, x);
+}
+
+}  // namespace
+
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32,
+              "linear_f32: weight must be contiguous fp32 [N, K]");
+  check_x(x, weight.size(1));
+  Weight w{Format::F32, weight.size(0), weight.size(1)};
+  w.f32 = weight.data_ptr<float>();
+  return run_skinny(w, x);
+}
+
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          int64_t skinny_max_rows) {
+  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == torch::kInt8, "linear_int8: q must be int8");
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
+              scale.numel() == q.numel() / kGroup, "linear_int8: one fp32 scale per 32 weights");
+  check_x(x, q.size(1));
+  Weight w{Format::Int8, q.size(0), q.size(1)};
+  w.q8 = q.data_ptr<int8_t>();
+  w.scale = scale.data_ptr<float>();
+  return run(w, x, skinny_max_rows);
+}
+
+torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          const torch::Tensor& min, int64_t skinny_max_rows) {
+  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == torch::kUInt8, "linear_int4: q must be uint8");
+  const int64_t k = q.size(1) * 2;
+  TORCH_CHECK(scale.is_contiguous() && min.is_contiguous() &&
+              scale.scalar_type() == torch::kFloat32 && min.scalar_type() == torch::kFloat32 &&
+              scale.numel() == q.size(0) * k / kGroup && min.numel() == scale.numel(),
+              "linear_int4: one fp32 scale and min per 32 weights");
+  check_x(x, k);
+  Weight w{Format::Int4, q.size(0), k};
+  w.q4 = q.data_ptr<uint8_t>();
+  w.scale = scale.data_ptr<float>();
+  w.min = min.data_ptr<float>();
+  return run(w, x, skinny_max_rows);
+}

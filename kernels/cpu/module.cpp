@@ -1,0 +1,14 @@
+// Python bindings of the CPU kernels (see ops.h).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged fp32 KV cache");
+  m.def("linear_f32", &linear_f32, "x W^T for few rows of x, W fp32 read in place");
+  m.def("linear_int8", &linear_int8, "x W^T, W int8 with a scale per 32 weights");
+  m.def("linear_int4", &linear_int4, "x W^T, W int4 with a scale and min per 32 weights");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding x into the residual first");
+  m.def("rotary_and_cache", &rotary_and_cache,
+        "rotary on the q and k parts of a fused qkv row, then k and v into the paged cache");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+}

@@ -1,0 +1,22 @@
+// The CPU kernels of the torch backend, built together into one extension (kernels/cpu_ops.py).
+#pragma once
+
+#include <torch/extension.h>
+
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& seq_lens, const torch::Tensor& q_rows,
+                            torch::Tensor& out, double scale);
+
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& weight);
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          int64_t skinny_max_rows);
+torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          const torch::Tensor& min, int64_t skinny_max_rows);
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tensor>& residual,
+                       const torch::Tensor& weight, double eps);
+void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
+                      const torch::Tensor& cos_sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                      const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads);
+torch::Tensor silu_and_mul(const torch::Tensor& x);

@@ -1,0 +1,118 @@
+"""The model's matmuls, y = x W^T, over weights kept in the precision they are stored in: dense
+(fp32, bf16, fp16), or weight-only int8 / int4 in groups of 32 along the input dimension (the
+layout of GGUF's Q8_0, Q4_0 and Q4_1 blocks), run by the CPU kernels in kernels/cpu/linear.cpp.
+
+`model.quantization`: `none` keeps dense weights; `int8` / `int4` quantize every matmul at load;
+`auto` keeps a GGUF's own blocks (Q4_x stays int4, Q8_0 int8, float stays dense) and is `none`
+for other sources. Embedding lookups keep a dense table: they read a few rows per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32
+# Up to this many rows of x, the kernels stream W once in place; beyond it, BLAS is faster
+# (quantized W is dequantized a block of rows at a time for it). Measured: BENCHMARKS.md.
+SKINNY_MAX_ROWS = 16
+
+
+@dataclass
+class QuantizedWeight:
+    """W [rows, cols] as `bits`-bit integers with an fp32 scale (and for int4 a min) per group:
+    w = scale * q (+ min). int8: q int8 [rows, cols]; int4: q uint8 [rows, cols / 2], byte j of
+    a group holding weight j in its low nibble and weight j + 16 in its high one."""
+
+    bits: int
+    q: torch.Tensor
+    scale: torch.Tensor  # [rows, cols / GROUP]
+    min: torch.Tensor | None = None  # int4 only
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * (8 // self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min)
+                   if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.shape
+        if self.bits == 8:
+            q = self.q.float().view(rows, -1, GROUP)
+            return (q * self.scale[..., None]).view(rows, cols)
+        low, high = (self.q & 0xF).view(rows, -1, GROUP // 2), (self.q >> 4).view(rows, -1, GROUP // 2)
+        q = torch.cat((low, high), dim=-1).float()
+        return (q * self.scale[..., None] + self.min[..., None]).view(rows, cols)
+
+
+def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
+    """Round-to-nearest per group of 32: int8 symmetric (absmax / 127), int4 asymmetric (the
+    group's min and max span 0..15)."""
+    rows, cols = weight.shape
+    if cols % GROUP:
+        raise ValueError(f"cannot quantize a weight of {cols} columns: not a multiple of {GROUP}")
+    groups = weight.float().view(rows, cols // GROUP, GROUP)
+    if bits == 8:
+        scale = groups.abs().amax(-1) / 127
+        q = torch.round(groups / scale.clamp(min=1e-12)[..., None]).clamp(-127, 127)
+        return QuantizedWeight(8, q.to(torch.int8).view(rows, cols).contiguous(), scale.contiguous())
+    if bits != 4:
+        raise ValueError(f"quantization to {bits} bits is not supported (8 or 4)")
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low) / 15
+    q = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, 15)
+    q = q.to(torch.uint8)
+    packed = q[..., :GROUP // 2] | (q[..., GROUP // 2:] << 4)
+    return QuantizedWeight(4, packed.view(rows, cols // 2).contiguous(), scale.contiguous(),
+                           low.contiguous())
+
+
+def concat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    """Weights stacked along their output rows (the fused QKV and gate/up matmuls)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if not all(isinstance(p, QuantizedWeight) and p.bits == parts[0].bits for p in parts):
+        parts = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+        return torch.cat(parts)  # mixed formats (rare in a GGUF): run the fused matmul dense
+    return QuantizedWeight(
+        parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+        None if parts[0].min is None else torch.cat([p.min for p in parts]))
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, kernels):
+        self.weight = weight
+        # The kernel covers fp32 on a CPU; elsewhere (bf16, CUDA) torch's matmul is the fast one.
+        self.kernels = kernels if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+            return self.kernels.linear_f32(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+class QuantizedLinear:
+    def __init__(self, weight: QuantizedWeight, kernels):
+        if kernels is None:
+            raise RuntimeError("int8 and int4 weights run on the CPU kernels, which are not "
+                               "available here (see the warning above); set "
+                               "model.quantization: none")
+        self.weight = weight
+        self.kernels = kernels
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.bits == 8:
+            return self.kernels.linear_int8(x, w.q, w.scale, SKINNY_MAX_ROWS)
+        return self.kernels.linear_int4(x, w.q, w.scale, w.min, SKINNY_MAX_ROWS)
+
+
+def make_linear(weight: torch.Tensor | QuantizedWeight, kernels) -> DenseLinear | QuantizedLinear:
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedLinear(weight, kernels)
+    return DenseLinear(weight, kernels)

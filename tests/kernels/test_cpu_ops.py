@@ -1,0 +1,131 @@
+"""The C++ CPU kernels against torch: matmuls over fp32, int8 and int4 weights on both of their
+paths (few rows: in place; many rows: dequantized for BLAS), the fused element-wise ops, and the
+build's handling of a killed build and of a missing compiler."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kernels import cpu_ops, reference
+from services.executor.linear import SKINNY_MAX_ROWS, quantize
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
+
+
+@pytest.fixture(scope="module")
+def k():
+    return cpu_ops.load()
+
+
+# Rows: 1 and 3 (register tiles of 4 with a remainder), the largest in-place size, BLAS beyond.
+ROWS = [1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 70]
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
+def test_linear_matches_torch_on_every_format(k, rows, shape):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(shape, generator=gen)
+    x = torch.randn(rows, shape[1], generator=gen)
+    torch.testing.assert_close(k.linear_f32(x, weight), x @ weight.t(), atol=1e-4, rtol=1e-4)
+    q8, q4 = quantize(weight, 8), quantize(weight, 4)
+    torch.testing.assert_close(k.linear_int8(x, q8.q, q8.scale, SKINNY_MAX_ROWS),
+                               x @ q8.dequantize().t(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k.linear_int4(x, q4.q, q4.scale, q4.min, SKINNY_MAX_ROWS),
+                               x @ q4.dequantize().t(), atol=1e-4, rtol=1e-4)
+
+
+def test_linear_reads_strided_rows_and_rejects_bad_shapes(k):
+    x = torch.randn(3, 200)[:, :64]  # rows with a stride, as the model's views have
+    weight = torch.randn(10, 64)
+    torch.testing.assert_close(k.linear_f32(x, weight), x @ weight.t(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="x has 64 columns, the weight 32"):
+        k.linear_f32(x, torch.randn(10, 32))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        k.linear_f32(torch.randn(2, 48), torch.randn(4, 48))
+
+
+def test_quantization_error_is_bounded_per_group():
+    weight = torch.randn(64, 256)
+    groups = weight.view(64, -1, 32)
+    for bits, levels in ((8, 254), (4, 15)):
+        error = (quantize(weight, bits).dequantize() - weight).abs().view(64, -1, 32)
+        span = groups.abs().amax(-1) * 2 if bits == 8 else groups.amax(-1) - groups.amin(-1)
+        # Round to nearest: at most half a step, a step being the group's span over its levels.
+        assert (error.amax(-1) <= span / levels / 2 * 1.001 + 1e-6).all()
+
+
+def test_rms_norm_with_and_without_residual(k):
+    x, residual, weight = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    expected, expected_residual = reference.rms_norm(x, weight, 1e-5, residual.clone())
+    out = k.rms_norm(x, residual, weight, 1e-5)  # adds x into residual in place
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(residual, expected_residual)
+    torch.testing.assert_close(k.rms_norm(x, None, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+
+
+def test_silu_and_mul(k):
+    x = torch.randn(6, 2 * 80)
+    torch.testing.assert_close(k.silu_and_mul(x), reference.silu_and_mul(x))
+
+
+def test_rotary_and_cache_matches_rotary_then_cache_write(k):
+    heads, kv_heads, dim, block = 4, 2, 16, 8
+    tokens = 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    positions = torch.tensor([0, 3, 9, 10, 31])
+    slots = torch.tensor([5, 17, 2, 30, 8])
+    cos_sin = torch.randn(64, dim)
+    caches = [torch.zeros(4, block, kv_heads, dim) for _ in range(4)]
+    expected = qkv.clone()
+    q = expected[:, :heads * dim].view(tokens, heads, dim)
+    key = expected[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    value = expected[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    reference.rotary_embedding(positions, q, key, cos_sin)
+    reference.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    k.rotary_and_cache(qkv, positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads)
+    torch.testing.assert_close(qkv, expected)
+    torch.testing.assert_close(caches[2], caches[0])
+    torch.testing.assert_close(caches[3], caches[1])
+
+
+TINY_SOURCE = """
+#include <torch/extension.h>
+int64_t answer() { return 42; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+"""
+
+
+@pytest.mark.slow
+def test_build_survives_the_lock_of_a_killed_build_and_is_reused(tmp_path, monkeypatch):
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY_SOURCE)
+    root = tmp_path / "cache"
+    # What a build killed mid-way leaves: torch's lock file in the build directory.
+    stale = root / cpu_ops.build_key([source]) / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("")
+    result: list = []
+    builder = threading.Thread(target=lambda: result.append(cpu_ops.build("tiny", [source], root)),
+                               daemon=True)
+    builder.start()
+    builder.join(timeout=300)
+    assert result, "the build waited on the stale lock"
+    assert result[0].answer() == 42
+    # Another checkout with the same source reuses the build: no compiler is needed now.
+    copy = tmp_path / "other-checkout" / "tiny.cpp"
+    copy.parent.mkdir()
+    copy.write_text(TINY_SOURCE)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert cpu_ops.build("tiny", [copy], root).answer() == 42
+
+
+def test_missing_compiler_is_named(tmp_path, monkeypatch):
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY_SOURCE)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler \\('no-such-compiler'"):
+        cpu_ops.build("tiny", [source], tmp_path / "cache")
