@@ -24,7 +24,9 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "cpu"
-FLAGS = ["-O3", "-march=native", "-ffast-math"]
+# -fopenmp: at::parallel_for is inline OpenMP; without it every kernel runs on one thread. The
+# library it links (soname libgomp.so.1) resolves to the one torch has loaded already.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _module = None
 _failed = False
@@ -82,7 +84,7 @@ def build(name: str, files: list[Path], root: Path):
                 from torch.utils.cpp_extension import load as load_extension
 
                 load_extension(name=f"{name}_{key}", sources=sources,
-                               extra_cflags=FLAGS, build_directory=str(directory), verbose=False)
+                               extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
                 log.warning("CPU kernels built in %.0f s", time.monotonic() - start)
     spec = importlib.util.spec_from_file_location(f"{name}_{key}", library)
     module = importlib.util.module_from_spec(spec)

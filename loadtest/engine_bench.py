@@ -1,12 +1,17 @@
-"""Engine throughput against Hugging Face static batching, on one workload, in one run.
+"""Engine throughput against Hugging Face static batching, over a sweep of request counts, and
+single-stream latency, for fp32 and each weight quantization, in one run.
 
-The workload: N requests at t=0, prompt lengths uniform in [16, 512], output lengths uniform in
-[16, 256] with `ignore_eos`, random token ids. The baseline runs the same requests through
-transformers `generate` in fixed batches (arrival order, left-padded, each batch decoding to its
-longest output). Also reports the engine's achieved FLOP/s against a matmul measured here, and the
-engine with pipelining off, to show what overlapping CPU work with the model bought.
+The workload at each sweep point: N requests at t=0, prompt lengths uniform in [16, 512], output
+lengths uniform in [16, 256] with `ignore_eos`, random token ids (`datasets.engine_workload`). The
+baseline runs the same requests through transformers `generate` in fixed batches (arrival order,
+left-padded, each batch decoding to its longest output), in fp32. Each engine variant (one per
+`--quantization`, plus optional ones) is one engine that runs every point in turn, prefix caching
+off so no point reuses another's prompts. Also reports each run's achieved FLOP/s as a fraction of
+a dense matmul measured here (the roofline), and single-stream TTFT and TPOT of short chat
+prompts as the Completions' own metrics report them.
 
-    python -m loadtest.engine_bench --result-json results/engine_bench.json
+    python -m loadtest.engine_bench --sweep 8 32 64 128 256 --quantization none int8 int4 auto \
+        --result-json results/engine_bench.json
 """
 
 from __future__ import annotations
@@ -19,14 +24,24 @@ import statistics
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
+from loadtest.datasets import engine_workload
 from services.executor.engine import Engine
 from services.executor.run_local import run_requests
-from shared.model_files import ModelConfig, default_gguf_path, load_model_config
 from shared.config import EngineConfig
-from shared.protocol import Completion, GenerateRequest
-from loadtest.datasets import engine_workload
+from shared.model_files import ModelConfig, default_gguf_path, load_model_config
+from shared.protocol import ChatMessage, Completion, GenerateRequest
+
+# Single stream: short chat prompts, one at a time, as a local chat app sends them.
+CHAT_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "What are three good habits for staying healthy?",
+    "Explain why the sky is blue in simple words.",
+]
+SINGLE_STREAM_TOKENS = 256
+
 
 def workload_flops(config: ModelConfig, requests: list[GenerateRequest]) -> float:
     """Useful FLOPs of the workload: every token through every layer, attention by context."""
@@ -67,49 +82,76 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def run_engine(config: EngineConfig, requests: list[GenerateRequest]) -> dict:
-    lines = [_encode(r) for r in requests]
+def _encode(request: GenerateRequest) -> str:
+    return msgspec.json.encode(request).decode()
 
-    async def go():
-        engine = Engine(config)
-        try:
-            start = time.perf_counter()
-            results = await run_requests(engine, lines)
-            return results, time.perf_counter() - start, engine
-        finally:
-            await engine.stop()
 
-    results, elapsed, engine = asyncio.run(go())
+async def _run_point(engine: Engine, requests: list[GenerateRequest]) -> dict:
+    """One sweep point through a running engine: throughput, latency and the step counters."""
+    before = dict(vars(engine.stats))
+    start = time.perf_counter()
+    results = await run_requests(engine, [_encode(r) for r in requests])
+    elapsed = time.perf_counter() - start
     completions = [r for r in results if isinstance(r, Completion)]
     assert len(completions) == len(requests), [r for r in results if not isinstance(r, Completion)]
+    after = vars(engine.stats)
+    delta = {k: after[k] - before[k] for k in ("steps", "prompt_tokens", "decode_tokens",
+                                               "model_busy_s", "model_idle_s", "loop_cpu_s")}
     output_tokens = sum(c.usage.completion_tokens for c in completions)
-    prompt_tokens = sum(c.usage.prompt_tokens for c in completions)
-    stats = engine.stats
     return {
         "elapsed_s": elapsed,
         "output_tokens": output_tokens,
         "output_tok_per_s": output_tokens / elapsed,
-        "total_tok_per_s": (output_tokens + prompt_tokens) / elapsed,
         "ttft_ms_p50": percentile([c.metrics.ttft_ms for c in completions], 50),
         "ttft_ms_p99": percentile([c.metrics.ttft_ms for c in completions], 99),
         "tpot_ms_p50": percentile([c.metrics.tpot_ms for c in completions], 50),
         "preemptions": sum(c.scheduling.preemptions for c in completions),
-        "steps": stats.steps,
-        "model_busy_s": stats.model_busy_s,
-        "model_idle_between_steps_s": stats.model_idle_s,
-        "loop_cpu_s": stats.loop_cpu_s,
-        "mean_tokens_per_step": (stats.prompt_tokens + stats.decode_tokens) / max(stats.steps, 1),
+        "steps": delta["steps"],
+        "model_busy_s": delta["model_busy_s"],
+        "model_idle_between_steps_s": delta["model_idle_s"],
+        "loop_cpu_s": delta["loop_cpu_s"],
+        "mean_tokens_per_step": (delta["prompt_tokens"] + delta["decode_tokens"])
+                                / max(delta["steps"], 1),
         "token_ids": [c.token_ids for c in completions],
     }
 
 
-def _encode(request: GenerateRequest) -> str:
-    import msgspec
+async def _single_stream(engine: Engine) -> dict:
+    """Each chat prompt alone: the Completion's own TTFT and TPOT (medians over the prompts)."""
+    runs = []
+    for prompt in CHAT_PROMPTS:
+        request = GenerateRequest(messages=[ChatMessage("user", prompt)], temperature=0.0,
+                                  max_tokens=SINGLE_STREAM_TOKENS, ignore_eos=True)
+        [completion] = await run_requests(engine, [_encode(request)])
+        assert isinstance(completion, Completion), completion
+        runs.append({"prompt_tokens": completion.usage.prompt_tokens,
+                     "ttft_ms": completion.metrics.ttft_ms, "tpot_ms": completion.metrics.tpot_ms})
+    return {"ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+            "tpot_ms": statistics.median(r["tpot_ms"] for r in runs), "runs": runs}
 
-    return msgspec.json.encode(request).decode()
+
+def run_engine(config: EngineConfig, points: dict[int, list[GenerateRequest]],
+               single_stream: bool) -> dict:
+    """One engine through the single-stream prompts, then every sweep point in turn."""
+    async def go():
+        start = time.perf_counter()
+        engine = Engine(config)
+        result = {"load_s": time.perf_counter() - start}
+        try:
+            if single_stream:
+                result["single_stream"] = await _single_stream(engine)
+            result["points"] = {}
+            for n, requests in points.items():
+                print(f"  {n} requests ...", flush=True)
+                result["points"][n] = await _run_point(engine, requests)
+        finally:
+            await engine.stop()
+        return result
+
+    return asyncio.run(go())
 
 
-def run_hf_static(requests: list[GenerateRequest], batch_size: int) -> dict:
+def run_hf_static(points: dict[int, list[GenerateRequest]], batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     path = default_gguf_path()
@@ -117,33 +159,46 @@ def run_hf_static(requests: list[GenerateRequest], batch_size: int) -> dict:
                                                  dtype=torch.float32)
     model.eval()
     pad = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
-    useful = 0
-    start = time.perf_counter()
-    token_ids = []
-    for b in range(0, len(requests), batch_size):
-        batch = requests[b:b + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, r in enumerate(batch):  # left padding
-            ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[i, width - len(r.prompt_token_ids):] = 1
-        new = max(r.max_tokens for r in batch)
-        with torch.inference_mode():
-            # eos_token_id=None: every row runs to `new` tokens, EOS included, like ignore_eos.
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                 do_sample=False, eos_token_id=None, pad_token_id=pad)
-        for i, r in enumerate(batch):
-            token_ids.append(out[i, width:width + r.max_tokens].tolist())
-        useful += sum(r.max_tokens for r in batch)
-    elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "output_tokens": useful, "output_tok_per_s": useful / elapsed,
-            "batch_size": batch_size, "token_ids": token_ids}
+    result = {}
+    for n, requests in points.items():
+        print(f"  {n} requests ...", flush=True)
+        useful = 0
+        start = time.perf_counter()
+        token_ids = []
+        for b in range(0, len(requests), batch_size):
+            batch = requests[b:b + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):  # left padding
+                ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+                mask[i, width - len(r.prompt_token_ids):] = 1
+            new = max(r.max_tokens for r in batch)
+            with torch.inference_mode():
+                # eos_token_id=None: every row runs to `new` tokens, EOS included, like ignore_eos.
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                     do_sample=False, eos_token_id=None, pad_token_id=pad)
+            for i, r in enumerate(batch):
+                token_ids.append(out[i, width:width + r.max_tokens].tolist())
+            useful += sum(r.max_tokens for r in batch)
+        elapsed = time.perf_counter() - start
+        result[n] = {"elapsed_s": elapsed, "output_tokens": useful,
+                     "output_tok_per_s": useful / elapsed, "batch_size": batch_size,
+                     "token_ids": token_ids}
+    return {"points": result}
+
+
+def _same(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--sweep", type=int, nargs="+", default=[128],
+                        help="request counts, one workload each (default: 128)")
+    parser.add_argument("--quantization", nargs="+", default=["none"],
+                        choices=["none", "int8", "int4", "auto"],
+                        help="one engine variant per value (default: none, fp32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     defaults = EngineConfig()
@@ -152,65 +207,64 @@ def main(argv: list[str] | None = None) -> int:
                         default=defaults.max_num_batched_tokens)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--skip-no-pipeline", action="store_true")
+    parser.add_argument("--skip-single-stream", action="store_true")
+    parser.add_argument("--no-pipeline", action="store_true",
+                        help="also run the first variant with pipelining off")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     parser.add_argument("--also-backend", choices=["torch", "triton"],
-                        help="run the engine again on this backend and compare (GPU: torch)")
+                        help="also run the first variant on this backend and compare (GPU: torch)")
     parser.add_argument("--result-json", default="results/engine_bench.json")
     args = parser.parse_args(argv)
 
-    config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          attention_backend=args.attention_backend)
+    base = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        attention_backend=args.attention_backend, enable_prefix_caching=False)
     model_config, _ = load_model_config(args.model)
-    requests = engine_workload(args.num_requests, args.seed, model_config.vocab_size)
-    flops = workload_flops(model_config, requests)
+    points = {n: engine_workload(n, args.seed, model_config.vocab_size) for n in args.sweep}
     matmul = matmul_flops_per_s()
+    variants = {("engine" if q == "none" else f"engine_{q}"):
+                msgspec.structs.replace(base, quantization=q) for q in args.quantization}
+    first = next(iter(variants.values()))
+    if args.also_backend:
+        variants[f"engine_{args.also_backend}"] = msgspec.structs.replace(
+            first, attention_backend=args.also_backend)
+    if args.no_pipeline:
+        variants["engine_no_pipeline"] = msgspec.structs.replace(first, pipeline=False)
 
     runs: dict[str, dict] = {}
-    print(f"engine (pipelined) on {len(requests)} requests ...", flush=True)
-    runs["engine"] = run_engine(config, requests)
-    import msgspec
-
-    if args.also_backend:
-        print(f"engine on the {args.also_backend} backend ...", flush=True)
-        runs[f"engine_{args.also_backend}"] = run_engine(
-            msgspec.structs.replace(config, attention_backend=args.also_backend), requests)
-    if not args.skip_no_pipeline:
-        print("engine (pipelining off) ...", flush=True)
-
-        runs["engine_no_pipeline"] = run_engine(msgspec.structs.replace(config, pipeline=False),
-                                                requests)
+    for name, config in variants.items():
+        print(f"{name} ...", flush=True)
+        runs[name] = run_engine(config, points, single_stream=not args.skip_single_stream)
     if not args.skip_hf:
-        print(f"transformers static batching (batch {args.hf_batch_size}) ...", flush=True)
-        runs["hf_static"] = run_hf_static(requests, args.hf_batch_size)
+        print(f"transformers static batching (batch {args.hf_batch_size}, fp32) ...", flush=True)
+        runs["hf_static"] = run_hf_static(points, args.hf_batch_size)
 
-    engine = runs["engine"]
-    engine["achieved_flop_per_s"] = flops / engine["elapsed_s"]
-    engine["fraction_of_matmul"] = engine["achieved_flop_per_s"] / matmul
-    print()
-    print(f"{'run':<22}{'time s':>9}{'out tok/s':>11}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}")
-    for name, run in runs.items():
-        print(f"{name:<22}{run['elapsed_s']:>9.1f}{run['output_tok_per_s']:>11.1f}"
-              f"{run.get('ttft_ms_p50', float('nan')):>13.0f}{run.get('tpot_ms_p50', float('nan')):>13.1f}")
-    if "hf_static" in runs:
-        speedup = engine["output_tok_per_s"] / runs["hf_static"]["output_tok_per_s"]
-        same = sum(a == b for a, b in zip(engine["token_ids"], runs["hf_static"]["token_ids"]))
-        print(f"engine / static batching: {speedup:.2f}x output tokens/s "
-              f"(identical greedy outputs for {same}/{len(requests)} requests)")
-    if args.also_backend:
-        other = runs[f"engine_{args.also_backend}"]
-        same = sum(a == b for a, b in zip(engine["token_ids"], other["token_ids"]))
-        print(f"{args.attention_backend} backend / {args.also_backend} backend: "
-              f"{engine['output_tok_per_s'] / other['output_tok_per_s']:.3f}x output tokens/s "
-              f"(identical greedy outputs for {same}/{len(requests)} requests)")
-    if "engine_no_pipeline" in runs:
-        off = runs["engine_no_pipeline"]
-        print(f"pipelining: {engine['output_tok_per_s'] / off['output_tok_per_s']:.3f}x throughput; "
-              f"model idle between steps {engine['model_idle_between_steps_s']:.2f} s pipelined vs "
-              f"{off['model_idle_between_steps_s']:.2f} s without")
-    print(f"engine achieved {engine['achieved_flop_per_s'] / 1e9:.1f} GFLOP/s = "
-          f"{100 * engine['fraction_of_matmul']:.0f}% of a {matmul / 1e9:.1f} GFLOP/s matmul")
+    reference = next(iter(runs.values()))["points"]
+    for n, requests in points.items():
+        flops = workload_flops(model_config, requests)
+        print(f"\n{n} requests ({sum(r.max_tokens for r in requests)} output tokens)")
+        print(f"{'run':<22}{'time s':>9}{'out tok/s':>11}{'x HF':>7}{'roofline':>10}"
+              f"{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}{'same tokens':>13}")
+        hf = runs.get("hf_static", {}).get("points", {}).get(n)
+        for name, run in runs.items():
+            point = run["points"][n]
+            point["fraction_of_matmul"] = flops / point["elapsed_s"] / matmul
+            if hf is not None:
+                point["x_hf_static"] = point["output_tok_per_s"] / hf["output_tok_per_s"]
+            same = _same(point["token_ids"], reference[n]["token_ids"])
+            print(f"{name:<22}{point['elapsed_s']:>9.1f}{point['output_tok_per_s']:>11.1f}"
+                  f"{point.get('x_hf_static', float('nan')):>7.2f}"
+                  f"{100 * point['fraction_of_matmul']:>9.0f}%"
+                  f"{point.get('ttft_ms_p50', float('nan')):>13.0f}"
+                  f"{point.get('tpot_ms_p50', float('nan')):>13.1f}{same:>8}/{len(requests)}")
+    if not args.skip_single_stream:
+        print(f"\nsingle stream ({len(CHAT_PROMPTS)} chat prompts alone, {SINGLE_STREAM_TOKENS} "
+              f"tokens each; medians of the Completions' metrics)")
+        for name, run in runs.items():
+            if "single_stream" in run:
+                single = run["single_stream"]
+                print(f"{name:<22}TTFT {single['ttft_ms']:6.1f} ms   TPOT {single['tpot_ms']:5.1f} ms")
+    print(f"\nroofline: a {matmul / 1e9:.1f} GFLOP/s dense matmul (fp32 on a CPU, bf16 on a GPU)")
 
     result = {
         "benchmark": "engine_bench",
@@ -219,16 +273,20 @@ def main(argv: list[str] | None = None) -> int:
                     "torch_threads": torch.get_num_threads(),
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
         "params": vars(args),
-        "workload": {"num_requests": len(requests),
-                     "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-                     "output_tokens": sum(r.max_tokens for r in requests),
-                     "mean_output": statistics.mean(r.max_tokens for r in requests),
-                     "useful_flops": flops},
+        "workloads": {n: {"num_requests": n,
+                          "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                          "output_tokens": sum(r.max_tokens for r in requests),
+                          "useful_flops": workload_flops(model_config, requests)}
+                      for n, requests in points.items()},
         "matmul_flop_per_s": matmul,
-        "runs": {name: {k: v for k, v in run.items() if k != "token_ids"} for name, run in runs.items()},
+        "runs": {name: {**{k: v for k, v in run.items() if k != "points"},
+                        "points": {n: {k: v for k, v in point.items() if k != "token_ids"}
+                                   for n, point in run["points"].items()}}
+                 for name, run in runs.items()},
+        "same_tokens_as_first": {name: {n: _same(run["points"][n]["token_ids"],
+                                                 reference[n]["token_ids"]) for n in points}
+                                 for name, run in runs.items()},
     }
-    if "hf_static" in runs:
-        result["speedup_vs_hf_static"] = speedup
     path = Path(args.result_json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))

@@ -4,7 +4,7 @@
 // by how fast the weights stream in. BLAS libraries pack the weight matrix on every call for small
 // M, which costs more than the product itself. These kernels read W once, in place, in its stored
 // format: each weight vector is loaded (and dequantized) once per tile and multiplied into up to
-// MR rows of x held in registers. Larger M goes through BLAS (after dequantizing W tile by tile).
+// MR rows of x held in registers. Larger M goes through BLAS (after dequantizing W block by block).
 //
 // Quantized layouts, in groups of 32 along K (the layout of GGUF's Q8_0, Q4_0 and Q4_1 blocks):
 //   int8: q int8 [N, K], scale fp32 [N, K/32];                         w = scale * q
@@ -22,8 +22,7 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int kMaxRows = 4;  // rows of x per register tile
-constexpr int kCols = 4;     // rows of W per register tile
+constexpr int kMaxRows = 4;  // rows of x per register tile, against 4 rows of W
 
 // Dequantized weights of one group, 32 floats, written to `out` (the portable path and the
 // tiled BLAS path share these).
@@ -120,26 +119,30 @@ void tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t y
     for (int j = 0; j < NR; ++j) y[(m0 + i) * y_stride + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-template <Format F, int MR>
-void tile_rows(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t y_stride,
-               int64_t m0, int64_t n_begin, int64_t n_end) {
-  int64_t n = n_begin;
-  for (; n + kCols <= n_end; n += kCols) tile<F, MR, kCols>(w, x, x_stride, y, y_stride, m0, n);
-  for (; n < n_end; ++n) tile<F, MR, 1>(w, x, x_stride, y, y_stride, m0, n);
+// All rows of x against W's rows [n0, n0 + NR): the NR weight rows stay in L1 while every tile
+// of x passes over them, so W streams in from memory once whatever M is.
+template <Format F, int NR>
+void column_tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m,
+                 int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + kMaxRows <= m; m0 += kMaxRows) tile<F, kMaxRows, NR>(w, x, x_stride, y, w.n, m0, n0);
+  switch (m - m0) {
+    case 3: tile<F, 3, NR>(w, x, x_stride, y, w.n, m0, n0); break;
+    case 2: tile<F, 2, NR>(w, x, x_stride, y, w.n, m0, n0); break;
+    case 1: tile<F, 1, NR>(w, x, x_stride, y, w.n, m0, n0); break;
+    default: break;
+  }
 }
 
 template <Format F>
 void skinny(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m) {
-  // Columns split across threads; within a thread, a block of W is reused for every row tile.
   at::parallel_for(0, w.n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-      switch (std::min<int64_t>(kMaxRows, m - m0)) {
-        case 4: tile_rows<F, 4>(w, x, x_stride, y, w.n, m0, begin, end); break;
-        case 3: tile_rows<F, 3>(w, x, x_stride, y, w.n, m0, begin, end); break;
-        case 2: tile_rows<F, 2>(w, x, x_stride, y, w.n, m0, begin, end); break;
-        default: tile_rows<F, 1>(w, x, x_stride, y, w.n, m0, begin, end); break;
-      }
+    int64_t n = begin;
+    if (m == 1) {  // a single row of x: eight weight rows at a time for eight FMA chains
+      for (; n + 8 <= end; n += 8) tile<F, 1, 8>(w, x, x_stride, y, w.n, 0, n);
     }
+    for (; n + 4 <= end; n += 4) column_tile<F, 4>(w, x, x_stride, y, m, n);
+    for (; n < end; ++n) column_tile<F, 1>(w, x, x_stride, y, m, n);
   });
 }
 #endif
@@ -187,26 +190,50 @@ torch::Tensor run_skinny(const Weight& w, const torch::Tensor& x) {
   return y;
 }
 
-// Many rows: dequantize W a block of rows at a time into fp32 and let BLAS multiply.
-torch::Tensor run_blas(const Weight& w, const torch::Tensor& x) {
-  constexpr int64_t kBlockRows = 256;
+// Rows [begin, end) of W dequantized into out (row r at out + (r - begin) * k).
+void dequant_rows(const Weight& w, int64_t begin, int64_t end, float* out) {
+  for (int64_t r = begin; r < end; ++r) {
+    float* row = out + (r - begin) * w.k;
+    for (int64_t g = 0; g < w.k / kGroup; ++g) {
+#if defined(__AVX512F__)
+      __m512 lo, hi;
+      switch (w.format) {
+        case Format::F32: load_group<Format::F32>(w, r, g, lo, hi); break;
+        case Format::Int8: load_group<Format::Int8>(w, r, g, lo, hi); break;
+        case Format::Int4: load_group<Format::Int4>(w, r, g, lo, hi); break;
+      }
+      _mm512_storeu_ps(row + g * kGroup, lo);
+      _mm512_storeu_ps(row + g * kGroup + 16, hi);
+#else
+      w.dequant(r, g, row + g * kGroup);
+#endif
+    }
+  }
+}
+
+// Many rows: dequantize W a block of rows at a time and let BLAS multiply, in fp32 or, with
+// `bf16`, in bfloat16 with fp32 accumulation (several times faster where the CPU has AMX).
+torch::Tensor run_blas(const Weight& w, const torch::Tensor& x, bool bf16) {
+  constexpr int64_t kBlockRows = 512;
   const int64_t m = x.size(0);
   auto y = torch::empty({m, w.n}, x.options());
-  auto block = torch::empty({kBlockRows, w.k}, x.options());
+  auto block = torch::empty({std::min(kBlockRows, w.n), w.k}, x.options());
+  float* bp = block.data_ptr<float>();
+  const auto xb = bf16 ? x.to(torch::kBFloat16) : x;
   for (int64_t n0 = 0; n0 < w.n; n0 += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, w.n - n0);
-    float* bp = block.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t g = 0; g < w.k / kGroup; ++g) w.dequant(n0 + r, g, bp + r * w.k + g * kGroup);
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      dequant_rows(w, n0 + begin, n0 + end, bp + begin * w.k);
     });
-    y.narrow(1, n0, rows).copy_(torch::mm(x, block.narrow(0, 0, rows).t()));
+    auto w_block = block.narrow(0, 0, rows);
+    y.narrow(1, n0, rows).copy_(bf16 ? torch::mm(xb, w_block.to(torch::kBFloat16).t())
+                                     : torch::mm(x, w_block.t()));
   }
   return y;
 }
 
-torch::Tensor run(const Weight& w, const torch::Tensor& x, int64_t skinny_max_rows) {
-  return x.size(0) <= skinny_max_rows ? run_skinny(w, x) : run_blas(w, x);
+torch::Tensor run(const Weight& w, const torch::Tensor& x, int64_t skinny_max_rows, bool bf16) {
+  return x.size(0) <= skinny_max_rows ? run_skinny(w, x) : run_blas(w, x, bf16);
 }
 
 }  // namespace
@@ -221,7 +248,7 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& weight) {
 }
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          int64_t skinny_max_rows) {
+                          int64_t skinny_max_rows, bool bf16) {
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == torch::kInt8, "linear_int8: q must be int8");
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
               scale.numel() == q.numel() / kGroup, "linear_int8: one fp32 scale per 32 weights");
@@ -229,11 +256,11 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   Weight w{Format::Int8, q.size(0), q.size(1)};
   w.q8 = q.data_ptr<int8_t>();
   w.scale = scale.data_ptr<float>();
-  return run(w, x, skinny_max_rows);
+  return run(w, x, skinny_max_rows, bf16);
 }
 
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          const torch::Tensor& min, int64_t skinny_max_rows) {
+                          const torch::Tensor& min, int64_t skinny_max_rows, bool bf16) {
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == torch::kUInt8, "linear_int4: q must be uint8");
   const int64_t k = q.size(1) * 2;
   TORCH_CHECK(scale.is_contiguous() && min.is_contiguous() &&
@@ -245,5 +272,5 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
   w.q4 = q.data_ptr<uint8_t>();
   w.scale = scale.data_ptr<float>();
   w.min = min.data_ptr<float>();
-  return run(w, x, skinny_max_rows);
+  return run(w, x, skinny_max_rows, bf16);
 }

@@ -10,9 +10,9 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
 
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& weight);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          int64_t skinny_max_rows);
+                          int64_t skinny_max_rows, bool bf16);
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          const torch::Tensor& min, int64_t skinny_max_rows);
+                          const torch::Tensor& min, int64_t skinny_max_rows, bool bf16);
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tensor>& residual,
                        const torch::Tensor& weight, double eps);

@@ -66,6 +66,9 @@ def load_model_files(model: str, device: torch.device, dtype: torch.dtype,
                      ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight], Path | None]:
     """Config, HF-named weights (the matmuls' quantized when `quantization` asks for it), and
     the directory holding the tokenizer (None: the default's)."""
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(f"model.quantization {quantization!r} runs on the CPU engine only; "
+                         f"on {device.type} use none")
     config, directory = load_model_config(model, cache_dir)
     if directory is None:
         weights = dummy_weights(config, device, dtype)
@@ -73,9 +76,6 @@ def load_model_files(model: str, device: torch.device, dtype: torch.dtype,
         weights = hf_weights(directory, device, dtype)
     if quantization == "none":
         return config, weights, directory
-    if device.type != "cpu":
-        raise ValueError(f"model.quantization {quantization!r} runs on the CPU engine only; "
-                         f"on {device.type} use none")
     if "lm_head.weight" not in weights:  # tied: the lookup keeps the dense table
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     names = ["lm_head.weight"] + [f"model.layers.{i}.{m}.weight"

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import torch
 
 from services.executor.weights import load_model_files
@@ -67,3 +68,33 @@ def test_conversion_is_light_for_the_control_plane_and_safe_to_race(tmp_path):
     assert found == [light] * 3
     assert len(load_file(str(light / WEIGHTS_FILE))) == 3 + 9 * 30 - 1  # tied lm_head
     assert not [p.name for p in light.iterdir() if ".tmp-" in p.name]
+
+
+def test_auto_quantization_keeps_the_gguf_blocks_exactly():
+    """Q4_1 matrices become int4 and the Q8_0 embedding the int8 output projection, holding
+    exactly the values the GGUF dequantizes to (Q/K rows in HF order)."""
+    device = torch.device("cpu")
+    _, dense, _ = load_model_files("SmolLM2-135M-Instruct", device, torch.float32)
+    _, quantized, _ = load_model_files("SmolLM2-135M-Instruct", device, torch.float32,
+                                       quantization="auto")
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight"):
+        assert quantized[name].bits == 4
+        torch.testing.assert_close(quantized[name].dequantize(), dense[name], atol=1e-6, rtol=0)
+    head = quantized["lm_head.weight"]
+    assert head.bits == 8 and head.shape == (49152, 576)
+    torch.testing.assert_close(head.dequantize(), dense["model.embed_tokens.weight"], atol=1e-6, rtol=0)
+    # The lookup table stays dense; norms are untouched.
+    assert quantized["model.embed_tokens.weight"].dtype == torch.float32
+    assert torch.equal(quantized["model.norm.weight"], dense["model.norm.weight"])
+
+
+def test_int8_and_int4_quantize_every_matmul_and_refuse_a_gpu():
+    device = torch.device("cpu")
+    for mode, bits in (("int8", 8), ("int4", 4)):
+        config, weights, _ = load_model_files("dummy:tiny", device, torch.float32, quantization=mode)
+        matmuls = [n for n in weights if n.endswith("proj.weight")] + ["lm_head.weight"]
+        assert len(matmuls) == 7 * config.num_layers + 1
+        assert all(weights[n].bits == bits for n in matmuls)
+    with pytest.raises(ValueError, match="'int8' runs on the CPU engine only; on cuda use none"):
+        load_model_files("dummy:tiny", torch.device("cuda"), torch.bfloat16, quantization="int8")

@@ -1,0 +1,167 @@
+"""What weight quantization costs in quality: greedy agreement with fp32 and perplexity.
+
+For each `--quantization`: the engine's greedy tokens on a fixed prompt set (16 chat questions and
+16 text openings, `--max-tokens` each) against the fp32 engine's, as the mean share of each
+output that matches before the first differing token and the number of identical outputs; and
+perplexity on a short text the project ships (loadtest/data/perplexity.txt), every position
+scored in one prefill. Also the weight memory of the matmuls.
+
+    python -m loadtest.quant_quality --quantization none int8 int4 auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+from services.executor.attention import SeqSlice, TorchBackend
+from services.executor.engine import Engine
+from services.executor.linear import QuantizedLinear
+from services.executor.model import LlamaModel
+from services.executor.run_local import run_requests
+from services.executor.weights import load_model_files
+from shared.config import EngineConfig
+from shared.protocol import ChatMessage, Completion, GenerateRequest
+
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about autumn leaves.",
+    "Explain how a bicycle stays upright.",
+    "List three fruits that are high in vitamin C.",
+    "What is 17 times 23?",
+    "Give me a tip for learning a new language.",
+    "Why do cats purr?",
+    "Describe the water cycle in two sentences.",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a small bakery.",
+    "How do vaccines work?",
+    "Translate 'good morning' into Spanish and German.",
+    "What causes the seasons on Earth?",
+    "Write a haiku about the sea.",
+    "What is a prime number?",
+    "How can I make my code easier to read?",
+]
+OPENINGS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a village by the mountains,",
+    "Water boils at a temperature of",
+    "The history of the printing press begins",
+    "To install the package, run",
+    "In mathematics, a group is",
+    "The best way to cook rice is",
+    "Dear Sir or Madam,\n\nI am writing to",
+    "The mitochondria is",
+    "Photosynthesis converts",
+    "SELECT name, email FROM users WHERE",
+    "The first rule of the club is",
+    "Paris is known for",
+    "A healthy breakfast includes",
+    "The stock market fell sharply today as",
+]
+
+
+def prompts() -> list[GenerateRequest]:
+    return ([GenerateRequest(messages=[ChatMessage("user", q)]) for q in QUESTIONS]
+            + [GenerateRequest(prompt=p) for p in OPENINGS])
+
+
+def greedy_outputs(config: EngineConfig, max_tokens: int) -> list[list[int]]:
+    async def go():
+        engine = Engine(config)
+        try:
+            lines = [msgspec.json.encode(msgspec.structs.replace(
+                p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)).decode()
+                for p in prompts()]
+            return await run_requests(engine, lines)
+        finally:
+            await engine.stop()
+
+    results = asyncio.run(go())
+    assert all(isinstance(r, Completion) for r in results), results
+    return [r.token_ids for r in results]
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """Mean share of each output equal to the reference before the first difference."""
+    shares = []
+    for out, ref in zip(outputs, reference):
+        same = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        shares.append(same / len(ref))
+    return {"mean_prefix_share": sum(shares) / len(shares),
+            "identical": sum(out == ref for out, ref in zip(outputs, reference)),
+            "prompts": len(reference)}
+
+
+@torch.inference_mode()
+def perplexity(model_name: str, quantization: str, text: str) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) of the text's tokens after the first, one prefill;
+    also the bytes of the matmul weights."""
+    from shared.model_files import tokenizer_dir
+    from shared.tokenizer import Tokenizer
+
+    device = torch.device("cpu")
+    config, weights, directory = load_model_files(model_name, device, torch.float32,
+                                                  quantization=quantization)
+    ids = Tokenizer(tokenizer_dir(directory)).encode(text)
+    block = 16
+    backend = TorchBackend(block, device, torch.float32)
+    model = LlamaModel(config, weights, backend, max_position=len(ids) + block)
+    num_blocks = -(-len(ids) // block)
+    shape = (num_blocks, block, config.num_kv_heads, config.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+    table = list(range(num_blocks))
+    meta = backend.prepare([SeqSlice(0, len(ids), len(ids), table)], list(range(len(ids))))
+    logits = model.forward(torch.tensor(ids), torch.arange(len(ids)), meta, caches,
+                           torch.arange(len(ids) - 1))
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    matmuls = [model.lm_head] + [getattr(layer, name) for layer in model.layers
+                                 for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    size = sum(m.weight.nbytes if isinstance(m, QuantizedLinear)
+               else m.weight.numel() * m.weight.element_size() for m in matmuls)
+    return math.exp(nll.item()), size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--quantization", nargs="+", default=["none", "int8", "int4", "auto"],
+                        choices=["none", "int8", "int4", "auto"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--result-json", default="results/quant_quality.json")
+    args = parser.parse_args(argv)
+
+    text = TEXT.read_text()
+    base = EngineConfig(model=args.model, max_num_seqs=32, enable_prefix_caching=False)
+    reference = greedy_outputs(base, args.max_tokens)
+    results = {}
+    for quantization in args.quantization:
+        outputs = (reference if quantization == "none" else
+                   greedy_outputs(msgspec.structs.replace(base, quantization=quantization),
+                                  args.max_tokens))
+        ppl, size = perplexity(args.model, quantization, text)
+        results[quantization] = {"perplexity": ppl, "matmul_weight_bytes": size,
+                                 "agreement_with_fp32": agreement(outputs, reference)}
+    print(f"{'quantization':<14}{'matmul MB':>10}{'perplexity':>12}{'agreement':>11}{'identical':>11}")
+    for name, r in results.items():
+        a = r["agreement_with_fp32"]
+        print(f"{name:<14}{r['matmul_weight_bytes'] / 1e6:>10.1f}{r['perplexity']:>12.3f}"
+              f"{100 * a['mean_prefix_share']:>10.1f}%{a['identical']:>6}/{a['prompts']}")
+    path = Path(args.result_json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": "quant_quality", "date": time.strftime("%Y-%m-%d"),
+                                "params": vars(args), "results": results}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
