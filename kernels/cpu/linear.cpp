@@ -15,6 +15,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <type_traits>
+#include <vector>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -119,30 +122,53 @@ void tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t y
     for (int j = 0; j < NR; ++j) y[(m0 + i) * y_stride + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+// Rows [begin, end) of W dequantized into out (row r at out + (r - begin) * k).
+void dequant_rows(const Weight& w, int64_t begin, int64_t end, float* out);
+
 // All rows of x against W's rows [n0, n0 + NR): the NR weight rows stay in L1 while every tile
-// of x passes over them, so W streams in from memory once whatever M is.
+// of x passes over them, so W streams in from memory once whatever M is. Quantized rows are
+// dequantized once into `scratch` (NR * K floats) when more than one tile of x needs them.
 template <Format F, int NR>
 void column_tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m,
-                 int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + kMaxRows <= m; m0 += kMaxRows) tile<F, kMaxRows, NR>(w, x, x_stride, y, w.n, m0, n0);
-  switch (m - m0) {
-    case 3: tile<F, 3, NR>(w, x, x_stride, y, w.n, m0, n0); break;
-    case 2: tile<F, 2, NR>(w, x, x_stride, y, w.n, m0, n0); break;
-    case 1: tile<F, 1, NR>(w, x, x_stride, y, w.n, m0, n0); break;
-    default: break;
+                 int64_t n0, float* scratch) {
+  const Weight* src = &w;
+  Weight dense{Format::F32, NR, w.k};
+  if (F != Format::F32 && m > kMaxRows) {
+    dequant_rows(w, n0, n0 + NR, scratch);
+    dense.f32 = scratch;
+    src = &dense;
+    y += n0;  // the scratch rows are rows 0 .. NR of `dense`
+    n0 = 0;
+  }
+  auto run = [&](auto format_tag) {
+    constexpr Format G = decltype(format_tag)::value;
+    int64_t m0 = 0;
+    for (; m0 + kMaxRows <= m; m0 += kMaxRows)
+      tile<G, kMaxRows, NR>(*src, x, x_stride, y, w.n, m0, n0);
+    switch (m - m0) {
+      case 3: tile<G, 3, NR>(*src, x, x_stride, y, w.n, m0, n0); break;
+      case 2: tile<G, 2, NR>(*src, x, x_stride, y, w.n, m0, n0); break;
+      case 1: tile<G, 1, NR>(*src, x, x_stride, y, w.n, m0, n0); break;
+      default: break;
+    }
+  };
+  if (src == &dense) {
+    run(std::integral_constant<Format, Format::F32>{});
+  } else {
+    run(std::integral_constant<Format, F>{});
   }
 }
 
 template <Format F>
 void skinny(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m) {
   at::parallel_for(0, w.n, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(4 * w.k);
     int64_t n = begin;
     if (m == 1) {  // a single row of x: eight weight rows at a time for eight FMA chains
       for (; n + 8 <= end; n += 8) tile<F, 1, 8>(w, x, x_stride, y, w.n, 0, n);
     }
-    for (; n + 4 <= end; n += 4) column_tile<F, 4>(w, x, x_stride, y, m, n);
-    for (; n < end; ++n) column_tile<F, 1>(w, x, x_stride, y, m, n);
+    for (; n + 4 <= end; n += 4) column_tile<F, 4>(w, x, x_stride, y, m, n, scratch.data());
+    for (; n < end; ++n) column_tile<F, 1>(w, x, x_stride, y, m, n, scratch.data());
   });
 }
 #endif
@@ -190,7 +216,6 @@ torch::Tensor run_skinny(const Weight& w, const torch::Tensor& x) {
   return y;
 }
 
-// Rows [begin, end) of W dequantized into out (row r at out + (r - begin) * k).
 void dequant_rows(const Weight& w, int64_t begin, int64_t end, float* out) {
   for (int64_t r = begin; r < end; ++r) {
     float* row = out + (r - begin) * w.k;
