@@ -136,3 +136,28 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler \\('no-such-compiler'"):
         cpu_ops.build("tiny", [source], tmp_path / "cache")
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the vectorized path
+def test_paged_decode_attention_matches_reference(k, head_dim):
+    heads, kv_heads, block = 6, 2, 16
+    lens = [1, 15, 16, 17, 200]
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks = sum(-(-n // block) for n in lens) + 1
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1  # scattered blocks, none is 0
+    width = max(-(-n // block) for n in lens)
+    tables, used = [], 0
+    for n in lens:
+        count = -(-n // block)
+        tables.append(order[used:used + count].tolist() + [0] * (width - count))
+        used += count
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    out = torch.empty_like(q)
+    k.paged_decode_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
+                             torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens)), out, 0.1)
+    cu_seqlens = torch.arange(len(lens) + 1)
+    expected = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu_seqlens,
+                                         torch.tensor(lens), 0.1)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
