@@ -9,8 +9,9 @@ FROM ${BASE}
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
-# A C++ compiler for the CPU attention kernel torch builds on first use, and a C compiler with
-# Python's headers for Triton's launcher on a GPU; a CUDA base image also brings no Python.
+# A C++ compiler for the CPU kernels torch builds on first use (kept in the cache volume), and a
+# C compiler with Python's headers for Triton's launcher on a GPU; a CUDA base image also brings
+# no Python.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && if ! command -v python3 >/dev/null; then \
