@@ -142,8 +142,11 @@ def run_engine(config: EngineConfig, points: dict[int, list[GenerateRequest]],
                 result["single_stream"] = await _single_stream(engine)
             result["points"] = {}
             for n, requests in points.items():
-                print(f"  {n} requests ...", flush=True)
-                result["points"][n] = await _run_point(engine, requests)
+                point = result["points"][n] = await _run_point(engine, requests)
+                print(f"  {n} requests: {point['output_tok_per_s']:.1f} output tok/s, "
+                      f"TTFT p50 {point['ttft_ms_p50']:.0f} ms, TPOT p50 "
+                      f"{point['tpot_ms_p50']:.1f} ms, {point['preemptions']} preemptions",
+                      flush=True)
         finally:
             await engine.stop()
         return result
@@ -161,7 +164,6 @@ def run_hf_static(points: dict[int, list[GenerateRequest]], batch_size: int) -> 
     pad = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
     result = {}
     for n, requests in points.items():
-        print(f"  {n} requests ...", flush=True)
         useful = 0
         start = time.perf_counter()
         token_ids = []
@@ -185,6 +187,7 @@ def run_hf_static(points: dict[int, list[GenerateRequest]], batch_size: int) -> 
         result[n] = {"elapsed_s": elapsed, "output_tokens": useful,
                      "output_tok_per_s": useful / elapsed, "batch_size": batch_size,
                      "token_ids": token_ids}
+        print(f"  {n} requests: {useful / elapsed:.1f} output tok/s", flush=True)
     return {"points": result}
 
 
