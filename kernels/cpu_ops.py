@@ -52,8 +52,9 @@ def build_key(sources: list[Path]) -> str:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jetserve" / "cpu-kernels"
+    from shared.model_files import weights_cache_root
+
+    return weights_cache_root(None) / "cpu-kernels"  # beside converted models: one cache volume
 
 
 def build(name: str, files: list[Path], root: Path):
