@@ -90,8 +90,11 @@ def concat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quanti
 class DenseLinear:
     def __init__(self, weight: torch.Tensor, kernels):
         self.weight = weight
-        # The kernel covers fp32 on a CPU; elsewhere (bf16, CUDA) torch's matmul is the fast one.
-        self.kernels = kernels if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+        # The kernel covers fp32 on a CPU with K in whole groups; elsewhere (bf16, CUDA, odd
+        # shapes) torch's matmul runs.
+        fits = (weight.dtype == torch.float32 and weight.device.type == "cpu"
+                and weight.shape[1] % GROUP == 0)
+        self.kernels = kernels if fits else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.shape[0] <= SKINNY_MAX_ROWS:

@@ -161,3 +161,12 @@ def test_paged_decode_attention_matches_reference(k, head_dim):
     expected = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu_seqlens,
                                          torch.tensor(lens), 0.1)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_dense_linear_leaves_shapes_the_kernel_cannot_take_to_torch(k):
+    from services.executor.linear import DenseLinear
+
+    odd = torch.randn(10, 48)  # 48 columns: not whole groups of 32
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(DenseLinear(odd, k)(x), x @ odd.t())
+    assert DenseLinear(odd, k).kernels is None and DenseLinear(torch.randn(10, 64), k).kernels is k
