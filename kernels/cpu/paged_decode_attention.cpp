@@ -1,10 +1,10 @@
 // Decode attention straight from the paged KV cache, for the CPU (fp32).
 //
-// Each query head is scored against every cached key of its KV head, then the softmax weights
-// accumulate the values. With AVX-512 (head_dim 64 or 128), 16 positions' scores are summed in
-// one transposing tree and the exponentials are vectorized; otherwise plain loops. Keys and values are read in place through the block table: nothing is
-// gathered into a contiguous copy first, so each byte of the cache crosses the memory bus once
-// per step instead of three times.
+// The query heads of one KV head are scored together against every cached key, then the softmax
+// weights accumulate the values. With AVX-512 (head_dim 64 or 128), 16 positions' scores are
+// summed in one transposing tree and the exponentials are vectorized; otherwise plain loops. Keys
+// and values are read in place through the block table, once per step for all the query heads
+// that share them: nothing is gathered into a contiguous copy first.
 
 #include "ops.h"
 
@@ -58,35 +58,55 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
-// One query head of one sequence, head_dim = 16 * DV. `scores` holds at least len + 16 floats.
+// Walks a sequence's positions block by block: the cache row of each position without a
+// division per position.
+struct RowCursor {
+  const float* base;
+  const int32_t* table;
+  int64_t block_size, token_stride, block = 0, offset = 0;
+
+  const float* next() {
+    const float* row =
+        base + (static_cast<int64_t>(table[block]) * block_size + offset) * token_stride;
+    if (++offset == block_size) offset = 0, ++block;
+    return row;
+  }
+};
+
+// The scores of G query heads against positions [0, len) of their KV head, into
+// scores[h * stride + pos], with their maxima in peak[h]. Each key row is read from memory once
+// for all G heads: 16 rows are scored against one head, then the next head finds them in L1.
 template <int DV>
-void decode_head(const float* q, const float* k_ptr, const float* v_ptr, const int32_t* table,
-                 int64_t len, int64_t block_size, int64_t token_stride, float scale, float* scores,
-                 float* out) {
-  __m512 qv[DV];
-  for (int d = 0; d < DV; ++d) qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale));
-  auto row = [&](const float* base, int64_t pos) {
-    return base + (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) *
-                      token_stride;
-  };
-  __m512 peak = _mm512_set1_ps(-INFINITY);
+void score_group(const float* q, int64_t group, float scale, RowCursor keys, int64_t len,
+                 float* scores, int64_t stride, float* peak) {
+  std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
+  const float* rows[16];
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
-    __m512 partial[16];
-    for (int i = 0; i < 16; ++i) {
-      partial[i] = _mm512_setzero_ps();
-      if (i < n) {
-        const float* key = row(k_ptr, p0 + i);
-        for (int d = 0; d < DV; ++d)
-          partial[i] = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(key + 16 * d), partial[i]);
-      }
-    }
+    for (int i = 0; i < n; ++i) rows[i] = keys.next();
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    const __m512 s = sum16(partial);
-    _mm512_mask_storeu_ps(scores + p0, valid, s);
-    peak = _mm512_mask_max_ps(peak, valid, peak, s);
+    for (int64_t h = 0; h < group; ++h) {
+      __m512 qv[DV];
+      for (int d = 0; d < DV; ++d)
+        qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q + h * 16 * DV + 16 * d), _mm512_set1_ps(scale));
+      __m512 partial[16];
+      for (int i = 0; i < 16; ++i) {
+        partial[i] = _mm512_setzero_ps();
+        if (i < n)
+          for (int d = 0; d < DV; ++d)
+            partial[i] = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(rows[i] + 16 * d), partial[i]);
+      }
+      const __m512 s = sum16(partial);
+      _mm512_mask_storeu_ps(scores + h * stride + p0, valid, s);
+      peaks[h] = _mm512_mask_max_ps(peaks[h], valid, peaks[h], s);
+    }
   }
-  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+  for (int64_t h = 0; h < group; ++h) peak[h] = _mm512_reduce_max_ps(peaks[h]);
+}
+
+// e^(score - peak) in place; returns the sum.
+float exponentiate(float* scores, int64_t len, float peak) {
+  const __m512 top = _mm512_set1_ps(peak);
   __m512 total = _mm512_setzero_ps();
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
@@ -95,19 +115,53 @@ void decode_head(const float* q, const float* k_ptr, const float* v_ptr, const i
     _mm512_mask_storeu_ps(scores + p0, valid, e);
     total = _mm512_mask_add_ps(total, valid, total, e);
   }
-  // Two sets of accumulators (even and odd positions) so the FMA chains overlap.
-  __m512 acc[2][DV];
-  for (int j = 0; j < 2; ++j)
-    for (int d = 0; d < DV; ++d) acc[j][d] = _mm512_setzero_ps();
+  return _mm512_reduce_add_ps(total);
+}
+
+// out[h] = sum over positions of weights[h][pos] * value[pos] / totals[h], for HB heads: each
+// value row is loaded once into registers for all of them.
+template <int DV, int HB>
+void accumulate_values(const float* weights, int64_t stride, const float* totals, RowCursor values,
+                       int64_t len, float* out) {
+  __m512 acc[HB][DV];
+  for (int h = 0; h < HB; ++h)
+    for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
   for (int64_t pos = 0; pos < len; ++pos) {
-    const __m512 w = _mm512_set1_ps(scores[pos]);
-    const float* value = row(v_ptr, pos);
-    for (int d = 0; d < DV; ++d)
-      acc[pos & 1][d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * d), acc[pos & 1][d]);
+    const float* row = values.next();
+    __m512 v[DV];
+    for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(row + 16 * d);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 w = _mm512_set1_ps(weights[h * stride + pos]);
+      for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_fmadd_ps(w, v[d], acc[h][d]);
+    }
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  for (int d = 0; d < DV; ++d)
-    _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(_mm512_add_ps(acc[0][d], acc[1][d]), inv));
+  for (int h = 0; h < HB; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.0f / totals[h]);
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + h * 16 * DV + 16 * d, _mm512_mul_ps(acc[h][d], inv));
+  }
+}
+
+// The query heads [0, group) that share one KV head, for one sequence. `scores` holds at least
+// group * (len + 16) floats.
+template <int DV>
+void decode_group(const float* q, int64_t group, float scale, RowCursor keys, RowCursor values,
+                  int64_t len, float* scores, float* out) {
+  const int64_t stride = len + 16;
+  std::vector<float> peak(group), totals(group);
+  score_group<DV>(q, group, scale, keys, len, scores, stride, peak.data());
+  for (int64_t h = 0; h < group; ++h) totals[h] = exponentiate(scores + h * stride, len, peak[h]);
+  // Up to 16 accumulators (HB * DV) stay in registers beside the value row.
+  constexpr int kMaxHeads = 16 / DV;
+  for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
+    const float* w = scores + h0 * stride;
+    float* o = out + h0 * 16 * DV;
+    switch (std::min<int64_t>(kMaxHeads, group - h0)) {
+      case 1: accumulate_values<DV, 1>(w, stride, totals.data() + h0, values, len, o); break;
+      case 2: accumulate_values<DV, 2>(w, stride, totals.data() + h0, values, len, o); break;
+      case 3: accumulate_values<DV, 3>(w, stride, totals.data() + h0, values, len, o); break;
+      default: accumulate_values<DV, kMaxHeads>(w, stride, totals.data() + h0, values, len, o); break;
+    }
+  }
 }
 
 }  // namespace
@@ -147,22 +201,24 @@ void paged_decode_attention(
 
 #if defined(__AVX512F__)
   if (head_dim == 64 || head_dim == 128) {
-    // One task per (sequence, query head): even work for few long sequences too.
+    // One task per (sequence, KV head): its keys and values cross the memory bus once for all
+    // the query heads that share them.
+    const int64_t num_kv_heads = k_cache.size(2);
     const int64_t max_len = num_seqs ? seq_lens.max().item<int32_t>() : 0;
-    at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(max_len + 16);
+    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(group * (max_len + 16));
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t seq = task / num_heads, h = task % num_heads;
+        const int64_t seq = task / num_kv_heads, kv = task % num_kv_heads;
+        const int64_t h = kv * group;  // the group's first query head
         const float* qh = q_ptr + rows[seq] * q_stride + h * head_dim;
-        const int64_t kv_offset = (h / group) * head_dim;
         float* o = out_ptr + rows[seq] * num_heads * head_dim + h * head_dim;
         const int32_t* table = tables + seq * max_blocks;
+        const RowCursor keys{k_ptr + kv * head_dim, table, block_size, token_stride};
+        const RowCursor values{v_ptr + kv * head_dim, table, block_size, token_stride};
         if (head_dim == 64)
-          decode_head<4>(qh, k_ptr + kv_offset, v_ptr + kv_offset, table, lens[seq], block_size,
-                         token_stride, fscale, scores.data(), o);
+          decode_group<4>(qh, group, fscale, keys, values, lens[seq], scores.data(), o);
         else
-          decode_head<8>(qh, k_ptr + kv_offset, v_ptr + kv_offset, table, lens[seq], block_size,
-                         token_stride, fscale, scores.data(), o);
+          decode_group<8>(qh, group, fscale, keys, values, lens[seq], scores.data(), o);
       }
     });
     return;

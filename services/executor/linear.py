@@ -17,7 +17,7 @@ import torch.nn.functional as F
 GROUP = 32
 # Up to this many rows of x, the kernels stream W once in place; beyond it, BLAS is faster
 # (quantized W is dequantized a block of rows at a time for it). Measured: BENCHMARKS.md.
-SKINNY_MAX_ROWS = 32
+SKINNY_MAX_ROWS = 48
 # Many rows of x against quantized weights multiply in bfloat16 (fp32 accumulation) where the
 # CPU has AMX tiles: several times faster than fp32, on weights that are rounded already.
 BF16_BLAS = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()

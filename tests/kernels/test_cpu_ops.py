@@ -138,10 +138,14 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch):
         cpu_ops.build("tiny", [source], tmp_path / "cache")
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 take the vectorized path
-def test_paged_decode_attention_matches_reference(k, head_dim):
-    heads, kv_heads, block = 6, 2, 16
-    lens = [1, 15, 16, 17, 200]
+# 64 and 128 take the vectorized path, which scores a KV head's query heads together and sums
+# values for up to 16 / (head_dim / 16) of them at a time: groups of 1, 3, 5 and 7 cover every case.
+@pytest.mark.parametrize("head_dim,group,block", [
+    (32, 3, 16), (64, 1, 16), (64, 3, 16), (64, 5, 8), (128, 3, 16), (128, 7, 32)])
+def test_paged_decode_attention_matches_reference(k, head_dim, group, block):
+    kv_heads = 2
+    heads = group * kv_heads
+    lens = [1, 15, 16, 17, 33, 200]
     gen = torch.Generator().manual_seed(head_dim)
     num_blocks = sum(-(-n // block) for n in lens) + 1
     k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
