@@ -96,17 +96,47 @@ inline void load_group(const Weight& w, int64_t r, int64_t g, __m512& lo, __m512
   }
 }
 
+// Asks for row r's group g (its first cache line; fp32 groups span two) ahead of its use.
+template <Format F>
+inline void prefetch_group(const Weight& w, int64_t r, int64_t g) {
+  const char* p;
+  if constexpr (F == Format::F32) {
+    p = reinterpret_cast<const char*>(w.f32 + r * w.k + g * kGroup);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+  } else if constexpr (F == Format::Int8) {
+    p = reinterpret_cast<const char*>(w.q8 + r * w.k + g * kGroup);
+  } else {
+    p = reinterpret_cast<const char*>(w.q4 + r * (w.k / 2) + g * (kGroup / 2));
+  }
+  _mm_prefetch(p, _MM_HINT_T0);
+}
+
+// Rows [n0, n0 + NR) of W requested group by group (`ahead(g)`) while a tile computes, so the
+// next tile's weights stream in from memory meanwhile instead of after it.
+template <Format F, int NR>
+struct Ahead {
+  const Weight* w;
+  int64_t n0;
+  void operator()(int64_t g) const {
+    for (int j = 0; j < NR && n0 + j < w->n; ++j) prefetch_group<F>(*w, n0 + j, g);
+  }
+};
+struct NoAhead {
+  void operator()(int64_t) const {}
+};
+
 // y[m0 .. m0+MR, n0 .. n0+NR] for one register tile: every weight is loaded once and multiplied
 // into MR rows of x.
-template <Format F, int MR, int NR>
+template <Format F, int MR, int NR, typename A = NoAhead>
 void tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t y_stride,
-          int64_t m0, int64_t n0) {
+          int64_t m0, int64_t n0, A ahead = {}) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   const int64_t groups = w.k / kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 lo[NR], hi[NR];
+    ahead(g);
     for (int j = 0; j < NR; ++j) load_group<F>(w, n0 + j, g, lo[j], hi[j]);
     for (int i = 0; i < MR; ++i) {
       const float* xr = x + (m0 + i) * x_stride + g * kGroup;
@@ -131,6 +161,8 @@ void dequant_rows(const Weight& w, int64_t begin, int64_t end, float* out);
 template <Format F, int NR>
 void column_tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m,
                  int64_t n0, float* scratch) {
+  // The first tile asks for the next column tile's weights (from `w`, quantized or not).
+  const Ahead<F, NR> next{&w, n0 + NR};
   const Weight* src = &w;
   Weight dense{Format::F32, NR, w.k};
   if (F != Format::F32 && m > kMaxRows) {
@@ -143,12 +175,16 @@ void column_tile(const Weight& w, const float* x, int64_t x_stride, float* y, in
   auto run = [&](auto format_tag) {
     constexpr Format G = decltype(format_tag)::value;
     int64_t m0 = 0;
-    for (; m0 + kMaxRows <= m; m0 += kMaxRows)
-      tile<G, kMaxRows, NR>(*src, x, x_stride, y, w.n, m0, n0);
+    for (; m0 + kMaxRows <= m; m0 += kMaxRows) {
+      if (m0 == 0)
+        tile<G, kMaxRows, NR>(*src, x, x_stride, y, w.n, m0, n0, next);
+      else
+        tile<G, kMaxRows, NR>(*src, x, x_stride, y, w.n, m0, n0);
+    }
     switch (m - m0) {
-      case 3: tile<G, 3, NR>(*src, x, x_stride, y, w.n, m0, n0); break;
-      case 2: tile<G, 2, NR>(*src, x, x_stride, y, w.n, m0, n0); break;
-      case 1: tile<G, 1, NR>(*src, x, x_stride, y, w.n, m0, n0); break;
+      case 3: tile<G, 3, NR>(*src, x, x_stride, y, w.n, m0, n0, next); break;
+      case 2: tile<G, 2, NR>(*src, x, x_stride, y, w.n, m0, n0, next); break;
+      case 1: tile<G, 1, NR>(*src, x, x_stride, y, w.n, m0, n0, next); break;
       default: break;
     }
   };
@@ -165,7 +201,8 @@ void skinny(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t
     std::vector<float> scratch(4 * w.k);
     int64_t n = begin;
     if (m == 1) {  // a single row of x: eight weight rows at a time for eight FMA chains
-      for (; n + 8 <= end; n += 8) tile<F, 1, 8>(w, x, x_stride, y, w.n, 0, n);
+      for (; n + 8 <= end; n += 8)
+        tile<F, 1, 8>(w, x, x_stride, y, w.n, 0, n, Ahead<F, 8>{&w, std::min(n + 8, end - 8)});
     }
     for (; n + 4 <= end; n += 4) column_tile<F, 4>(w, x, x_stride, y, m, n, scratch.data());
     for (; n < end; ++n) column_tile<F, 1>(w, x, x_stride, y, m, n, scratch.data());

@@ -123,6 +123,8 @@ class Engine:
                                    preemption_margin=config.preemption_margin)
         self.stats = EngineStats()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        if not simulated:
+            self._worker.submit(self.runner.warm_up).result()
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()

@@ -15,6 +15,7 @@ from services.executor.attention import SeqSlice, TorchBackend
 from services.executor.model import LlamaModel
 from services.executor.sampler import SamplingBatch, make_generator, sample
 from services.executor.scheduler import ScheduledSeq
+from services.executor.sequence import SamplingParams
 from shared.model_files import ModelConfig
 
 
@@ -100,6 +101,26 @@ class ModelRunner:
         sampled = sample(logits, inputs.sampling).to(self.device)
         self._last_sampled = sampled
         return sampled.tolist()
+
+    def warm_up(self, prompt_len: int = 32) -> None:
+        """A prefill and a decode before serving, on the thread that will run the steps, so the
+        first request does not pay for the thread pool's start, lazy initialization (kernel
+        compilation on a GPU) and first-touch page faults. Uses the first blocks of the pool,
+        which no request holds yet."""
+        bs = self.block_size
+        prompt_len = max(1, min(prompt_len, self.kv_caches[0][0].shape[0] * bs - 1))
+        table = list(range(-(-(prompt_len + 1) // bs)))
+        greedy = SamplingBatch([SamplingParams(max_tokens=1, temperature=0.0)], [None])
+        for start, n in ((0, prompt_len), (prompt_len, 1)):
+            positions = list(range(start, start + n))
+            slots = [table[p // bs] * bs + p % bs for p in positions]
+            self.execute(StepInputs(
+                input_ids=torch.zeros(n, dtype=torch.long, device=self.device),
+                positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+                attn_meta=self.backend.prepare([SeqSlice(0, n, start + n, table)], slots),
+                logits_indices=torch.tensor([n - 1], dtype=torch.long, device=self.device),
+                pending_dst=None, pending_src=None, sampling=greedy, num_tokens=n))
+        self._last_sampled = None
 
     def _generator(self, seq) -> torch.Generator:
         generator = self._generators.get(seq.request_id)

@@ -322,3 +322,22 @@ def test_max_wait_s_reaches_the_engine_only_under_the_adaptive_policy():
     assert adaptive.engine_config("e").max_wait_s == 60.0
     fcfs = load_config(None, {"JETSERVE_SCHEDULER__REQUEST_LEVEL__POLICY": "fcfs"})
     assert fcfs.engine_config("e").max_wait_s is None
+
+
+async def test_warm_up_leaves_no_trace():
+    """The start-up warm-up writes the pool's first blocks and nothing else: a pool of two blocks
+    still serves, no block stays held, and the tokens equal those over a freshly zeroed cache."""
+    request = greedy(prompts(1)[0][:8])
+    warmed = Engine(tiny_config(num_kv_blocks=2, block_size=16))
+    zeroed = Engine(tiny_config(num_kv_blocks=2, block_size=16))
+    for k, v in zeroed.runner.kv_caches:
+        k.zero_()
+        v.zero_()
+    try:
+        assert warmed.block_manager.num_free_blocks == 2
+        [a] = await generate_all(warmed, [request])
+        [b] = await generate_all(zeroed, [request])
+    finally:
+        await warmed.stop()
+        await zeroed.stop()
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 24
