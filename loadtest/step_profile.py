@@ -60,8 +60,8 @@ def labelled(model):
         def call(*args, **kwargs):
             with record_function(label):
                 return original(*args, **kwargs)
+        undo.append((owner, attr, vars(owner).get(attr)))  # None: a method of the class
         setattr(owner, attr, call)
-        undo.append((owner, attr, original))
 
     # Linear objects are called as layer.qkv_proj(x): wrap each instance in a labelled lambda.
     for layer in model.layers:
@@ -73,8 +73,11 @@ def labelled(model):
     try:
         yield
     finally:
-        for owner, attr, original in reversed(undo):
-            setattr(owner, attr, original)
+        for owner, attr, own in reversed(undo):
+            if own is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, own)
 
 
 def step_inputs(engine: Engine, decodes: int, context: int, prefill: int):
