@@ -100,6 +100,27 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     overtake_above: float | None = None
 
 
+class KvEvent(msgspec.Struct, kw_only=True):
+    """Prefix blocks an executor's cache gained (`stored`) or lost (`removed`) since its previous
+    event, by chained block hash. Numbered from 1 by each executor instance (`started_at`), so a
+    receiver that sees a gap, or an instance it joined late, asks for a KvDump."""
+
+    executor: str
+    started_at: float
+    seq: int
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+
+
+class KvDump(msgspec.Struct, kw_only=True):
+    """Every prefix block an executor caches, as of its event `seq` (0: before any event)."""
+
+    executor: str
+    started_at: float
+    seq: int
+    blocks: list[bytes]
+
+
 class Holding(msgspec.Struct):
     """The durable requests a service holds right now (priority: waiting; an executor: running),
     published every heartbeat interval. Admission keeps a durable request alive only while some

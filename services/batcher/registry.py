@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.batcher.kv_index import KvIndex
 from shared.messages import Heartbeat
+
+PROMISE_S = 2.0  # how long a routed prompt's blocks count as cached before its events confirm
 
 
 @dataclass
@@ -33,12 +36,24 @@ class ExecutorState:
         return max(0, self.room - self.load)
 
 
+def route_score(cached_blocks: int, prompt_blocks: int, load: float, overlap_weight: float,
+                load_weight: float) -> float:
+    """KV-aware routing: the share of the prompt's blocks an executor caches, against its load
+    (running, waiting and in transit over max_num_seqs). Higher is better."""
+    return overlap_weight * cached_blocks / max(1, prompt_blocks) - load_weight * load
+
+
 class ExecutorRegistry:
-    def __init__(self, overtake_extra: int = 0, routing: str = "least_loaded"):
+    def __init__(self, overtake_extra: int = 0, routing: str = "least_loaded",
+                 kv_index: KvIndex | None = None, overlap_weight: float = 1.0,
+                 load_weight: float = 1.0):
         self.executors: dict[str, ExecutorState] = {}
         self.overtake_extra = overtake_extra  # how far beyond its room an executor may be sent
-        self.routing = routing  # "least_loaded" or "round_robin"
+        self.routing = routing  # "least_loaded", "round_robin" or "kv_aware"
         self.last_picked = ""  # round robin: the name picked last
+        self.kv_index = kv_index if kv_index is not None else KvIndex()
+        self.overlap_weight, self.load_weight = overlap_weight, load_weight
+        self.last_route: dict[str, int] = {}  # kv_aware: each candidate's cached blocks, last pick
 
     def update(self, heartbeat: Heartbeat, now: float) -> bool:
         """Record a heartbeat; True when the executor is new (or restarted)."""
@@ -57,16 +72,19 @@ class ExecutorRegistry:
         dead = [name for name, s in self.executors.items() if now - s.last_seen > timeout]
         for name in dead:
             del self.executors[name]
+            self.kv_index.forget(name)
         return dead
 
     def free_slots(self, now: float | None = None) -> int:
         return sum(state.free_slots for state in self.executors.values()
                    if now is None or state.suspended_until <= now)
 
-    def pick(self, model: str | None, now: float) -> str | None:
+    def pick(self, model: str | None, now: float, block_hashes: list[bytes] = ()) -> str | None:
         """An executor of `model` with room: the least loaded (relative to its size), then the
         one with the most free KV blocks; or, routing round robin, the next by name after the
-        one picked last."""
+        one picked last; or, routing kv_aware, the best `route_score` of the prompt's cached
+        blocks against load (ties: the least loaded). A saturated executor is no candidate, so
+        a hot prefix spreads to a second one."""
         candidates = [s for s in self.executors.values()
                       if s.free_slots > 0 and s.suspended_until <= now
                       and (model is None or s.heartbeat.model == model)]
@@ -77,6 +95,16 @@ class ExecutorRegistry:
             best = next((s for s in ordered if s.heartbeat.executor > self.last_picked),
                         ordered[0])
             self.last_picked = best.heartbeat.executor
+        elif self.routing == "kv_aware" and block_hashes:
+            cached = {s.heartbeat.executor: self.kv_index.cached_prefix(
+                s.heartbeat.executor, block_hashes, now) for s in candidates}
+            best = max(candidates, key=lambda s: (
+                route_score(cached[s.heartbeat.executor], len(block_hashes),
+                            s.load / max(1, s.heartbeat.max_num_seqs),
+                            self.overlap_weight, self.load_weight),
+                -s.load / max(1, s.heartbeat.max_num_seqs), s.heartbeat.free_kv_blocks))
+            self.last_route = cached
+            self.kv_index.promise(best.heartbeat.executor, block_hashes, now + PROMISE_S)
         else:
             best = min(candidates, key=lambda s: (s.load / max(1, s.heartbeat.max_num_seqs),
                                                   -s.heartbeat.free_kv_blocks))
