@@ -1,22 +1,18 @@
 """The paged KV cache's bookkeeping: block ownership, an O(1) LRU free list, and prefix caching.
 
-A full block is identified by a chained hash h_i = H(h_{i-1}, tokens of block i), so equal hashes
-mean equal prefixes. Freed blocks keep their hash and content until they are reused: a later
-request whose prompt starts with the same blocks takes them back instead of recomputing them.
+A full block is identified by a chained hash (shared/block_hash.py), so equal hashes mean equal
+prefixes. Freed blocks keep their hash and content until they are reused: a later request whose
+prompt starts with the same blocks takes them back instead of recomputing them. What the cache
+gains and loses is recorded for the executor's KV events (the batcher's routing index).
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.executor.sequence import Sequence
-
-
-def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+from shared.block_hash import chain_hash
 
 
 @dataclass(eq=False)
@@ -36,6 +32,8 @@ class BlockManager:
         # Free blocks in eviction order: the least recently freed is taken first.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
+        # Net changes to the cached hashes since the last drain: True stored, False removed.
+        self._changes: dict[bytes, bool] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -60,6 +58,7 @@ class BlockManager:
             if block.hash is not None:  # evict its cached content
                 if self.hash_to_block.get(block.hash) == block_id:
                     del self.hash_to_block[block.hash]
+                    self._record(block.hash, False)
                 block.hash = None
             block.ref_count = 1
             seq.block_table.append(block_id)
@@ -103,6 +102,7 @@ class BlockManager:
             if block_hash not in self.hash_to_block:  # else an equal block is already cached
                 block.hash = block_hash
                 self.hash_to_block[block_hash] = block.block_id
+                self._record(block_hash, True)
         seq.num_hashed_blocks = num_full
 
     def free_seq(self, seq: Sequence) -> None:
@@ -121,7 +121,23 @@ class BlockManager:
         """Forget every cached block, e.g. after a failed step left blocks registered unwritten."""
         for block in self.blocks:
             block.hash = None
+        for block_hash in self.hash_to_block:
+            self._record(block_hash, False)
         self.hash_to_block.clear()
+
+    def drain_kv_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """The hashes the prefix cache gained and lost since the previous call (net: a block
+        stored and evicted in between is in neither list)."""
+        stored = [h for h, kept in self._changes.items() if kept]
+        removed = [h for h, kept in self._changes.items() if not kept]
+        self._changes.clear()
+        return stored, removed
+
+    def _record(self, block_hash: bytes, kept: bool) -> None:
+        if not kept and self._changes.get(block_hash):
+            del self._changes[block_hash]  # stored since the last drain: the receiver never saw it
+        else:
+            self._changes[block_hash] = kept
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.batcher.kv_index import KvIndex
 from services.batcher.registry import ExecutorRegistry, route_score
-from services.executor.block_manager import chain_hash
+from shared.block_hash import chain_hash
 from shared.messages import KvDump, KvEvent
 from tests.batcher.test_registry import heartbeat
 

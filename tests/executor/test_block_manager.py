@@ -85,3 +85,36 @@ def test_equal_blocks_computed_twice_register_once():
     bm.free_seq(a)
     bm.free_seq(b)
     assert bm.num_free_blocks == 8
+
+
+def test_kv_changes_report_cached_hashes_net_and_match_admission_hashing():
+    from shared.block_hash import block_hashes
+
+    bm = BlockManager(num_blocks=3, block_size=2)
+    a = seq([1, 2, 3, 4, 5], "a")
+    bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.commit_full_blocks(a)
+    stored, removed = bm.drain_kv_changes()
+    # The hashes admission computes from the prompt alone are the ones the cache reports.
+    assert stored == block_hashes([1, 2, 3, 4, 5], 2) and removed == []
+    assert bm.drain_kv_changes() == ([], [])
+    bm.free_seq(a)
+    # A new sequence takes every block: the two cached ones are evicted.
+    b = seq([7, 8, 9, 10, 11], "b")
+    bm.allocate(b, 5)
+    b.num_computed_tokens = 4
+    bm.commit_full_blocks(b)
+    stored, removed = bm.drain_kv_changes()
+    assert stored == block_hashes([7, 8, 9, 10], 2) and sorted(removed) == sorted(
+        block_hashes([1, 2, 3, 4], 2))
+    bm.reset_prefix_cache()
+    assert bm.drain_kv_changes() == ([], block_hashes([7, 8, 9, 10], 2))
+    # Stored and dropped between two drains: the receiver never needs to hear of it.
+    bm.free_seq(b)
+    c = seq([5, 6, 7], "c")
+    bm.allocate(c, 3)
+    c.num_computed_tokens = 3
+    bm.commit_full_blocks(c)
+    bm.reset_prefix_cache()
+    assert bm.drain_kv_changes() == ([], [])
