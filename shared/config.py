@@ -133,9 +133,13 @@ class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     # Requests an executor may hold beyond max_num_seqs, so a finished slot refills at once.
     executor_queue_depth: Annotated[int, msgspec.Meta(ge=0)] = 4
-    # Which executor with room gets a request: the least loaded (relative to its size, then the
-    # one with the most free KV blocks), or each in turn.
-    routing: Literal["least_loaded", "round_robin"] = "least_loaded"
+    # Which executor with room gets a request: kv_aware scores each by the share of the prompt's
+    # blocks it caches (its KV events say which) times kv_overlap_weight, minus its load (over
+    # max_num_seqs) times kv_load_weight; least_loaded takes the least loaded (then the most
+    # free KV blocks); round_robin each in turn.
+    routing: Literal["kv_aware", "least_loaded", "round_robin"] = "kv_aware"
+    kv_overlap_weight: NonNegative = 1.0
+    kv_load_weight: NonNegative = 1.0
     # With no room anywhere, still send a request that outranks, by the preemption margin,
     # everything waiting at some executor (and its weakest running request, if every slot is
     # taken) there; it starts at once, ahead of them. At most `overtake_extra` beyond the room.

@@ -29,6 +29,9 @@ class WorkItem(msgspec.Struct, kw_only=True):
     # The tenant was over its share: its aging bound held it only within its own line, so the
     # executor's bound counts from dispatch, not arrival (it still cannot starve there).
     age_from_dispatch: bool = False
+    # The chained hashes of the prompt's full KV blocks (shared/block_hash.py), computed once by
+    # admission: the batcher routes by cached prefix without tokenizing.
+    block_hashes: list[bytes] = []
 
     @property
     def request_id(self) -> str:

@@ -67,3 +67,12 @@ class Subjects:
     @property
     def admission_done(self) -> str:
         return f"{self.prefix}.internal.admission.done"
+
+    @property
+    def kv_events(self) -> str:
+        """Executors' KvEvents: the prefix blocks their caches gained and lost."""
+        return f"{self.prefix}.internal.kv.events"
+
+    def kv_dump(self, executor: str) -> str:
+        """Request/reply: an executor's KvDump, every prefix block it caches."""
+        return f"{self.prefix}.internal.kv.dump.{executor}"

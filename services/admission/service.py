@@ -25,6 +25,7 @@ from nats.js.errors import NotFoundError
 from nats.micro import Request
 
 from services.admission.rate_limit import TokenBuckets
+from shared.block_hash import block_hashes
 from shared.preprocess import check_limits, prompt_token_ids
 from shared.tokenizer import Tokenizer
 from shared.model_files import load_model_config, tokenizer_dir
@@ -151,7 +152,8 @@ class Admission:
             request_id=request.request_id or f"req-{secrets.token_hex(8)}",
             seed=request.seed if request.seed is not None else secrets.randbits(63))
         return WorkItem(request=request, tenant=tenant, arrival_time=now, durable=durable,
-                        deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None)
+                        deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None,
+                        block_hashes=block_hashes(prompt, self.config.kv_cache.block_size))
 
     def check_rate(self, tenant: str, tokens: int) -> None:
         if tokens > self.buckets.burst:

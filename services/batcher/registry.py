@@ -85,6 +85,7 @@ class ExecutorRegistry:
         one picked last; or, routing kv_aware, the best `route_score` of the prompt's cached
         blocks against load (ties: the least loaded). A saturated executor is no candidate, so
         a hot prefix spreads to a second one."""
+        self.last_route = {}
         candidates = [s for s in self.executors.values()
                       if s.free_slots > 0 and s.suspended_until <= now
                       and (model is None or s.heartbeat.model == model)]

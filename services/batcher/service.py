@@ -17,6 +17,8 @@ from shared.config import JetserveConfig
 from shared.messages import (
     AssignReply,
     Heartbeat,
+    KvDump,
+    KvEvent,
     NextReply,
     NextRequest,
     SubmitReply,
@@ -35,6 +37,8 @@ _heartbeat = decoder(Heartbeat)
 _next_reply = decoder(NextReply)
 _assign_reply = decoder(AssignReply)
 _submit_reply = decoder(SubmitReply)
+_kv_event = decoder(KvEvent)
+_kv_dump = decoder(KvDump)
 
 PULL_WAIT_MS = 500  # how long one pull waits at priority for a request to arrive
 SUSPEND_S = 1.0  # an executor that failed an assignment gets none for this long
@@ -47,7 +51,10 @@ class BatcherService:
         self.outbox = Outbox(nc, js, self.subjects)
         self.timeout = config.nats.request_timeout_s
         batch = config.scheduler.batch_level
-        self.registry = ExecutorRegistry(batch.overtake_extra, batch.routing)
+        self.registry = ExecutorRegistry(batch.overtake_extra, batch.routing,
+                                         overlap_weight=batch.kv_overlap_weight,
+                                         load_weight=batch.kv_load_weight)
+        self.dumps: set[asyncio.Task] = set()  # KvDump requests in flight
         self.room = asyncio.Event()  # set when an executor may have free slots
         self.beat = asyncio.Event()  # set on every heartbeat
         self.counts = dict(pulled=0, assigned=0, overtaking=0, requeued=0, executors_lost=0)
@@ -61,15 +68,16 @@ class BatcherService:
         await self.service.add_endpoint(name="executors", subject=self.subjects.batcher_executors,
                                         handler=self.on_executors)
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
+        await self.nc.subscribe(self.subjects.kv_events, cb=self.on_kv_event)
         self.tasks = [asyncio.create_task(self.dispatch_loop(), name="dispatch"),
                       asyncio.create_task(self.liveness_loop(), name="liveness")]
         if self.config.scheduler.batch_level.overtaking_dispatch:
             self.tasks.append(asyncio.create_task(self.overtake_loop(), name="overtake"))
 
     async def stop(self) -> None:
-        for task in self.tasks:
+        for task in [*self.tasks, *self.dumps]:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, *self.dumps, return_exceptions=True)
         await self.service.stop()
         unregister(self.collector)
 
@@ -107,6 +115,29 @@ class BatcherService:
         if self.registry.free_slots():
             self.room.set()
         self.beat.set()
+
+    async def on_kv_event(self, msg) -> None:
+        event = _kv_event.decode(msg.data)
+        if self.registry.kv_index.apply(event):  # a gap, or an instance seen from its middle
+            task = asyncio.create_task(self.request_dump(event.executor), name="kv-dump")
+            self.dumps.add(task)
+            task.add_done_callback(self.dumps.discard)
+
+    async def request_dump(self, executor: str) -> None:
+        """Ask `executor` for every block it caches; retried while the index still lacks it."""
+        while self.registry.kv_index.needs_dump(executor):
+            try:
+                reply = await self.nc.request(self.subjects.kv_dump(executor), b"",
+                                              timeout=self.timeout)
+                self.registry.kv_index.apply_dump(_kv_dump.decode(reply.data))
+                log.info("kv index refreshed", executor=executor,
+                         blocks=self.registry.kv_index.num_blocks(executor))
+            except Exception as exc:  # gone, or slow: try again after a beat unless forgotten
+                if executor not in self.registry.executors:
+                    self.registry.kv_index.forget(executor)
+                    return
+                log.warning("kv dump failed", executor=executor, error=repr(exc))
+                await asyncio.sleep(SUSPEND_S)
 
     async def liveness_loop(self) -> None:
         distributed = self.config.distributed
@@ -194,7 +225,8 @@ class BatcherService:
         """Send `item` to an executor (beyond its room, if `overtaking` and it outranks what is
         there); back to priority's queue if none takes it. Whether one took it."""
         now = time.monotonic()
-        executor = self.registry.pick(item.request.model, now)
+        executor = self.registry.pick(item.request.model, now, item.block_hashes)
+        route = dict(self.registry.last_route) if item.block_hashes else {}
         overtakes = False  # sent beyond an executor's room, to go ahead of what is there
         if executor is None and overtaking:
             executor = self.registry.pick_overtake(item.request.model, item.standing, now)
@@ -206,7 +238,10 @@ class BatcherService:
         with self.tracer.start_as_current_span(
                 "batcher.route", context=context_from(item.trace),
                 attributes={"request_id": item.request_id, "executor": executor,
-                            "overtaking": overtakes}) as span:
+                            "overtaking": overtakes, "routing": self.registry.routing,
+                            "prompt_blocks": len(item.block_hashes),
+                            "candidates": list(route), "cached_blocks": list(route.values()),
+                            }) as span:
             item.trace = carrier_of(span)
             try:
                 reply = await self.nc.request(self.subjects.executor_assign(executor), encode(item),

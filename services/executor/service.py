@@ -17,7 +17,17 @@ from services.executor.engine import Engine, Output
 from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_forever
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
-from shared.messages import AssignReply, Finished, Heartbeat, Holding, WorkItem, decoder, encode
+from shared.messages import (
+    AssignReply,
+    Finished,
+    Heartbeat,
+    Holding,
+    KvDump,
+    KvEvent,
+    WorkItem,
+    decoder,
+    encode,
+)
 from shared.metrics import (
     ITL_BUCKETS,
     REQUEST_BUCKETS,
@@ -84,6 +94,7 @@ class ExecutorService:
         self.idle = asyncio.Event()  # set when the last running request ends
         self.draining = False  # stopping: heartbeats advertise no room
         self.assigned_total = 0
+        self.kv_seq = 0  # the last KvEvent published
         self.started_at = time.time()
         self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0)
         self.finished: list[Finished] = []  # reported with the next heartbeat
@@ -104,6 +115,7 @@ class ExecutorService:
         await self.service.add_endpoint(name="assign", subject=self.subjects.executor_assign(
             self.name), handler=self.on_assign)
         await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
+        await self.nc.subscribe(self.subjects.kv_dump(self.name), cb=self.on_kv_dump)
         self.load_changed.set()  # the first heartbeat goes out at once
         self.tasks = [asyncio.create_task(self.publish_loop(), name="publish"),
                       asyncio.create_task(self.heartbeat_loop(), name="heartbeat")]
@@ -324,6 +336,7 @@ class ExecutorService:
             busy_s, steps = stats.model_busy_s, stats.steps
             try:
                 await self.nc.publish(self.subjects.heartbeat, encode(self.heartbeat(step_ms)))
+                await self.publish_kv_changes()
                 if time.monotonic() - holding_at >= interval:
                     holding_at = time.monotonic()
                     durable = [(r.item.tenant, r.item.request_id) for r in self.running.values()
@@ -333,6 +346,25 @@ class ExecutorService:
             except Exception:  # a missed beat is survivable; a dead loop looks like a dead executor
                 log.exception("heartbeat failed")
             await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
+
+    async def publish_kv_changes(self) -> None:
+        """What the prefix cache gained and lost since the last event, as the next KvEvent."""
+        stored, removed = self.engine.block_manager.drain_kv_changes()
+        if stored or removed:
+            self.kv_seq += 1
+            await self.nc.publish(self.subjects.kv_events, encode(KvEvent(
+                executor=self.name, started_at=self.started_at, seq=self.kv_seq, stored=stored,
+                removed=removed)))
+
+    async def on_kv_dump(self, msg) -> None:
+        """Every cached block, as of an event published just before: the two stay in order."""
+        try:
+            await self.publish_kv_changes()
+            blocks = list(self.engine.block_manager.hash_to_block)
+            await msg.respond(encode(KvDump(executor=self.name, started_at=self.started_at,
+                                            seq=self.kv_seq, blocks=blocks)))
+        except Exception:
+            log.exception("kv dump failed")
 
     def heartbeat(self, step_ms: float) -> Heartbeat:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
