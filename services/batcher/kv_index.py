@@ -34,9 +34,9 @@ class KvIndex:
     def apply(self, event: KvEvent) -> bool:
         """Record an event; True when the executor's blocks are unknown from here on and a dump
         should be requested (once per gap: later events are held back until the dump comes)."""
-        state = self._executors.get(event.executor)
-        if state is None or state.started_at != event.started_at:
-            state = self._executors[event.executor] = _ExecutorBlocks(event.started_at)
+        state = self._instance(event.executor, event.started_at)
+        if state is None:
+            return False  # from an instance older than the one known: late, and moot
         if state.awaiting_dump:
             state.held_back.append(event)
             return False
@@ -52,9 +52,9 @@ class KvIndex:
     def apply_dump(self, dump: KvDump) -> None:
         """Replace what is known of the executor by its dump, then replay the events held back
         that are newer than it."""
-        state = self._executors.get(dump.executor)
-        if state is None or state.started_at != dump.started_at:
-            state = self._executors[dump.executor] = _ExecutorBlocks(dump.started_at)
+        state = self._instance(dump.executor, dump.started_at)
+        if state is None:
+            return
         held = sorted(state.held_back, key=lambda e: e.seq)
         state.blocks, state.seq = set(dump.blocks), dump.seq
         state.awaiting_dump, state.held_back = False, []
@@ -100,6 +100,16 @@ class KvIndex:
     def num_blocks(self, executor: str) -> int:
         state = self._executors.get(executor)
         return len(state.blocks) if state is not None else 0
+
+    def _instance(self, executor: str, started_at: float) -> _ExecutorBlocks | None:
+        """The state of this instance of `executor`: a newer instance (a restart) starts afresh;
+        None for an older one."""
+        state = self._executors.get(executor)
+        if state is not None and started_at < state.started_at:
+            return None
+        if state is None or started_at != state.started_at:
+            state = self._executors[executor] = _ExecutorBlocks(started_at)
+        return state
 
     @staticmethod
     def _apply(state: _ExecutorBlocks, event: KvEvent) -> None:

@@ -76,6 +76,11 @@ def test_a_restarted_executor_starts_empty_or_asks_for_a_dump():
     index.apply_dump(KvDump(executor="e0", started_at=3.0, seq=6, blocks=[A]))
     assert index.cached_prefix("e0", [A], now=0.0) == 1
     assert index.cached_prefix("e0", [D], now=0.0) == 1
+    # Late words from an older instance change nothing.
+    assert not index.apply(event(8, stored=[B], started_at=2.0))
+    index.apply_dump(KvDump(executor="e0", started_at=2.0, seq=9, blocks=[C]))
+    assert index.cached_prefix("e0", [A], now=0.0) == 1
+    assert index.cached_prefix("e0", [B], now=0.0) == index.cached_prefix("e0", [C], now=0.0) == 0
 
 
 def test_route_score_weighs_cached_share_against_load():
