@@ -17,7 +17,8 @@ async def test_parts_cover_the_step_and_the_model_is_restored():
             parts = row["parts_ms"]
             assert set(parts) == set(PARTS.values()) | {"python and dispatch between ops"}
             assert all(ms > 0 for ms in parts.values()), parts
-            assert abs(sum(parts.values()) - row["profiled_step_ms"]) < 1e-6
+            # Each figure is rounded to 0.01 ms on its own.
+            assert abs(sum(parts.values()) - row["profiled_step_ms"]) <= 0.005 * (len(parts) + 1)
         with labelled(model):
             assert model.layers[0].qkv_proj is not linear
         assert model.layers[0].qkv_proj is linear
