@@ -161,7 +161,8 @@ void dequant_rows(const Weight& w, int64_t begin, int64_t end, float* out);
 template <Format F, int NR>
 void column_tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m,
                  int64_t n0, float* scratch) {
-  // The first tile asks for the next column tile's weights (from `w`, quantized or not).
+  // The first full tile and the last partial one ask for the next column tile's weights (from
+  // `w`, quantized or not); a repeat request for lines already on their way costs little.
   const Ahead<F, NR> next{&w, n0 + NR};
   const Weight* src = &w;
   Weight dense{Format::F32, NR, w.k};

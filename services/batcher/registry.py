@@ -32,6 +32,11 @@ class ExecutorState:
         return self.heartbeat.max_num_seqs + self.heartbeat.queue_depth
 
     @property
+    def utilization(self) -> float:
+        """Load over max_num_seqs: comparable across executors of different sizes."""
+        return self.load / max(1, self.heartbeat.max_num_seqs)
+
+    @property
     def free_slots(self) -> int:
         return max(0, self.room - self.load)
 
@@ -45,13 +50,12 @@ def route_score(cached_blocks: int, prompt_blocks: int, load: float, overlap_wei
 
 class ExecutorRegistry:
     def __init__(self, overtake_extra: int = 0, routing: str = "least_loaded",
-                 kv_index: KvIndex | None = None, overlap_weight: float = 1.0,
-                 load_weight: float = 1.0):
+                 overlap_weight: float = 1.0, load_weight: float = 1.0):
         self.executors: dict[str, ExecutorState] = {}
         self.overtake_extra = overtake_extra  # how far beyond its room an executor may be sent
         self.routing = routing  # "least_loaded", "round_robin" or "kv_aware"
         self.last_picked = ""  # round robin: the name picked last
-        self.kv_index = kv_index if kv_index is not None else KvIndex()
+        self.kv_index = KvIndex()
         self.overlap_weight, self.load_weight = overlap_weight, load_weight
         self.last_route: dict[str, int] = {}  # kv_aware: each candidate's cached blocks, last pick
 
@@ -100,15 +104,13 @@ class ExecutorRegistry:
             cached = {s.heartbeat.executor: self.kv_index.cached_prefix(
                 s.heartbeat.executor, block_hashes, now) for s in candidates}
             best = max(candidates, key=lambda s: (
-                route_score(cached[s.heartbeat.executor], len(block_hashes),
-                            s.load / max(1, s.heartbeat.max_num_seqs),
+                route_score(cached[s.heartbeat.executor], len(block_hashes), s.utilization,
                             self.overlap_weight, self.load_weight),
-                -s.load / max(1, s.heartbeat.max_num_seqs), s.heartbeat.free_kv_blocks))
+                -s.utilization, s.heartbeat.free_kv_blocks))
             self.last_route = cached
             self.kv_index.promise(best.heartbeat.executor, block_hashes, now + PROMISE_S)
         else:
-            best = min(candidates, key=lambda s: (s.load / max(1, s.heartbeat.max_num_seqs),
-                                                  -s.heartbeat.free_kv_blocks))
+            best = min(candidates, key=lambda s: (s.utilization, -s.heartbeat.free_kv_blocks))
         best.sent_total += 1
         return best.heartbeat.executor
 
