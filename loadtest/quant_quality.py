@@ -23,7 +23,6 @@ import torch
 
 from services.executor.attention import SeqSlice, TorchBackend
 from services.executor.engine import Engine
-from services.executor.linear import QuantizedLinear
 from services.executor.model import LlamaModel
 from services.executor.run_local import run_requests
 from services.executor.weights import load_model_files
@@ -125,8 +124,7 @@ def perplexity(model_name: str, quantization: str, text: str) -> tuple[float, in
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     matmuls = [model.lm_head] + [getattr(layer, name) for layer in model.layers
                                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-    size = sum(m.weight.nbytes if isinstance(m, QuantizedLinear)
-               else m.weight.numel() * m.weight.element_size() for m in matmuls)
+    size = sum(m.weight.nbytes for m in matmuls)  # a tensor's, or a QuantizedWeight's
     return math.exp(nll.item()), size
 
 

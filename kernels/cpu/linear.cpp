@@ -2,9 +2,18 @@
 //
 // Decode steps multiply a few rows of activations by every weight of the model, so they are bound
 // by how fast the weights stream in. BLAS libraries pack the weight matrix on every call for small
-// M, which costs more than the product itself. These kernels read W once, in place, in its stored
-// format: each weight vector is loaded (and dequantized) once per tile and multiplied into up to
-// MR rows of x held in registers. Larger M goes through BLAS (after dequantizing W block by block).
+// M, which costs more than the product itself. These kernels read W once, in its stored format.
+//
+// fp32 W is stored packed, once at load, in panels of 32 output columns: P [N / 32, K, 32], so
+// each panel is one contiguous stream. A register tile holds up to 12 rows of x times the panel's
+// 32 columns (24 accumulators) and adds x[i, k] * P[k, :] for every k: no horizontal sums, and
+// the stream is asked for well ahead of its use (one core alone cannot keep enough lines in
+// flight to reach the memory's bandwidth while it also computes). The same kernel serves every M:
+// a panel (K * 128 bytes) stays in L2 while further tiles of x pass over it.
+//
+// Quantized W stays in place in row-major groups: each weight vector is loaded and dequantized
+// once per tile and multiplied into up to 4 rows of x held in registers. Larger M goes through
+// BLAS (after dequantizing W block by block).
 //
 // Quantized layouts, in groups of 32 along K (the layout of GGUF's Q8_0, Q4_0 and Q4_1 blocks):
 //   int8: q int8 [N, K], scale fp32 [N, K/32];                         w = scale * q
@@ -26,6 +35,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int kMaxRows = 4;  // rows of x per register tile, against 4 rows of W
+constexpr int kPanel = 32;   // output columns per panel of packed fp32 W
 
 // Dequantized weights of one group, 32 floats, written to `out` (the portable path and the
 // tiled BLAS path share these).
@@ -196,6 +206,98 @@ void column_tile(const Weight& w, const float* x, int64_t x_stride, float* y, in
   }
 }
 
+// fp32 panels: P [panels, K, kPanel].
+constexpr int kPanelRows = 12;
+// How far ahead of its use the panel stream is requested, in steps of k (128 bytes each): 8 KB.
+constexpr int64_t kPanelAhead = 64;
+
+inline void request_panel_row(const float* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  _mm_prefetch(c, _MM_HINT_T1);
+  _mm_prefetch(c + 64, _MM_HINT_T1);
+}
+
+// y[0 .. MR, 0 .. 32] = x[0 .. MR, :] P^T for one panel p.
+template <int MR>
+void panel_tile(const float* p, int64_t k, const float* x, int64_t x_stride, float* y,
+                int64_t y_stride) {
+  __m512 lo[MR], hi[MR];
+  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < k; ++t) {
+    request_panel_row(p + (t + kPanelAhead) * kPanel);  // past the end: a hint, never a fault
+    const __m512 w_lo = _mm512_loadu_ps(p + t * kPanel);
+    const __m512 w_hi = _mm512_loadu_ps(p + t * kPanel + 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * x_stride + t]);
+      lo[i] = _mm512_fmadd_ps(xv, w_lo, lo[i]);
+      hi[i] = _mm512_fmadd_ps(xv, w_hi, hi[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    _mm512_storeu_ps(y + i * y_stride, lo[i]);
+    _mm512_storeu_ps(y + i * y_stride + 16, hi[i]);
+  }
+}
+
+// One row of x: two accumulators would be one FMA chain per vector, waiting on its own latency;
+// four steps of k at a time keep eight chains going.
+void panel_row(const float* p, int64_t k, const float* x, float* y) {
+  __m512 acc[8];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 4 <= k; t += 4) {
+    for (int u = 0; u < 4; ++u) {
+      request_panel_row(p + (t + u + kPanelAhead) * kPanel);
+      const __m512 xv = _mm512_set1_ps(x[t + u]);
+      acc[2 * u] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(p + (t + u) * kPanel), acc[2 * u]);
+      acc[2 * u + 1] =
+          _mm512_fmadd_ps(xv, _mm512_loadu_ps(p + (t + u) * kPanel + 16), acc[2 * u + 1]);
+    }
+  }
+  for (; t < k; ++t) {
+    const __m512 xv = _mm512_set1_ps(x[t]);
+    acc[0] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(p + t * kPanel), acc[0]);
+    acc[1] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(p + t * kPanel + 16), acc[1]);
+  }
+  _mm512_storeu_ps(y, _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6])));
+  _mm512_storeu_ps(y + 16,
+                   _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7])));
+}
+
+void panels_f32(const float* panels, int64_t num_panels, int64_t k, const float* x,
+                int64_t x_stride, float* y, int64_t m) {
+  const int64_t n = num_panels * kPanel;
+  // Tiles of x as even as they can be: 13 rows run as 7 + 6, not 12 + 1.
+  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* p = panels + j * k * kPanel;
+      float* yj = y + j * kPanel;
+      if (m == 1) {
+        panel_row(p, k, x, yj);
+        continue;
+      }
+      int64_t m0 = 0;
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t rows = (m - m0) / (tiles - tile);
+        const float* xt = x + m0 * x_stride;
+        float* yt = yj + m0 * n;
+        switch (rows) {
+#define JETSERVE_PANEL_TILE(R) \
+  case R: panel_tile<R>(p, k, xt, x_stride, yt, n); break;
+          JETSERVE_PANEL_TILE(1) JETSERVE_PANEL_TILE(2) JETSERVE_PANEL_TILE(3)
+          JETSERVE_PANEL_TILE(4) JETSERVE_PANEL_TILE(5) JETSERVE_PANEL_TILE(6)
+          JETSERVE_PANEL_TILE(7) JETSERVE_PANEL_TILE(8) JETSERVE_PANEL_TILE(9)
+          JETSERVE_PANEL_TILE(10) JETSERVE_PANEL_TILE(11) JETSERVE_PANEL_TILE(12)
+#undef JETSERVE_PANEL_TILE
+          default: break;  // rows is 1 .. kPanelRows by construction
+        }
+        m0 += rows;
+      }
+    }
+  });
+}
+
 template <Format F>
 void skinny(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m) {
   at::parallel_for(0, w.n, 64, [&](int64_t begin, int64_t end) {
@@ -229,6 +331,26 @@ void skinny_portable(const Weight& w, const float* x, int64_t x_stride, float* y
     }
   });
 }
+
+#if !defined(__AVX512F__)
+void panels_f32(const float* panels, int64_t num_panels, int64_t k, const float* x,
+                int64_t x_stride, float* y, int64_t m) {
+  const int64_t n = num_panels * kPanel;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* p = panels + j * k * kPanel;
+      for (int64_t i = 0; i < m; ++i) {
+        float acc[kPanel] = {};
+        for (int64_t t = 0; t < k; ++t) {
+          const float xv = x[i * x_stride + t];
+          for (int c = 0; c < kPanel; ++c) acc[c] += xv * p[t * kPanel + c];
+        }
+        for (int c = 0; c < kPanel; ++c) y[i * n + j * kPanel + c] = acc[c];
+      }
+    }
+  });
+}
+#endif
 
 void check_x(const torch::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
@@ -301,13 +423,20 @@ torch::Tensor run(const Weight& w, const torch::Tensor& x, int64_t skinny_max_ro
 
 }  // namespace
 
-torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32,
-              "linear_f32: weight must be contiguous fp32 [N, K]");
-  check_x(x, weight.size(1));
-  Weight w{Format::F32, weight.size(0), weight.size(1)};
-  w.f32 = weight.data_ptr<float>();
-  return run_skinny(w, x);
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+              panels.scalar_type() == torch::kFloat32,
+              "linear_f32: the weight must be fp32 panels [N / ", kPanel, ", K, ", kPanel, "]");
+  const int64_t k = panels.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "linear_f32: x must be fp32 [M, K] with contiguous rows");
+  TORCH_CHECK(x.size(1) == k, "linear_f32: x has ", x.size(1), " columns, the weight ", k);
+  const int64_t m = x.size(0);
+  auto y = torch::empty({m, panels.size(0) * kPanel}, x.options());
+  if (m > 0)
+    panels_f32(panels.data_ptr<float>(), panels.size(0), k, x.data_ptr<float>(), x.stride(0),
+               y.data_ptr<float>(), m);
+  return y;
 }
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,

@@ -4,7 +4,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged fp32 KV cache");
-  m.def("linear_f32", &linear_f32, "x W^T for few rows of x, W fp32 read in place");
+  m.def("linear_f32", &linear_f32, "x W^T, W fp32 packed in panels of 32 output columns");
   m.def("linear_int8", &linear_int8, "x W^T, W int8 with a scale per 32 weights");
   m.def("linear_int4", &linear_int4, "x W^T, W int4 with a scale and min per 32 weights");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding x into the residual first");

@@ -8,7 +8,8 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
                             const torch::Tensor& seq_lens, const torch::Tensor& q_rows,
                             torch::Tensor& out, double scale);
 
-torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& weight);
+// weight: fp32 packed in panels of 32 output columns, [N / 32, K, 32] (services/executor/linear.py).
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                           int64_t skinny_max_rows, bool bf16);
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,

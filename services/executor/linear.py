@@ -1,6 +1,8 @@
 """The model's matmuls, y = x W^T, over weights kept in the precision they are stored in: dense
 (fp32, bf16, fp16), or weight-only int8 / int4 in groups of 32 along the input dimension (the
 layout of GGUF's Q8_0, Q4_0 and Q4_1 blocks), run by the CPU kernels in kernels/cpu/linear.cpp.
+fp32 weights on a CPU are packed once at load into panels of 32 output columns, the layout the
+kernel streams (one copy: a tied embedding table is looked up in the panels too).
 
 `model.quantization`: `none` keeps dense weights; `int8` / `int4` quantize every matmul at load;
 `auto` keeps a GGUF's own blocks (Q4_x stays int4, Q8_0 int8, float stays dense) and is `none`
@@ -15,8 +17,10 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32
-# Up to this many rows of x, the kernels stream W once in place; beyond it, BLAS is faster
-# (quantized W is dequantized a block of rows at a time for it). Measured: BENCHMARKS.md.
+PANEL = 32  # output columns per panel of a packed fp32 weight
+# Up to this many rows of x, the kernels stream quantized W once in place; beyond it, BLAS is
+# faster (W dequantized a block of rows at a time for it). Measured: BENCHMARKS.md. Packed fp32
+# runs on its kernel at every M (as fast as BLAS from 64 rows up, faster below).
 SKINNY_MAX_ROWS = 48
 # Many rows of x against quantized weights multiply in bfloat16 (fp32 accumulation) where the
 # CPU has AMX tiles: several times faster than fp32, on weights that are rounded already.
@@ -87,19 +91,32 @@ def concat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quanti
         None if parts[0].min is None else torch.cat([p.min for p in parts]))
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] as panels [N / PANEL, K, PANEL]: panel j holds output columns j*32 .. j*32+31,
+    input by input, so the kernel reads each panel as one stream."""
+    n, k = weight.shape
+    return weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
 class DenseLinear:
     def __init__(self, weight: torch.Tensor, kernels):
-        self.weight = weight
-        # The kernel covers fp32 on a CPU with K in whole groups; elsewhere (bf16, CUDA, odd
-        # shapes) torch's matmul runs.
-        fits = (weight.dtype == torch.float32 and weight.device.type == "cpu"
-                and weight.shape[1] % GROUP == 0)
+        # The kernel covers fp32 on a CPU with whole panels of output columns; elsewhere (bf16,
+        # CUDA, odd shapes) torch's matmul runs on W as it is.
+        fits = (kernels is not None and weight.dtype == torch.float32
+                and weight.device.type == "cpu" and weight.shape[0] % PANEL == 0)
         self.kernels = kernels if fits else None
+        self.weight = pack_panels(weight) if fits else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+        if self.kernels is not None:
             return self.kernels.linear_f32(x, self.weight)
         return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W (an embedding lookup, for a table tied to the output projection)."""
+        if self.kernels is not None:
+            return self.weight[ids // PANEL, :, ids % PANEL]
+        return F.embedding(ids, self.weight)
 
 
 class QuantizedLinear:

@@ -42,8 +42,12 @@ class LlamaModel:
         self.backend = backend
         self.scale = config.head_dim ** -0.5
         kernels = backend.cpu_kernels
-        self.embed_tokens = weights.pop("model.embed_tokens.weight")
-        self.lm_head = make_linear(weights.pop("lm_head.weight", self.embed_tokens), kernels)
+        embed_tokens = weights.pop("model.embed_tokens.weight")
+        lm_head = weights.pop("lm_head.weight", embed_tokens)
+        self.lm_head = make_linear(lm_head, kernels)
+        # A tied table is looked up in the output projection's own (maybe packed) copy.
+        tied = lm_head is embed_tokens and isinstance(self.lm_head, DenseLinear)
+        self.embed = self.lm_head.rows if tied else (lambda ids: F.embedding(ids, embed_tokens))
         self.norm = weights.pop("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -59,7 +63,7 @@ class LlamaModel:
                 gate_up_proj=take("mlp.gate_proj", "mlp.up_proj"),
                 down_proj=take("mlp.down_proj"),
             ))
-        self.cos_sin_cache = rotary_cos_sin(config, max_position, self.embed_tokens.device)
+        self.cos_sin_cache = rotary_cos_sin(config, max_position, embed_tokens.device)
         self.q_size = config.num_heads * config.head_dim
 
     @torch.inference_mode()
@@ -69,7 +73,7 @@ class LlamaModel:
         """Logits [len(logits_indices), vocab] for the chosen rows of the flattened batch."""
         cfg, ops = self.config, self.backend
         num_tokens = input_ids.shape[0]
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:

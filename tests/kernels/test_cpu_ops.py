@@ -1,6 +1,6 @@
-"""The C++ CPU kernels against torch: matmuls over fp32, int8 and int4 weights on both of their
-paths (few rows: in place; many rows: dequantized for BLAS), the fused element-wise ops, and the
-build's handling of a killed build and of a missing compiler."""
+"""The C++ CPU kernels against torch: matmuls over packed fp32 weights, and over int8 and int4
+weights on both of their paths (few rows: in place; many rows: dequantized for BLAS), the fused
+element-wise ops, and the build's handling of a killed build and of a missing compiler."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops, reference
-from services.executor.linear import SKINNY_MAX_ROWS, quantize
+from services.executor.linear import SKINNY_MAX_ROWS, pack_panels, quantize
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 
@@ -30,7 +30,6 @@ def test_linear_matches_torch_on_every_format(k, rows, shape):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(shape, generator=gen)
     x = torch.randn(rows, shape[1], generator=gen)
-    torch.testing.assert_close(k.linear_f32(x, weight), x @ weight.t(), atol=1e-4, rtol=1e-4)
     q8, q4 = quantize(weight, 8), quantize(weight, 4)
     expected8, expected4 = x @ q8.dequantize().t(), x @ q4.dequantize().t()
     torch.testing.assert_close(k.linear_int8(x, q8.q, q8.scale, SKINNY_MAX_ROWS, False),
@@ -45,14 +44,32 @@ def test_linear_matches_torch_on_every_format(k, rows, shape):
                                expected4, **bf16)
 
 
+# Every register-tile height (1 .. 12), uneven splits past 12 (13 = 7 + 6), and prefill sizes.
+@pytest.mark.parametrize("rows", list(range(1, 14)) + [25, 70])
+@pytest.mark.parametrize("shape", [(32, 64), (96, 40), (576, 1536)])
+def test_packed_fp32_linear_matches_torch(k, rows, shape):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(shape, generator=gen)
+    x = torch.randn(rows, shape[1], generator=gen)
+    torch.testing.assert_close(k.linear_f32(x, pack_panels(weight)), x @ weight.t(),
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_linear_reads_strided_rows_and_rejects_bad_shapes(k):
     x = torch.randn(3, 200)[:, :64]  # rows with a stride, as the model's views have
-    weight = torch.randn(10, 64)
-    torch.testing.assert_close(k.linear_f32(x, weight), x @ weight.t(), atol=1e-5, rtol=1e-5)
+    weight = torch.randn(32, 64)
+    torch.testing.assert_close(k.linear_f32(x, pack_panels(weight)), x @ weight.t(),
+                               atol=1e-5, rtol=1e-5)
+    q8 = quantize(weight, 8)
+    torch.testing.assert_close(k.linear_int8(x, q8.q, q8.scale, SKINNY_MAX_ROWS, False),
+                               x @ q8.dequantize().t(), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="x has 64 columns, the weight 32"):
-        k.linear_f32(x, torch.randn(10, 32))
+        k.linear_f32(x, pack_panels(torch.randn(32, 32)))
+    with pytest.raises(RuntimeError, match="fp32 panels"):
+        k.linear_f32(x, torch.randn(10, 64))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        k.linear_f32(torch.randn(2, 48), torch.randn(4, 48))
+        k.linear_int8(torch.randn(2, 48), torch.zeros(4, 48, dtype=torch.int8), torch.ones(6),
+                      SKINNY_MAX_ROWS, False)
 
 
 def test_quantization_error_is_bounded_per_group():
@@ -167,10 +184,18 @@ def test_paged_decode_attention_matches_reference(k, head_dim, group, block):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
-def test_dense_linear_leaves_shapes_the_kernel_cannot_take_to_torch(k):
+def test_dense_linear_packs_what_the_kernel_takes_and_leaves_the_rest_to_torch(k):
     from services.executor.linear import DenseLinear
 
-    odd = torch.randn(10, 48)  # 48 columns: not whole groups of 32
+    ids = torch.tensor([0, 9, 3, 9])
+    odd = torch.randn(10, 48)  # 10 output rows: not whole panels of 32
     x = torch.randn(3, 48)
-    torch.testing.assert_close(DenseLinear(odd, k)(x), x @ odd.t())
-    assert DenseLinear(odd, k).kernels is None and DenseLinear(torch.randn(10, 64), k).kernels is k
+    linear = DenseLinear(odd, k)
+    assert linear.kernels is None and linear.weight is odd
+    torch.testing.assert_close(linear(x), x @ odd.t())
+    assert torch.equal(linear.rows(ids), odd[ids])
+    table = torch.randn(64, 48)  # an embedding table tied to the output projection
+    packed = DenseLinear(table, k)
+    assert packed.kernels is k and packed.weight.shape == (2, 48, 32)
+    torch.testing.assert_close(packed(x), x @ table.t(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(packed.rows(torch.tensor([0, 33, 63, 33])), table[[0, 33, 63, 33]])
