@@ -34,6 +34,32 @@ def arrival_offsets(rate: float, burstiness: float, rng: random.Random,
             return offsets
 
 
+def phased_offsets(phases: list[tuple[float, float]], burstiness: float,
+                   rng: random.Random) -> list[float]:
+    """Send times for rate phases run one after another: (requests per second, seconds) each."""
+    offsets: list[float] = []
+    start = 0.0
+    for rate, seconds in phases:
+        offsets += [start + t for t in arrival_offsets(rate, burstiness, rng, duration_s=seconds)]
+        start += seconds
+    return offsets
+
+
+def parse_phases(text: str) -> list[tuple[float, float]]:
+    """`"2:60,8:60,2:60"` -> [(2.0, 60.0), (8.0, 60.0), (2.0, 60.0)]: rate:seconds each."""
+    phases = []
+    for part in text.split(","):
+        rate, sep, seconds = part.partition(":")
+        try:
+            phase = (float(rate), float(seconds))
+        except ValueError:
+            phase = None
+        if not sep or phase is None or not (0 < phase[0] < math.inf and phase[1] > 0):
+            raise ValueError(f"rate phase {part!r}: want RATE:SECONDS, both positive and finite")
+        phases.append(phase)
+    return phases
+
+
 def parse_mix(text: str | None, cast=str) -> list[tuple[object, float]]:
     """`"9:0.2,5:0.5,1:0.3"` -> [(9, 0.2), (5, 0.5), (1, 0.3)], weights normalized to sum 1."""
     if not text:

@@ -10,6 +10,9 @@ protocol, like a user's client, and measure what every request saw.
 
 `--sweep KEY=V1,V2,...` is a run set: the same requests, at the same send times, once per value,
 each against a fresh embedded stack with that setting; one table and one plot compare them.
+Given again, further sweeps add their runs to the same set (a fixed batch size at four values,
+then the adaptive one: `--sweep scheduler.batch_level.max_num_seqs=8,16,32,64 --sweep
+scheduler.batch_level.batch_size=adaptive`).
 """
 
 from __future__ import annotations
@@ -29,15 +32,18 @@ from pathlib import Path
 
 import msgspec
 
-from loadtest.arrivals import arrival_offsets, draw, parse_mix
+from loadtest.arrivals import arrival_offsets, draw, parse_mix, parse_phases, phased_offsets
 from loadtest.datasets import (jsonl_dataset, random_dataset, sharegpt_dataset,
                                shared_prefix_dataset, with_ids)
 from loadtest.metrics import RequestRecord, Slo, summarize
 from loadtest.report import print_comparison, print_runset, print_summary
 from shared.client import JetserveClient
+from shared.messages import Heartbeat, decoder
 from shared.protocol import Delta, Error, GenerateRequest
+from shared.subjects import Subjects
 
 SAMPLE_EVERY_S = 0.25  # queue depth and progress
+_heartbeat = decoder(Heartbeat)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="at most this many requests in flight")
     load.add_argument("--num-requests", type=int, default=None, help="default 100")
     load.add_argument("--duration", type=float, default=None, help="send for this many seconds")
+    load.add_argument("--rate-phases", metavar="RATE:SECONDS,...",
+                      help="a load that changes: these rates one after another, e.g. "
+                           "2:60,8:60,2:60 (instead of --request-rate and --duration)")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--drain-timeout", type=float, default=600.0,
                       help="after the last send, wait this long for outstanding requests")
@@ -91,9 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                "queue depth over time")
     out.add_argument("--label", default="", help="a name for this run in tables and --compare")
     out.add_argument("--no-progress", action="store_true")
-    out.add_argument("--sweep", metavar="KEY=V1,V2,...",
+    out.add_argument("--sweep", metavar="KEY=V1,V2,...", action="append", default=[],
                      help="with --embedded: one run per value of a config key, e.g. "
-                          "scheduler.request_level.policy=fcfs,priority,adaptive")
+                          "scheduler.request_level.policy=fcfs,priority,adaptive; again for "
+                          "more runs in the same set")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"),
                         help="print two earlier runs side by side, run nothing")
 
@@ -135,10 +145,20 @@ def plan(args, rng: random.Random) -> tuple[list[float], list[tuple[GenerateRequ
     """Send times and (request, tenant) for each; the dataset repeats if the run needs more."""
     if args.duration is not None and args.num_requests is not None:
         raise SystemExit("give --num-requests or --duration, not both")
+    if args.rate_phases and (args.duration is not None or args.num_requests is not None
+                             or not math.isinf(args.request_rate)):
+        raise SystemExit("--rate-phases sets the rates and durations: leave out --request-rate, "
+                         "--duration and --num-requests")
     dataset = build_requests(args, rng)
-    offsets = arrival_offsets(
-        args.request_rate, args.burstiness, rng, duration_s=args.duration,
-        num_requests=None if args.duration is not None else args.num_requests or len(dataset))
+    if args.rate_phases:
+        try:
+            offsets = phased_offsets(parse_phases(args.rate_phases), args.burstiness, rng)
+        except ValueError as exc:
+            raise SystemExit(f"--rate-phases: {exc}") from None
+    else:
+        offsets = arrival_offsets(
+            args.request_rate, args.burstiness, rng, duration_s=args.duration,
+            num_requests=None if args.duration is not None else args.num_requests or len(dataset))
     priorities = parse_mix(args.priority_mix, int)
     tenants = parse_mix(args.tenant_mix)
     deadlines = per_class(args.deadline_ms)
@@ -192,7 +212,7 @@ async def one_request(client: JetserveClient, request: GenerateRequest, record: 
 
 
 async def sample_queue(nc, clock, records, timeline: list[dict], stop: asyncio.Event,
-                       progress: bool, total: int) -> None:
+                       progress: bool, total: int, executors: dict[str, dict]) -> None:
     while not stop.is_set():
         depth = None
         try:
@@ -203,7 +223,8 @@ async def sample_queue(nc, clock, records, timeline: list[dict], stop: asyncio.E
             pass
         done = sum(1 for r in records if r.end_time is not None)
         timeline.append({"t": clock(), "queue_depth": depth, "outstanding": len(records) - done,
-                         "output_tokens": sum(sum(r.delta_tokens) for r in records)})
+                         "output_tokens": sum(sum(r.delta_tokens) for r in records),
+                         "executors": {name: dict(e) for name, e in executors.items()}})
         if progress:
             errors = sum(1 for r in records if r.error)
             bar = "#" * int(30 * done / max(1, total))
@@ -226,8 +247,17 @@ async def run(args, url: str) -> dict:
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     stop = asyncio.Event()
+    # Each executor's batch limit and batch, from its heartbeats (default subject prefix).
+    executors: dict[str, dict] = {}
+
+    async def on_heartbeat(msg) -> None:
+        with contextlib.suppress(msgspec.DecodeError):
+            beat = _heartbeat.decode(msg.data)
+            executors[beat.executor] = {"limit": beat.max_num_seqs, "running": beat.running}
+
+    beats = await nc_client.nc.subscribe(Subjects().heartbeat, cb=on_heartbeat)
     sampler = asyncio.create_task(sample_queue(nc_client.nc, clock, records, timeline, stop,
-                                               not args.no_progress, len(planned)))
+                                               not args.no_progress, len(planned), executors))
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     tasks = []
 
@@ -257,6 +287,7 @@ async def run(args, url: str) -> dict:
         await asyncio.gather(*pending, return_exceptions=True)
     stop.set()
     await sampler
+    await beats.unsubscribe()
     await nc_client.close()
     ends = [r.end_time for r in records if r.end_time is not None]
     duration = max(ends) if ends else clock()
@@ -294,11 +325,14 @@ async def run_with_target(args) -> dict:
 
 
 def sweep(args) -> int:
-    key, _, values = args.sweep.partition("=")
-    if not args.embedded or not key or not values:
-        raise SystemExit("--sweep KEY=V1,V2,... needs --embedded")
+    settings = []
+    for text in args.sweep:
+        key, _, values = text.partition("=")
+        if not args.embedded or not key or not values:
+            raise SystemExit("--sweep KEY=V1,V2,... needs --embedded")
+        settings += [(key, value) for value in values.split(",")]
     runs = []
-    for value in values.split(","):
+    for key, value in settings:
         one = argparse.Namespace(**{**vars(args), "set": [*args.set, f"{key}={value}"],
                                     "label": f"{key.rsplit('.', 1)[-1]}={value}"})
         result = asyncio.run(run_with_target(one))

@@ -145,6 +145,39 @@ class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # taken) there; it starts at once, ahead of them. At most `overtake_extra` beyond the room.
     overtaking_dispatch: bool = True
     overtake_extra: Annotated[int, msgspec.Meta(ge=0)] = 2
+    # fixed: every executor runs up to max_num_seqs sequences at once; adaptive: each moves its
+    # own limit by the scheduler.load_aware controller (max_num_seqs then plays no part).
+    batch_size: Literal["fixed", "adaptive"] = "fixed"
+
+
+Share = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
+class LoadAware(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The adaptive batch size (services/executor/batch_size.py): every `interval_s` each
+    executor looks at the last interval and moves its limit on concurrent sequences by
+    `step_size` within [min_batch_size, max_batch_size]. It shrinks when TPOT p99 broke
+    `tpot_slo_ms`, when KV memory ran tight (a preemption, or free blocks under
+    `kv_free_threshold` of the pool), or when the batch is under `low_load_threshold` of the
+    limit with nothing waiting (latency first while load is low); it grows when requests wait,
+    the batch fills at least `high_load_threshold` of the limit and TPOT p99 has headroom."""
+
+    min_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 4
+    max_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 128
+    initial_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    step_size: Annotated[int, msgspec.Meta(ge=1)] = 4
+    interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    high_load_threshold: Share = 0.9
+    low_load_threshold: Share = 0.25
+    tpot_slo_ms: Annotated[float, msgspec.Meta(gt=0)] = 100.0
+    kv_free_threshold: Share = 0.05
+
+    def __post_init__(self):
+        if not self.min_batch_size <= self.initial_batch_size <= self.max_batch_size:
+            raise ValueError("load_aware needs min_batch_size <= initial_batch_size <= "
+                             "max_batch_size")
+        if self.low_load_threshold >= self.high_load_threshold:
+            raise ValueError("load_aware needs low_load_threshold < high_load_threshold")
 
 
 class TokenLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -157,6 +190,7 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     request_level: RequestLevel = msgspec.field(default_factory=RequestLevel)
     batch_level: BatchLevel = msgspec.field(default_factory=BatchLevel)
     token_level: TokenLevel = msgspec.field(default_factory=TokenLevel)
+    load_aware: LoadAware = msgspec.field(default_factory=LoadAware)
 
 
 class DistributedSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -199,10 +233,13 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def engine_config(self, executor_name: str) -> EngineConfig:
         model, kv, batch = self.model, self.kv_cache, self.scheduler.batch_level
+        # Adaptive: the engine is sized for the largest batch the controller may choose.
+        max_num_seqs = (self.scheduler.load_aware.max_batch_size if batch.batch_size == "adaptive"
+                        else batch.max_num_seqs)
         return EngineConfig(
             model=model.name, device=model.device, dtype=model.dtype,
             quantization=model.quantization, attention_backend=model.attention_backend, max_model_len=model.max_model_len,
-            max_num_seqs=batch.max_num_seqs, max_num_batched_tokens=batch.max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=batch.max_num_batched_tokens,
             block_size=kv.block_size, num_kv_blocks=kv.num_blocks,
             gpu_memory_utilization=kv.gpu_memory_utilization, cpu_kv_cache_gib=kv.cpu_cache_gib,
             enable_prefix_caching=kv.enable_prefix_caching,

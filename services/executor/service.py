@@ -13,6 +13,7 @@ import msgspec
 import structlog
 from nats.micro import Request
 
+from services.executor.batch_size import BatchSizeController, Interval, p99
 from services.executor.engine import Engine, Output
 from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_forever
 from shared.cancels import RecentCancels
@@ -74,6 +75,25 @@ class _Running:
     item: WorkItem
     span: Span
     last_delta: float | None = None  # monotonic, for the inter-token latency
+    # For the batch-size controller's TPOT: tokens delivered since `window_from` (the previous
+    # take, or the first token: the wait for that one is TTFT, not TPOT).
+    window_from: float | None = None
+    window_tokens: int = 0
+
+    def delivered(self, now: float, tokens: int) -> None:
+        if self.window_from is None:
+            self.window_from = now
+        else:
+            self.window_tokens += tokens
+        self.last_delta = now
+
+    def take_tpot_ms(self) -> float | None:
+        """Time per output token since the previous take; None if no token came after one."""
+        if not self.window_tokens:
+            return None
+        ms = 1e3 * (self.last_delta - self.window_from) / self.window_tokens
+        self.window_from, self.window_tokens = self.last_delta, 0
+        return ms
 
 
 def engine_id(item: WorkItem) -> str:
@@ -100,6 +120,11 @@ class ExecutorService:
         self.finished: list[Finished] = []  # reported with the next heartbeat
         self.tenant_load: dict[str, int] = {}  # requests each tenant has here
         self.tasks: list[asyncio.Task] = []
+        self.batch_size = None  # the load-aware controller, with batch_size: adaptive
+        if config.scheduler.batch_level.batch_size == "adaptive":
+            self.batch_size = BatchSizeController(config.scheduler.load_aware)
+            self.engine.scheduler.max_num_seqs = self.batch_size.limit
+        self.finished_tpot_ms: list[float] = []  # last windows of requests ended this interval
         self.measuring = config.monitoring.metrics  # off: not even the observations
         labels = (self.engine.model_name, name)
         self.metrics = {m: m.labels(*labels)
@@ -119,6 +144,8 @@ class ExecutorService:
         self.load_changed.set()  # the first heartbeat goes out at once
         self.tasks = [asyncio.create_task(self.publish_loop(), name="publish"),
                       asyncio.create_task(self.heartbeat_loop(), name="heartbeat")]
+        if self.batch_size is not None:
+            self.tasks.append(asyncio.create_task(self.batch_size_loop(), name="batch-size"))
 
     async def stop(self, drain_timeout_s: float) -> None:
         """Take no new work, let running requests finish (up to the timeout), then stop. A
@@ -154,7 +181,9 @@ class ExecutorService:
                 "kv_usage": round(1 - blocks.num_free_blocks / blocks.num_blocks, 4),
                 "steps": engine.steps, "prompt_tokens": engine.prompt_tokens,
                 "decode_tokens": engine.decode_tokens, "preemptions": scheduler.num_preemptions,
-                "assigned": self.assigned_total, **self.counts}
+                "assigned": self.assigned_total, **self.counts,
+                "batch_size": (self.batch_size.stats() if self.batch_size is not None
+                               else {"mode": "fixed", "limit": scheduler.max_num_seqs})}
 
     @property
     def num_waiting(self) -> int:
@@ -254,16 +283,19 @@ class ExecutorService:
 
     async def publish(self, item: WorkItem, output: Output) -> None:
         if isinstance(output, Delta):
-            running = self.running.get(engine_id(item)) if self.measuring else None
+            timed = self.measuring or self.batch_size is not None
+            running = self.running.get(engine_id(item)) if timed else None
             if running is not None:
                 now = time.monotonic()
-                if running.last_delta is not None:
+                if self.measuring and running.last_delta is not None:
                     self.metrics[ITL].observe(now - running.last_delta)
-                running.last_delta = now
+                running.delivered(now, len(output.token_ids))
             await self.outbox.delta(item, output)
             return
         running = self.running.pop(engine_id(item), None)
         if running is not None:
+            if self.batch_size is not None and (tpot := running.take_tpot_ms()) is not None:
+                self.finished_tpot_ms.append(tpot)
             left = self.tenant_load.pop(item.tenant, 1) - 1
             if left:
                 self.tenant_load[item.tenant] = left
@@ -347,6 +379,28 @@ class ExecutorService:
                 log.exception("heartbeat failed")
             await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
 
+    async def batch_size_loop(self) -> None:
+        """Every interval: what the last one looked like to the controller, and its new limit
+        (if any) to the scheduler, the log, the heartbeat and $SRV.STATS."""
+        controller = self.batch_size
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        preemptions = scheduler.num_preemptions
+        while True:
+            await asyncio.sleep(self.config.scheduler.load_aware.interval_s)
+            samples, self.finished_tpot_ms = self.finished_tpot_ms, []
+            samples += [ms for r in self.running.values() if (ms := r.take_tpot_ms()) is not None]
+            seen = Interval(waiting=self.num_waiting, running=len(scheduler.running),
+                            tpot_p99_ms=p99(samples),
+                            free_kv_fraction=blocks.num_free_blocks / blocks.num_blocks,
+                            preemptions=scheduler.num_preemptions - preemptions)
+            preemptions = scheduler.num_preemptions
+            decision = controller.update(seen)
+            if decision is not None:
+                scheduler.max_num_seqs = decision.new  # read by the next step's schedule()
+                log.info("batch size", old=decision.old, new=decision.new,
+                         reason=decision.reason)
+                self.load_changed.set()
+
     async def publish_kv_changes(self) -> None:
         """What the prefix cache gained and lost since the last event, as the next KvEvent."""
         stored, removed = self.engine.block_manager.drain_kv_changes()
@@ -371,7 +425,7 @@ class ExecutorService:
         batch = self.config.scheduler.batch_level
         return Heartbeat(
             executor=self.name, model=self.engine.model_name,
-            max_num_seqs=0 if self.draining else batch.max_num_seqs,
+            max_num_seqs=0 if self.draining else scheduler.max_num_seqs,  # adaptive: the limit
             queue_depth=0 if self.draining else batch.executor_queue_depth,
             running=len(scheduler.running),
             waiting=self.num_waiting,

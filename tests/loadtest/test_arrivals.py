@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from loadtest.arrivals import arrival_offsets, draw, parse_mix
+from loadtest.arrivals import arrival_offsets, draw, parse_mix, parse_phases, phased_offsets
 
 
 @pytest.mark.parametrize("rate, burstiness", [(4.0, 1.0), (10.0, 0.5), (2.0, 4.0)])
@@ -25,6 +25,18 @@ def test_duration_bounds_the_run_and_inf_sends_at_once():
     assert arrival_offsets(math.inf, 1.0, random.Random(0), num_requests=3) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):
         arrival_offsets(1.0, 1.0, random.Random(0))
+
+
+def test_rate_phases_follow_each_other_at_their_own_rates():
+    phases = parse_phases("2:100,10:50,2:100")
+    assert phases == [(2.0, 100.0), (10.0, 50.0), (2.0, 100.0)]
+    offsets = phased_offsets(phases, 1.0, random.Random(3))
+    assert offsets == sorted(offsets) and max(offsets) <= 250.0
+    counts = [sum(lo < t <= hi for t in offsets) for lo, hi in ((0, 100), (100, 150), (150, 250))]
+    assert 160 < counts[0] < 240 and 420 < counts[1] < 580 and 160 < counts[2] < 240
+    for bad in ("2", "0:10", "inf:10", "2:-1", "x:10"):
+        with pytest.raises(ValueError, match="RATE:SECONDS"):
+            parse_phases(bad)
 
 
 def test_mixes_are_normalized_and_drawn_in_proportion():

@@ -38,6 +38,8 @@ def test_a_small_run_writes_every_figure_and_the_plot(tmp_path):
     assert sum(r["output_tokens"] for r in records) == s["output_tokens"]
     assert result["parameters"]["request_rate"] == 40.0 and result["parameters"]["seed"] == 0
     assert result["timeline"] and "queue_depth" in result["timeline"][0]
+    limits = {e["limit"] for t in result["timeline"] for e in t["executors"].values()}
+    assert limits == {128}  # batch_size: fixed, at max_num_seqs
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     compare = bench("--compare", str(result_json), str(result_json))
@@ -49,3 +51,34 @@ def test_a_small_run_writes_every_figure_and_the_plot(tmp_path):
 def test_bad_arguments_are_named():
     run = bench("--num-requests", "5", "--duration", "3")
     assert run.returncode != 0 and "--num-requests or --duration" in run.stderr
+    run = bench("--rate-phases", "2:10", "--duration", "3")
+    assert run.returncode != 0 and "leave out --request-rate, --duration" in run.stderr
+    run = bench("--rate-phases", "2:10,fast:5")
+    assert run.returncode != 0 and "rate phase 'fast:5'" in run.stderr
+
+
+def test_adaptive_batch_size_grows_under_a_queue_and_holds_at_the_minimum_past_its_slo(tmp_path):
+    """Two runs in one set (two --sweep flags): a TPOT SLO no step can meet keeps the limit at
+    its minimum; a loose one lets it grow while requests queue. The timeline shows each
+    executor's limit from its heartbeats."""
+    result_json = tmp_path / "set.json"
+    run = bench("--embedded", "--model", "dummy:tiny", "--set", "kv_cache.num_blocks=1024",
+                "--set", "scheduler.batch_level.batch_size=adaptive",
+                "--set", "scheduler.load_aware.min_batch_size=2",
+                "--set", "scheduler.load_aware.initial_batch_size=2",
+                "--set", "scheduler.load_aware.step_size=2",
+                "--set", "scheduler.load_aware.interval_s=0.1",
+                "--num-requests", "60", "--input-len-range", "8", "16",
+                "--output-len-range", "24", "48", "--no-progress",
+                "--sweep", "scheduler.load_aware.tpot_slo_ms=0.001",
+                "--sweep", "scheduler.load_aware.tpot_slo_ms=100000",
+                "--result-json", str(result_json))
+    assert run.returncode == 0, run.stderr[-3000:]
+    runs = json.loads(result_json.read_text())["runs"]
+    assert [r["label"] for r in runs] == ["tpot_slo_ms=0.001", "tpot_slo_ms=100000"]
+    for r in runs:
+        assert r["summary"]["completed"] == 60
+    strict, loose = ({e["limit"] for t in r["timeline"] for e in t["executors"].values()}
+                     for r in runs)
+    assert strict == {2}
+    assert max(loose) >= 8
