@@ -32,8 +32,23 @@ def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
         field, name = "tenant", "tenant"
         groups = sorted({r[field] for records in done for r in records})
     panels = [None] + (groups if len(groups) > 1 else [])
-    figure, axes = plt.subplots(1, len(panels), figsize=(max(8, 5 * len(panels)), 4.2),
-                                squeeze=False)
+    # With an adaptive batch size somewhere in the set, a panel of every run's batch limit (the
+    # executors' summed) over time.
+    limits = [[(t["t"], sum(e["limit"] for e in t["executors"].values()))
+               for t in run["timeline"] if t.get("executors")] for run in runs]
+    varying = any(len({v for _, v in series}) > 1 for series in limits)
+    figure, axes = plt.subplots(1, len(panels) + varying,
+                                figsize=(max(8, 5 * (len(panels) + varying)), 4.2), squeeze=False)
+    if varying:
+        axis = axes[0][-1]
+        for run, series in zip(runs, limits):
+            axis.step([t for t, _ in series], [v for _, v in series], where="post",
+                      label=run.get("label") or "")
+        axis.set_xlabel("time (s)")
+        axis.set_ylabel("concurrent-sequence limit")
+        axis.set_title("batch limit (from heartbeats)")
+        axis.grid(alpha=0.3)
+        axis.legend()
     for axis, group in zip(axes[0], panels):
         for run, records in zip(runs, done):
             mine = [r for r in records if group is None or r[field] == group]
@@ -50,8 +65,10 @@ def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
         axis.grid(alpha=0.3)
         axis.legend()
     params = runs[0]["parameters"]
+    rate = (f"rate phases {params['rate_phases']} (req/s:s)" if params.get("rate_phases")
+            else f"rate {params['request_rate']}/s")
     figure.suptitle(f"{title or 'run set'} — model {params['model']}, {params['executors']} "
-                    f"executor(s), rate {params['request_rate']}/s")
+                    f"executor(s), {rate}")
     _save(figure, path)
 
 
