@@ -6,14 +6,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_int8
+
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context (new tokens
     included). New token i of a sequence with q_len new tokens and context seq_len sits at
-    position seq_len - q_len + i and attends to positions <= its own."""
+    position seq_len - q_len + i and attends to positions <= its own. An int8 cache
+    (kernels/kv_int8.py) is read dequantized."""
     out = torch.empty_like(q) if out is None else out
+    if kv_int8.is_int8(k_cache):
+        k_cache, v_cache = kv_int8.dequantize(k_cache), kv_int8.dequantize(v_cache)
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     for s in range(block_tables.shape[0]):
@@ -36,12 +41,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Token t's K/V go to slot slot_mapping[t] = block * block_size + offset; -1 skips it."""
+    """Token t's K/V go to slot slot_mapping[t] = block * block_size + offset; -1 skips it. An
+    int8 cache gets them quantized (kernels/kv_int8.py)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep]
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep]
+    key, value = key[keep], value[keep]
+    if kv_int8.is_int8(k_cache):
+        key, value = kv_int8.quantize(key), kv_int8.quantize(value)
+    num_kv_heads, row = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, row)[slots] = key
+    v_cache.view(-1, num_kv_heads, row)[slots] = value
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

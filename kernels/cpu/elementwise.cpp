@@ -1,18 +1,34 @@
-// The per-layer element-wise ops of the CPU path (fp32), each one pass over its rows: in torch
-// each is a chain of small ops, and at decode batch sizes the dispatch of those ops costs more
-// than their arithmetic. Semantics are those of kernels/reference.py.
+// The per-layer element-wise ops of the CPU path (fp32; the KV cache fp32 or int8), each one pass
+// over its rows: in torch each is a chain of small ops, and at decode batch sizes the dispatch of
+// those ops costs more than their arithmetic. Semantics are those of kernels/reference.py.
 
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat32 && t.stride(1) == 1, name,
               ": fp32 [T, C] with contiguous rows expected");
+}
+
+// Each head's head_dim floats of x as int8 with one fp32 scale (absmax / 127, round to nearest),
+// rows of head_dim + 4 bytes from out.
+void quantize_heads(const float* x, int64_t heads, int64_t head_dim, char* out) {
+  for (int64_t h = 0; h < heads; ++h, x += head_dim, out += head_dim + 4) {
+    float peak = 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) peak = std::max(peak, std::fabs(x[d]));
+    const float scale = peak / 127.0f;
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d)
+      out[d] = static_cast<int8_t>(std::nearbyint(x[d] * inv));
+    std::memcpy(out + head_dim, &scale, sizeof scale);
+  }
 }
 
 }  // namespace
@@ -57,10 +73,13 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
                       const torch::Tensor& cos_sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
                       const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "rotary_and_cache qkv");
-  const int64_t head_dim = k_cache.size(3), half = head_dim / 2;
+  // An int8 cache row is head_dim int8 values and their fp32 scale (kernels/kv_int8.py).
+  const bool int8 = k_cache.scalar_type() == torch::kInt8;
+  const int64_t head_dim = k_cache.size(3) - (int8 ? 4 : 0), half = head_dim / 2;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "rotary_and_cache: width");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              k_cache.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() &&
+              (int8 || k_cache.scalar_type() == torch::kFloat32) &&
+              v_cache.scalar_type() == k_cache.scalar_type() && cos_sin.is_contiguous() &&
               cos_sin.size(1) == head_dim, "rotary_and_cache: cache or table layout");
   TORCH_CHECK(positions.scalar_type() == torch::kLong && slot_mapping.scalar_type() == torch::kLong,
               "rotary_and_cache: int64 positions and slots");
@@ -70,8 +89,9 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* table = cos_sin.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t slot_bytes = num_kv_heads * k_cache.size(3) * k_cache.element_size();
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = table + pos[t] * head_dim;
@@ -87,8 +107,14 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
         }
       }
       const float* k = row + num_heads * head_dim;
-      std::copy(k, k + kv_width, kc + slots[t] * kv_width);
-      std::copy(k + kv_width, k + 2 * kv_width, vc + slots[t] * kv_width);
+      if (int8) {
+        quantize_heads(k, num_kv_heads, head_dim, kc + slots[t] * slot_bytes);
+        quantize_heads(k + kv_width, num_kv_heads, head_dim, vc + slots[t] * slot_bytes);
+      } else {
+        std::copy(k, k + kv_width, reinterpret_cast<float*>(kc + slots[t] * slot_bytes));
+        std::copy(k + kv_width, k + 2 * kv_width,
+                  reinterpret_cast<float*>(vc + slots[t] * slot_bytes));
+      }
     }
   });
 }

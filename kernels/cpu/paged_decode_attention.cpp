@@ -1,4 +1,6 @@
-// Decode attention straight from the paged KV cache, for the CPU (fp32).
+// Decode attention straight from the paged KV cache, for the CPU: an fp32 cache, or an int8 one
+// whose every (token, KV head) row is head_dim int8 values followed by their fp32 scale
+// (value = scale * q; kernels/kv_int8.py).
 //
 // The query heads of one KV head are scored together against every cached key, then the softmax
 // weights accumulate the values. With AVX-512 (head_dim 64 or 128), 16 positions' scores are
@@ -16,7 +18,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -59,32 +63,56 @@ inline __m512 sum16(const __m512* v) {
 }
 
 // Walks a sequence's positions block by block: the cache row of each position without a
-// division per position.
+// division per position. Strides in bytes.
 struct RowCursor {
-  const float* base;
+  const char* base;
   const int32_t* table;
   int64_t block_size, token_stride, block = 0, offset = 0;
 
-  const float* next() {
-    const float* row =
+  const char* next() {
+    const char* row =
         base + (static_cast<int64_t>(table[block]) * block_size + offset) * token_stride;
     if (++offset == block_size) offset = 0, ++block;
     return row;
   }
 };
 
+// A cache row's 16 values at [16 d, 16 d + 16), unscaled, and the row's scale.
+template <typename T>
+inline __m512 load16(const char* row, int d) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * d);
+  } else {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * d))));
+  }
+}
+template <typename T, int DV>
+inline float row_scale(const char* row) {
+  if constexpr (std::is_same_v<T, float>) {
+    return 1.0f;
+  } else {
+    float scale;
+    std::memcpy(&scale, row + 16 * DV, sizeof scale);
+    return scale;
+  }
+}
+
 // The scores of G query heads against positions [0, len) of their KV head, into
 // scores[h * stride + pos], with their maxima in peak[h]. Each key row is read from memory once
 // for all G heads: 16 rows are scored against one head, then the next head finds them in L1.
-template <int DV>
+template <typename T, int DV>
 void score_group(const float* q, int64_t group, float scale, RowCursor keys, int64_t len,
                  float* scores, int64_t stride, float* peak) {
   std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
-  const float* rows[16];
+  const char* rows[16];
+  alignas(64) float row_scales[16];
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
     for (int i = 0; i < n; ++i) rows[i] = keys.next();
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    if constexpr (!std::is_same_v<T, float>)
+      for (int i = 0; i < 16; ++i) row_scales[i] = i < n ? row_scale<T, DV>(rows[i]) : 0.0f;
     for (int64_t h = 0; h < group; ++h) {
       __m512 qv[DV];
       for (int d = 0; d < DV; ++d)
@@ -94,9 +122,10 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
         partial[i] = _mm512_setzero_ps();
         if (i < n)
           for (int d = 0; d < DV; ++d)
-            partial[i] = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(rows[i] + 16 * d), partial[i]);
+            partial[i] = _mm512_fmadd_ps(qv[d], load16<T>(rows[i], d), partial[i]);
       }
-      const __m512 s = sum16(partial);
+      __m512 s = sum16(partial);
+      if constexpr (!std::is_same_v<T, float>) s = _mm512_mul_ps(s, _mm512_load_ps(row_scales));
       _mm512_mask_storeu_ps(scores + h * stride + p0, valid, s);
       peaks[h] = _mm512_mask_max_ps(peaks[h], valid, peaks[h], s);
     }
@@ -120,18 +149,19 @@ float exponentiate(float* scores, int64_t len, float peak) {
 
 // out[h] = sum over positions of weights[h][pos] * value[pos] / totals[h], for HB heads: each
 // value row is loaded once into registers for all of them.
-template <int DV, int HB>
+template <typename T, int DV, int HB>
 void accumulate_values(const float* weights, int64_t stride, const float* totals, RowCursor values,
                        int64_t len, float* out) {
   __m512 acc[HB][DV];
   for (int h = 0; h < HB; ++h)
     for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
   for (int64_t pos = 0; pos < len; ++pos) {
-    const float* row = values.next();
+    const char* row = values.next();
+    const float row_weight = row_scale<T, DV>(row);  // an int8 row's scale joins the weight
     __m512 v[DV];
-    for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(row + 16 * d);
+    for (int d = 0; d < DV; ++d) v[d] = load16<T>(row, d);
     for (int h = 0; h < HB; ++h) {
-      const __m512 w = _mm512_set1_ps(weights[h * stride + pos]);
+      const __m512 w = _mm512_set1_ps(weights[h * stride + pos] * row_weight);
       for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_fmadd_ps(w, v[d], acc[h][d]);
     }
   }
@@ -143,12 +173,12 @@ void accumulate_values(const float* weights, int64_t stride, const float* totals
 
 // The query heads [0, group) that share one KV head, for one sequence. `scores` holds at least
 // group * (len + 16) floats.
-template <int DV>
+template <typename T, int DV>
 void decode_group(const float* q, int64_t group, float scale, RowCursor keys, RowCursor values,
                   int64_t len, float* scores, float* out) {
   const int64_t stride = len + 16;
   std::vector<float> peak(group), totals(group);
-  score_group<DV>(q, group, scale, keys, len, scores, stride, peak.data());
+  score_group<T, DV>(q, group, scale, keys, len, scores, stride, peak.data());
   for (int64_t h = 0; h < group; ++h) totals[h] = exponentiate(scores + h * stride, len, peak[h]);
   // Up to 16 accumulators (HB * DV) stay in registers beside the value row.
   constexpr int kMaxHeads = 16 / DV;
@@ -156,10 +186,12 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
     const float* w = scores + h0 * stride;
     float* o = out + h0 * 16 * DV;
     switch (std::min<int64_t>(kMaxHeads, group - h0)) {
-      case 1: accumulate_values<DV, 1>(w, stride, totals.data() + h0, values, len, o); break;
-      case 2: accumulate_values<DV, 2>(w, stride, totals.data() + h0, values, len, o); break;
-      case 3: accumulate_values<DV, 3>(w, stride, totals.data() + h0, values, len, o); break;
-      default: accumulate_values<DV, kMaxHeads>(w, stride, totals.data() + h0, values, len, o); break;
+      case 1: accumulate_values<T, DV, 1>(w, stride, totals.data() + h0, values, len, o); break;
+      case 2: accumulate_values<T, DV, 2>(w, stride, totals.data() + h0, values, len, o); break;
+      case 3: accumulate_values<T, DV, 3>(w, stride, totals.data() + h0, values, len, o); break;
+      default:
+        accumulate_values<T, DV, kMaxHeads>(w, stride, totals.data() + h0, values, len, o);
+        break;
     }
   }
 }
@@ -167,43 +199,70 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
 }  // namespace
 #endif
 
+namespace {
+
+// Row r's value d and scale, for the portable path.
+struct Rows {
+  bool int8;
+  int64_t head_dim;
+  float value(const char* row, int64_t d) const {
+    return int8 ? static_cast<float>(reinterpret_cast<const int8_t*>(row)[d])
+                : reinterpret_cast<const float*>(row)[d];
+  }
+  float scale(const char* row) const {
+    if (!int8) return 1.0f;
+    float s;
+    std::memcpy(&s, row + head_dim, sizeof s);
+    return s;
+  }
+};
+
+}  // namespace
+
 void paged_decode_attention(
     const torch::Tensor& q,             // [num_tokens, num_heads, head_dim], rows may be strided
-    const torch::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim]
+    const torch::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, row]: row is
+                                        // head_dim fp32, or head_dim int8 + a 4-byte fp32 scale
     const torch::Tensor& v_cache,       // same
     const torch::Tensor& block_tables,  // int32 [num_seqs, max_blocks]
     const torch::Tensor& seq_lens,      // int32 [num_seqs], keys to attend, the new one included
     const torch::Tensor& q_rows,        // int64 [num_seqs], the row of q holding each query
     torch::Tensor& out,                 // [num_tokens, num_heads, head_dim]
     double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32,
-              "paged_decode_attention: fp32 only");
+  const bool int8 = k_cache.scalar_type() == torch::kInt8;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
+              (int8 || k_cache.scalar_type() == torch::kFloat32) &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: fp32 queries over an fp32 or int8 cache");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be packed");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
               block_tables.is_contiguous(), "cache, out and block_tables must be contiguous");
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
+  TORCH_CHECK(k_cache.size(3) == (int8 ? head_dim + 4 : head_dim),
+              "paged_decode_attention: cache rows of ", k_cache.size(3), " for head_dim ", head_dim);
   const int64_t block_size = k_cache.size(1);
-  const int64_t group = num_heads / k_cache.size(2);  // query heads per KV head
+  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
   const int64_t max_blocks = block_tables.size(1);
 
   const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
+  const char* k_ptr = static_cast<const char*>(k_cache.data_ptr());
+  const char* v_ptr = static_cast<const char*>(v_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* rows = q_rows.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t q_stride = q.stride(0);  // q is usually a view into the fused QKV output
-  const int64_t token_stride = k_cache.size(2) * head_dim;  // between positions in a block
+  const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();  // one (token, KV head)
+  const int64_t token_stride = num_kv_heads * row_bytes;  // between positions in a block
   const float fscale = static_cast<float>(scale);
 
 #if defined(__AVX512F__)
   if (head_dim == 64 || head_dim == 128) {
     // One task per (sequence, KV head): its keys and values cross the memory bus once for all
     // the query heads that share them.
-    const int64_t num_kv_heads = k_cache.size(2);
     const int64_t max_len = num_seqs ? seq_lens.max().item<int32_t>() : 0;
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(group * (max_len + 16));
@@ -213,20 +272,26 @@ void paged_decode_attention(
         const float* qh = q_ptr + rows[seq] * q_stride + h * head_dim;
         float* o = out_ptr + rows[seq] * num_heads * head_dim + h * head_dim;
         const int32_t* table = tables + seq * max_blocks;
-        const RowCursor keys{k_ptr + kv * head_dim, table, block_size, token_stride};
-        const RowCursor values{v_ptr + kv * head_dim, table, block_size, token_stride};
-        if (head_dim == 64)
-          decode_group<4>(qh, group, fscale, keys, values, lens[seq], scores.data(), o);
+        const RowCursor keys{k_ptr + kv * row_bytes, table, block_size, token_stride};
+        const RowCursor values{v_ptr + kv * row_bytes, table, block_size, token_stride};
+        float* sc = scores.data();
+        if (head_dim == 64 && int8)
+          decode_group<int8_t, 4>(qh, group, fscale, keys, values, lens[seq], sc, o);
+        else if (head_dim == 64)
+          decode_group<float, 4>(qh, group, fscale, keys, values, lens[seq], sc, o);
+        else if (int8)
+          decode_group<int8_t, 8>(qh, group, fscale, keys, values, lens[seq], sc, o);
         else
-          decode_group<8>(qh, group, fscale, keys, values, lens[seq], scores.data(), o);
+          decode_group<float, 8>(qh, group, fscale, keys, values, lens[seq], sc, o);
       }
     });
     return;
   }
 #endif
 
-  // One task per sequence: a cached token's keys for all KV heads are one contiguous row, read
-  // once for all query heads.
+  // One task per sequence: a cached token's rows for all KV heads lie side by side, read once
+  // for all query heads.
+  const Rows cache{int8, head_dim};
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> query(num_heads * head_dim);
@@ -237,16 +302,19 @@ void paged_decode_attention(
       const float* q_row = q_ptr + rows[seq] * q_stride;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) query[i] = q_row[i] * fscale;
       scores.resize(num_heads * len);
+      auto position = [&](const char* base, int64_t pos) {
+        return base + (static_cast<int64_t>(table[pos / block_size]) * block_size +
+                       pos % block_size) * token_stride;
+      };
 
       for (int64_t pos = 0; pos < len; ++pos) {
-        const float* keys = k_ptr + (static_cast<int64_t>(table[pos / block_size]) * block_size +
-                                     pos % block_size) * token_stride;
+        const char* keys = position(k_ptr, pos);
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float* key = keys + (h / group) * head_dim;
+          const char* key = keys + (h / group) * row_bytes;
           const float* qh = query.data() + h * head_dim;
           float dot = 0.0f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
-          scores[h * len + pos] = dot;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * cache.value(key, d);
+          scores[h * len + pos] = dot * cache.scale(key);
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
@@ -262,13 +330,12 @@ void paged_decode_attention(
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t pos = 0; pos < len; ++pos) {
-        const float* values = v_ptr + (static_cast<int64_t>(table[pos / block_size]) * block_size +
-                                       pos % block_size) * token_stride;
+        const char* values = position(v_ptr, pos);
         for (int64_t h = 0; h < num_heads; ++h) {
-          const float w = scores[h * len + pos];
-          const float* value = values + (h / group) * head_dim;
+          const char* value = values + (h / group) * row_bytes;
+          const float w = scores[h * len + pos] * cache.scale(value);
           float* a = acc.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * value[d];
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * cache.value(value, d);
         }
       }
       float* o = out_ptr + rows[seq] * num_heads * head_dim;

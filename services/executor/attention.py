@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import kv_int8, reference
 
 DECODE_GROUP_SIZE = 16  # decodes batched per SDPA call, after sorting by context length
 
@@ -153,9 +153,9 @@ class TorchBackend:
     def rotary_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor,
                          cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor):
-        """Rotary on q and k in place in the fused QKV output, k and v into their cache slots;
-        returns the q, k, v views."""
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        """Rotary on q and k in place in the fused QKV output, k and v into their cache slots
+        (quantized for an int8 cache); returns the q, k, v views."""
+        num_kv_heads, head_dim = k_cache.shape[2], kv_int8.head_dim_of(k_cache)
         num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
         if self.cpu_kernels is not None:
             self.cpu_kernels.rotary_and_cache(qkv, positions, cos_sin_cache, k_cache, v_cache,
@@ -164,9 +164,12 @@ class TorchBackend:
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
         reference.rotary_embedding(positions, q, k, cos_sin_cache)
         # The reference's write without its negative-slot filter: the engine never pads.
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-        return q, k, v
+        if kv_int8.is_int8(k_cache):
+            k, v = kv_int8.quantize(k), kv_int8.quantize(v)
+        row = k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
@@ -179,8 +182,10 @@ class TorchBackend:
                                                    d.q_rows, out, scale)
         for group in meta.decode_groups:
             size = group.q_index.shape[0]
-            keys = _gather_blocks(k_cache, group.block_ids).view(size, -1, *k_cache.shape[2:])
-            values = _gather_blocks(v_cache, group.block_ids).view(size, -1, *v_cache.shape[2:])
+            keys = _gather_blocks(k_cache, group.block_ids, q.dtype)
+            values = _gather_blocks(v_cache, group.block_ids, q.dtype)
+            keys = keys.view(size, -1, *keys.shape[1:])
+            values = values.view(size, -1, *values.shape[1:])
             query = q[group.q_index].unsqueeze(2)  # [G, H, 1, D]
             o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
                                                attn_mask=group.key_mask, scale=scale,
@@ -192,8 +197,8 @@ class TorchBackend:
             if p.block_ids is None:
                 keys, values = k[rows].unsqueeze(0), v[rows].unsqueeze(0)
             else:
-                keys = _gather_blocks(k_cache, p.block_ids).unsqueeze(0)
-                values = _gather_blocks(v_cache, p.block_ids).unsqueeze(0)
+                keys = _gather_blocks(k_cache, p.block_ids, q.dtype).unsqueeze(0)
+                values = _gather_blocks(v_cache, p.block_ids, q.dtype).unsqueeze(0)
             o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
                                                attn_mask=p.mask, is_causal=p.mask is None,
                                                scale=scale, enable_gqa=True)
@@ -201,10 +206,11 @@ class TorchBackend:
         return out
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """The listed blocks' tokens, contiguous: [len(block_ids) * block_size, KVH, D].
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The listed blocks' tokens, contiguous: [len(block_ids) * block_size, KVH, D] (an int8
+    cache dequantized to `dtype`).
 
     index_select over whole blocks is a row memcpy, several times faster than advanced indexing.
     """
-    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids)
-    return rows.view(-1, *cache.shape[2:])
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, *cache.shape[2:])
+    return kv_int8.dequantize(rows, dtype) if kv_int8.is_int8(cache) else rows

@@ -100,6 +100,7 @@ class Engine:
                 config.quantization)
         self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.weights_cache_dir))
         self.model_config = model_config
+        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.model_name = config.model
         self.max_model_len = min(config.max_model_len or model_config.max_position,
                                  model_config.max_position)
@@ -113,10 +114,13 @@ class Engine:
             self.runner = SimRunner(profile, model_config.vocab_size, self.eos_token_id)
         else:
             backend = _pick_backend(config, self.device, self.dtype)
+            if self.kv_dtype == torch.int8 and backend.name != "torch":
+                raise ValueError(f"kv_cache.dtype int8 runs on the torch attention backend, not "
+                                 f"{backend.name}: set model.attention_backend: torch")
             model = LlamaModel(model_config, weights, backend, self.max_model_len)
             num_blocks = config.num_kv_blocks or self._blocks_that_fit()
-            self.runner = ModelRunner(model, backend, num_blocks, config.block_size, self.dtype,
-                                      self.device)
+            self.runner = ModelRunner(model, backend, num_blocks, config.block_size,
+                                      self.kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
@@ -131,7 +135,8 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
 
     def _blocks_that_fit(self) -> int:
-        per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size,
+                                             self.kv_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total

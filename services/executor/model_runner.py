@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import kv_int8
 from services.executor.attention import SeqSlice, TorchBackend
 from services.executor.model import LlamaModel
 from services.executor.sampler import SamplingBatch, make_generator, sample
@@ -31,19 +32,26 @@ class StepInputs:
     num_tokens: int
 
 
+def kv_cache_row(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Elements of one (token, KV head) row of the cache: an int8 row carries its scale."""
+    return config.head_dim + (kv_int8.SCALE_BYTES if dtype == torch.int8 else 0)
+
+
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-    return per_token * block_size * torch.finfo(dtype).bits // 8
+    """K and V of every layer, for `block_size` tokens in a cache of `dtype`."""
+    per_token = 2 * config.num_layers * config.num_kv_heads * kv_cache_row(config, dtype)
+    return per_token * block_size * (1 if dtype == torch.int8 else torch.finfo(dtype).bits // 8)
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: TorchBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):
+        """`dtype`: the KV cache's, the model's or int8 (kernels/kv_int8.py)."""
         cfg = model.config
         self.model = model
         self.backend = backend
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, kv_cache_row(cfg, dtype))
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(cfg.num_layers)]

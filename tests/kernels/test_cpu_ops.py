@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from kernels import cpu_ops, kv_int8, reference
 from services.executor.linear import SKINNY_MAX_ROWS, pack_panels, quantize
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
@@ -96,14 +96,17 @@ def test_silu_and_mul(k):
     torch.testing.assert_close(k.silu_and_mul(x), reference.silu_and_mul(x))
 
 
-def test_rotary_and_cache_matches_rotary_then_cache_write(k):
+@pytest.mark.parametrize("int8", [False, True])
+def test_rotary_and_cache_matches_rotary_then_cache_write(k, int8):
     heads, kv_heads, dim, block = 4, 2, 16, 8
     tokens = 5
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     positions = torch.tensor([0, 3, 9, 10, 31])
     slots = torch.tensor([5, 17, 2, 30, 8])
     cos_sin = torch.randn(64, dim)
-    caches = [torch.zeros(4, block, kv_heads, dim) for _ in range(4)]
+    shape, dtype = ((4, block, kv_heads, dim + 4), torch.int8) if int8 else \
+        ((4, block, kv_heads, dim), torch.float32)
+    caches = [torch.zeros(shape, dtype=dtype) for _ in range(4)]
     expected = qkv.clone()
     q = expected[:, :heads * dim].view(tokens, heads, dim)
     key = expected[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
@@ -112,8 +115,19 @@ def test_rotary_and_cache_matches_rotary_then_cache_write(k):
     reference.reshape_and_cache(key, value, caches[0], caches[1], slots)
     k.rotary_and_cache(qkv, positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads)
     torch.testing.assert_close(qkv, expected)
-    torch.testing.assert_close(caches[2], caches[0])
-    torch.testing.assert_close(caches[3], caches[1])
+    if not int8:
+        torch.testing.assert_close(caches[2], caches[0])
+        torch.testing.assert_close(caches[3], caches[1])
+        return
+    # The kernel multiplies by reciprocals where torch divides: scales may differ in the last
+    # bit, and a value on a rounding boundary land one step apart.
+    for ours, theirs in ((caches[2], caches[0]), (caches[3], caches[1])):
+        torch.testing.assert_close(ours[..., dim:].contiguous().view(torch.float32),
+                                   theirs[..., dim:].contiguous().view(torch.float32),
+                                   rtol=1e-6, atol=0)
+        steps = (ours[..., :dim].int() - theirs[..., :dim].int()).abs()
+        assert steps.max() <= 1 and (steps > 0).float().mean() < 0.02
+        assert ours[..., :dim].abs().max() == 127
 
 
 TINY_SOURCE = """
@@ -159,7 +173,8 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch):
 # values for up to 16 / (head_dim / 16) of them at a time: groups of 1, 3, 5 and 7 cover every case.
 @pytest.mark.parametrize("head_dim,group,block", [
     (32, 3, 16), (64, 1, 16), (64, 3, 16), (64, 5, 8), (128, 3, 16), (128, 7, 32)])
-def test_paged_decode_attention_matches_reference(k, head_dim, group, block):
+@pytest.mark.parametrize("int8", [False, True])
+def test_paged_decode_attention_matches_reference(k, head_dim, group, block, int8):
     kv_heads = 2
     heads = group * kv_heads
     lens = [1, 15, 16, 17, 33, 200]
@@ -167,6 +182,8 @@ def test_paged_decode_attention_matches_reference(k, head_dim, group, block):
     num_blocks = sum(-(-n // block) for n in lens) + 1
     k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+    if int8:  # the reference reads it dequantized: the same values, so the same tolerance
+        k_cache, v_cache = kv_int8.quantize(k_cache), kv_int8.quantize(v_cache)
     order = torch.randperm(num_blocks - 1, generator=gen) + 1  # scattered blocks, none is 0
     width = max(-(-n // block) for n in lens)
     tables, used = [], 0

@@ -1,0 +1,84 @@
+"""The int8 KV cache: its rows round-trip within half a step, the torch backend attends over it
+as over the dequantized values (with and without the C++ kernels), and an engine sized by memory
+holds about 3.8x the blocks of fp32 and still serves."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kernels import cpu_ops, kv_int8, reference
+from services.executor.attention import SeqSlice, TorchBackend
+
+
+def test_round_trip_is_within_half_a_step_of_each_row():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=gen) * torch.rand(50, 3, 1, generator=gen) * 10
+    rows = kv_int8.quantize(x)
+    assert rows.dtype == torch.int8 and rows.shape == (50, 3, 68)
+    assert kv_int8.head_dim_of(rows) == 64 and kv_int8.head_dim_of(x) == 64
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((kv_int8.dequantize(rows) - x).abs() <= step / 2 + 1e-6).all()
+    assert rows[..., :64].abs().amax(-1).eq(127).all()  # every row uses the full range
+    assert torch.equal(kv_int8.dequantize(kv_int8.quantize(torch.zeros(2, 8))), torch.zeros(2, 8))
+
+
+def test_reference_cache_write_and_attention_read_int8():
+    gen = torch.Generator().manual_seed(1)
+    key, value = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    k_cache, v_cache = (torch.zeros(2, 4, 2, 20, dtype=torch.int8) for _ in range(2))
+    reference.reshape_and_cache(key, value, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    assert torch.equal(k_cache.view(-1, 2, 20)[5], kv_int8.quantize(key[0]))
+    assert torch.equal(v_cache.view(-1, 2, 20)[0], kv_int8.quantize(value[2]))
+    assert not k_cache.view(-1, 2, 20)[1].any()  # slot -1 skipped
+
+
+@pytest.mark.parametrize("use_cpu_kernels", [False, True])
+def test_torch_backend_over_int8_equals_fp32_over_the_dequantized_cache(use_cpu_kernels):
+    if use_cpu_kernels and cpu_ops.load() is None:
+        pytest.skip("the CPU kernels did not build")
+    heads, kv_heads, dim, block = 6, 2, 64, 16
+    gen = torch.Generator().manual_seed(2)
+    k_cache = kv_int8.quantize(torch.randn(12, block, kv_heads, dim, generator=gen))
+    v_cache = kv_int8.quantize(torch.randn(12, block, kv_heads, dim, generator=gen))
+    backend = TorchBackend(block, torch.device("cpu"), torch.float32, use_cpu_kernels)
+    # A decode at 40 tokens, a chunk of 5 after 20 cached, a fresh 7-token prompt.
+    seqs = [SeqSlice(0, 1, 40, [3, 7, 1]), SeqSlice(1, 5, 25, [2, 9]), SeqSlice(6, 7, 7, [10])]
+    slots = [block + 7] + [9 * block + i for i in range(4, 9)] + [10 * block + i for i in range(7)]
+    positions = torch.tensor([39] + list(range(20, 25)) + list(range(7)))
+    meta = backend.prepare(seqs, slots)
+    qkv = torch.randn(13, (heads + 2 * kv_heads) * dim, generator=gen)
+    q, k, v = backend.rotary_and_cache(qkv, positions, torch.randn(64, dim, generator=gen),
+                                       k_cache, v_cache, meta.slot_mapping)
+    assert torch.equal(k_cache.view(-1, kv_heads, dim + 4)[block + 7][:, dim:],
+                       kv_int8.quantize(k[0])[:, dim:])  # the new token, written quantized
+    out = backend.attention(q, k, v, k_cache, v_cache, 0.125, meta)
+    expected = backend.attention(q, k, v, kv_int8.dequantize(k_cache),
+                                 kv_int8.dequantize(v_cache), 0.125, meta)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_engine_with_an_int8_cache_holds_more_blocks_and_serves():
+    from services.executor.engine import Engine
+    from services.executor.run_local import run_requests
+    from shared.config import EngineConfig
+    from shared.protocol import Completion
+
+    async def blocks_and_tokens(dtype: str):
+        engine = Engine(EngineConfig(model="dummy:tiny", cpu_kv_cache_gib=0.001,
+                                     kv_cache_dtype=dtype))
+        try:
+            results = await run_requests(engine, [
+                '{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, '
+                '21, 22], "max_tokens": 12, "ignore_eos": true}'])
+            return engine.block_manager.num_blocks, engine.model_config.head_dim, results
+        finally:
+            await engine.stop()
+
+    fp32_blocks, head_dim, _ = asyncio.run(blocks_and_tokens("auto"))
+    int8_blocks, _, results = asyncio.run(blocks_and_tokens("int8"))
+    expected = 4 * head_dim / (head_dim + kv_int8.SCALE_BYTES)
+    assert int8_blocks / fp32_blocks == pytest.approx(expected, rel=0.05)
+    assert isinstance(results[0], Completion) and len(results[0].token_ids) == 12
