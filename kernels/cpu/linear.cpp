@@ -366,7 +366,7 @@ torch::Tensor run_skinny(const Weight& w, const torch::Tensor& x) {
   float* yp = y.data_ptr<float>();
 #if defined(__AVX512F__)
   switch (w.format) {
-    case Format::F32: skinny<Format::F32>(w, xp, x.stride(0), yp, m); break;
+    case Format::F32: TORCH_CHECK(false, "fp32 weights run as panels (linear_f32)"); break;
     case Format::Int8: skinny<Format::Int8>(w, xp, x.stride(0), yp, m); break;
     case Format::Int4: skinny<Format::Int4>(w, xp, x.stride(0), yp, m); break;
   }
