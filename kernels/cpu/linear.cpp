@@ -1,30 +1,27 @@
 // y = x W^T for the CPU, with W in fp32, int8 or int4 (weight-only quantization, fp32 activations).
 //
-// Decode steps multiply a few rows of activations by every weight of the model, so they are bound
-// by how fast the weights stream in. BLAS libraries pack the weight matrix on every call for small
-// M, which costs more than the product itself. These kernels read W once, in its stored format.
+// Every format is stored packed, once at load, in panels of 32 output columns, so each panel is
+// one contiguous stream read in the order the kernel uses it (services/executor/linear.py packs):
+//   fp32: P  fp32  [N/32, K, 32]                                             w = P
+//   int8: q  int8  [N/32, K, 32],  scale fp32 [N/32, K/32, 32]               w = scale * q
+//   int4: q  uint8 [N/32, K, 16],  scale, min fp32 [N/32, K/32, 32]          w = scale * q + min
+//         byte c of a step of k holds column c in its low nibble and column c + 16 in its high one.
+// Scales (and mins) are per group of 32 along K and per column: the layout of GGUF's Q8_0, Q4_0
+// and Q4_1 blocks, turned on its side.
 //
-// fp32 W is stored packed, once at load, in panels of 32 output columns: P [N / 32, K, 32], so
-// each panel is one contiguous stream. A register tile holds up to 12 rows of x times the panel's
-// 32 columns (24 accumulators) and adds x[i, k] * P[k, :] for every k: no horizontal sums, and
-// the stream is asked for well ahead of its use (one core alone cannot keep enough lines in
-// flight to reach the memory's bandwidth while it also computes). The same kernel serves every M:
-// a panel (K * 128 bytes) stays in L2 while further tiles of x pass over it.
-//
-// Quantized W stays in place in row-major groups: each weight vector is loaded and dequantized
-// once per tile and multiplied into up to 4 rows of x held in registers. Larger M goes through
-// BLAS (after dequantizing W block by block).
-//
-// Quantized layouts, in groups of 32 along K (the layout of GGUF's Q8_0, Q4_0 and Q4_1 blocks):
-//   int8: q int8 [N, K], scale fp32 [N, K/32];                         w = scale * q
-//   int4: q uint8 [N, K/2], scale and min fp32 [N, K/32];              w = scale * q + min
-//         byte j of a group holds weight j in its low nibble and weight j + 16 in its high one.
+// A register tile holds up to 12 rows of x times the panel's 32 columns (24 accumulators) and adds
+// x[i, k] * w[k, :] for every k: no horizontal sums. Decode steps (a few rows) are bound by how
+// fast the weights stream in, so the stream is asked for well ahead of its use (one core alone
+// cannot keep enough lines in flight while it also computes), and quantized weights are
+// dequantized in registers as they arrive. Prefill (many rows) is bound by the FMAs: a quantized
+// panel is then dequantized once into an fp32 scratch panel in L2, and every tile of x runs the
+// fp32 tile over it, so dequantizing costs once per panel rather than once per tile.
 
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
-#include <type_traits>
+#include <algorithm>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -33,392 +30,312 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int kMaxRows = 4;  // rows of x per register tile, against 4 rows of W
-constexpr int kPanel = 32;   // output columns per panel of packed fp32 W
-
-// Dequantized weights of one group, 32 floats, written to `out` (the portable path and the
-// tiled BLAS path share these).
-inline void dequant_group_int8(const int8_t* q, float scale, float* out) {
-  for (int i = 0; i < kGroup; ++i) out[i] = scale * q[i];
-}
-inline void dequant_group_int4(const uint8_t* q, float scale, float min, float* out) {
-  for (int i = 0; i < kGroup / 2; ++i) {
-    out[i] = scale * (q[i] & 0xF) + min;
-    out[i + kGroup / 2] = scale * (q[i] >> 4) + min;
-  }
-}
+constexpr int64_t kGroup = 32;  // weights per scale along K
+constexpr int kPanel = 32;      // output columns per panel
+constexpr int kPanelRows = 12;  // rows of x per register tile
 
 enum class Format { F32, Int8, Int4 };
 
-struct Weight {
+struct Panels {
   Format format;
-  int64_t n, k;
+  int64_t num_panels, k;
+  int64_t n;  // valid output columns: the last panel may be padding past them
   const float* f32 = nullptr;
   const int8_t* q8 = nullptr;
   const uint8_t* q4 = nullptr;
   const float* scale = nullptr;
   const float* min = nullptr;
 
-  // Row r's group g dequantized into out[0..32).
-  void dequant(int64_t r, int64_t g, float* out) const {
-    const int64_t groups = k / kGroup;
-    switch (format) {
-      case Format::F32:
-        for (int i = 0; i < kGroup; ++i) out[i] = f32[r * k + g * kGroup + i];
-        break;
-      case Format::Int8:
-        dequant_group_int8(q8 + r * k + g * kGroup, scale[r * groups + g], out);
-        break;
-      case Format::Int4:
-        dequant_group_int4(q4 + r * (k / 2) + g * (kGroup / 2), scale[r * groups + g],
-                           min[r * groups + g], out);
-        break;
+  int64_t groups() const { return k / kGroup; }
+
+  // Panel j dequantized into out [K, 32] (the portable path, the prefill scratch, BLAS blocks).
+  void dequant(int64_t j, float* out, int64_t out_stride = kPanel) const;
+};
+
+void Panels::dequant(int64_t j, float* out, int64_t out_stride) const {
+  for (int64_t t = 0; t < k; ++t) {
+    float* row = out + t * out_stride;
+    if (format == Format::F32) {
+      std::copy(f32 + (j * k + t) * kPanel, f32 + (j * k + t + 1) * kPanel, row);
+      continue;
     }
-  }
-};
-
-#if defined(__AVX512F__)
-// The 32 weights of row r, group g, as two vectors of 16 floats.
-template <Format F>
-inline void load_group(const Weight& w, int64_t r, int64_t g, __m512& lo, __m512& hi) {
-  const int64_t groups = w.k / kGroup;
-  if constexpr (F == Format::F32) {
-    const float* p = w.f32 + r * w.k + g * kGroup;
-    lo = _mm512_loadu_ps(p);
-    hi = _mm512_loadu_ps(p + 16);
-  } else if constexpr (F == Format::Int8) {
-    const int8_t* p = w.q8 + r * w.k + g * kGroup;
-    const __m512 s = _mm512_set1_ps(w.scale[r * groups + g]);
-    lo = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-    hi = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))));
-  } else {
-    const uint8_t* p = w.q4 + r * (w.k / 2) + g * (kGroup / 2);
-    const __m512 s = _mm512_set1_ps(w.scale[r * groups + g]);
-    const __m512 m = _mm512_set1_ps(w.min[r * groups + g]);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF));
-    const __m512i high = _mm512_srli_epi32(bytes, 4);
-    lo = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(low), m);
-    hi = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(high), m);
-  }
-}
-
-// Asks for row r's group g (its first cache line; fp32 groups span two) ahead of its use.
-template <Format F>
-inline void prefetch_group(const Weight& w, int64_t r, int64_t g) {
-  const char* p;
-  if constexpr (F == Format::F32) {
-    p = reinterpret_cast<const char*>(w.f32 + r * w.k + g * kGroup);
-    _mm_prefetch(p + 64, _MM_HINT_T0);
-  } else if constexpr (F == Format::Int8) {
-    p = reinterpret_cast<const char*>(w.q8 + r * w.k + g * kGroup);
-  } else {
-    p = reinterpret_cast<const char*>(w.q4 + r * (w.k / 2) + g * (kGroup / 2));
-  }
-  _mm_prefetch(p, _MM_HINT_T0);
-}
-
-// Rows [n0, n0 + NR) of W requested group by group (`ahead(g)`) while a tile computes, so the
-// next tile's weights stream in from memory meanwhile instead of after it.
-template <Format F, int NR>
-struct Ahead {
-  const Weight* w;
-  int64_t n0;
-  void operator()(int64_t g) const {
-    for (int j = 0; j < NR && n0 + j < w->n; ++j) prefetch_group<F>(*w, n0 + j, g);
-  }
-};
-struct NoAhead {
-  void operator()(int64_t) const {}
-};
-
-// y[m0 .. m0+MR, n0 .. n0+NR] for one register tile: every weight is loaded once and multiplied
-// into MR rows of x.
-template <Format F, int MR, int NR, typename A = NoAhead>
-void tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t y_stride,
-          int64_t m0, int64_t n0, A ahead = {}) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t groups = w.k / kGroup;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512 lo[NR], hi[NR];
-    ahead(g);
-    for (int j = 0; j < NR; ++j) load_group<F>(w, n0 + j, g, lo[j], hi[j]);
-    for (int i = 0; i < MR; ++i) {
-      const float* xr = x + (m0 + i) * x_stride + g * kGroup;
-      const __m512 xl = _mm512_loadu_ps(xr);
-      const __m512 xh = _mm512_loadu_ps(xr + 16);
-      for (int j = 0; j < NR; ++j) {
-        acc[i][j] = _mm512_fmadd_ps(xl, lo[j], acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(xh, hi[j], acc[i][j]);
+    const float* s = scale + (j * groups() + t / kGroup) * kPanel;
+    if (format == Format::Int8) {
+      const int8_t* q = q8 + (j * k + t) * kPanel;
+      for (int c = 0; c < kPanel; ++c) row[c] = s[c] * q[c];
+    } else {
+      const uint8_t* q = q4 + (j * k + t) * (kPanel / 2);
+      const float* m = min + (j * groups() + t / kGroup) * kPanel;
+      for (int c = 0; c < kPanel / 2; ++c) {
+        row[c] = s[c] * (q[c] & 0xF) + m[c];
+        row[c + kPanel / 2] = s[c + kPanel / 2] * (q[c] >> 4) + m[c + kPanel / 2];
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[(m0 + i) * y_stride + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-// Rows [begin, end) of W dequantized into out (row r at out + (r - begin) * k).
-void dequant_rows(const Weight& w, int64_t begin, int64_t end, float* out);
+#if defined(__AVX512F__)
+// How far ahead of its use a panel's stream is requested: 8 KB of fp32 (64 steps of k), 8
+// groups of int8 (9 KB) or int4 (6 KB).
+constexpr int64_t kF32Ahead = 64;
+constexpr int64_t kGroupsAhead = 8;
+// Past this many rows of x, a quantized panel is dequantized once into scratch for all of them.
+constexpr int64_t kScratchRows = 8;
 
-// All rows of x against W's rows [n0, n0 + NR): the NR weight rows stay in L1 while every tile
-// of x passes over them, so W streams in from memory once whatever M is. Quantized rows are
-// dequantized once into `scratch` (NR * K floats) when more than one tile of x needs them.
-template <Format F, int NR>
-void column_tile(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m,
-                 int64_t n0, float* scratch) {
-  // The first full tile and the last partial one ask for the next column tile's weights (from
-  // `w`, quantized or not); a repeat request for lines already on their way costs little.
-  const Ahead<F, NR> next{&w, n0 + NR};
-  const Weight* src = &w;
-  Weight dense{Format::F32, NR, w.k};
-  if (F != Format::F32 && m > kMaxRows) {
-    dequant_rows(w, n0, n0 + NR, scratch);
-    dense.f32 = scratch;
-    src = &dense;
-    y += n0;  // the scratch rows are rows 0 .. NR of `dense`
-    n0 = 0;
+inline void request(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
+// One panel's weights as F, dequantized a step of k (32 columns, two vectors) at a time. Reads
+// past the panel's end are only ever prefetch hints, which never fault.
+template <Format F>
+struct PanelReader {
+  const float* f;
+  const int8_t* q8;
+  const uint8_t* q4;
+  const float* s;
+  const float* m;
+  __m512 s_lo, s_hi, m_lo, m_hi;
+
+  PanelReader(const Panels& w, int64_t j) {
+    if constexpr (F == Format::F32) {
+      f = w.f32 + j * w.k * kPanel;
+    } else {
+      s = w.scale + j * w.groups() * kPanel;
+      if constexpr (F == Format::Int8) q8 = w.q8 + j * w.k * kPanel;
+      if constexpr (F == Format::Int4) {
+        q4 = w.q4 + j * w.k * (kPanel / 2);
+        m = w.min + j * w.groups() * kPanel;
+      }
+    }
   }
-  auto run = [&](auto format_tag) {
-    constexpr Format G = decltype(format_tag)::value;
-    int64_t m0 = 0;
-    for (; m0 + kMaxRows <= m; m0 += kMaxRows) {
-      if (m0 == 0)
-        tile<G, kMaxRows, NR>(*src, x, x_stride, y, w.n, m0, n0, next);
-      else
-        tile<G, kMaxRows, NR>(*src, x, x_stride, y, w.n, m0, n0);
+
+  // Group g's scales into registers, and group g + kGroupsAhead asked for.
+  inline void start_group(int64_t g) {
+    if constexpr (F != Format::F32) {
+      s_lo = _mm512_loadu_ps(s + g * kPanel);
+      s_hi = _mm512_loadu_ps(s + g * kPanel + 16);
+      const int64_t ahead = g + kGroupsAhead;
+      request(s + ahead * kPanel, kPanel * 4);
+      if constexpr (F == Format::Int8) request(q8 + ahead * kGroup * kPanel, kGroup * kPanel);
+      if constexpr (F == Format::Int4) {
+        m_lo = _mm512_loadu_ps(m + g * kPanel);
+        m_hi = _mm512_loadu_ps(m + g * kPanel + 16);
+        request(m + ahead * kPanel, kPanel * 4);
+        request(q4 + ahead * kGroup * (kPanel / 2), kGroup * kPanel / 2);
+      }
     }
-    switch (m - m0) {
-      case 3: tile<G, 3, NR>(*src, x, x_stride, y, w.n, m0, n0, next); break;
-      case 2: tile<G, 2, NR>(*src, x, x_stride, y, w.n, m0, n0, next); break;
-      case 1: tile<G, 1, NR>(*src, x, x_stride, y, w.n, m0, n0, next); break;
-      default: break;
+  }
+
+  inline void load(int64_t t, __m512& lo, __m512& hi) const {
+    if constexpr (F == Format::F32) {
+      request(f + (t + kF32Ahead) * kPanel, kPanel * 4);
+      lo = _mm512_loadu_ps(f + t * kPanel);
+      hi = _mm512_loadu_ps(f + t * kPanel + 16);
+    } else if constexpr (F == Format::Int8) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + t * kPanel));
+      lo = _mm512_mul_ps(s_lo, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+      hi = _mm512_mul_ps(s_hi,
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+    } else {
+      const __m512i bytes = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q4 + t * (kPanel / 2))));
+      lo = _mm512_fmadd_ps(s_lo, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF))),
+                           m_lo);
+      hi = _mm512_fmadd_ps(s_hi, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), m_hi);
     }
-  };
-  if (src == &dense) {
-    run(std::integral_constant<Format, Format::F32>{});
+  }
+};
+
+// The first `cols` of a panel's 32 outputs (the last panel of an N that is not a multiple of 32).
+inline void store(float* y, __m512 lo, __m512 hi, int cols) {
+  if (cols == kPanel) {
+    _mm512_storeu_ps(y, lo);
+    _mm512_storeu_ps(y + 16, hi);
   } else {
-    run(std::integral_constant<Format, F>{});
+    _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << std::min(cols, 16)) - 1), lo);
+    if (cols > 16) _mm512_mask_storeu_ps(y + 16, static_cast<__mmask16>((1u << (cols - 16)) - 1), hi);
   }
 }
 
-// fp32 panels: P [panels, K, kPanel].
-constexpr int kPanelRows = 12;
-// How far ahead of its use the panel stream is requested, in steps of k (128 bytes each): 8 KB.
-constexpr int64_t kPanelAhead = 64;
-
-inline void request_panel_row(const float* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  _mm_prefetch(c, _MM_HINT_T1);
-  _mm_prefetch(c + 64, _MM_HINT_T1);
-}
-
-// y[0 .. MR, 0 .. 32] = x[0 .. MR, :] P^T for one panel p.
-template <int MR>
-void panel_tile(const float* p, int64_t k, const float* x, int64_t x_stride, float* y,
-                int64_t y_stride) {
+// y[0 .. MR, 0 .. cols) = x[0 .. MR, :] w^T for one panel.
+template <Format F, int MR>
+void panel_tile(PanelReader<F> w, int64_t k, const float* x, int64_t x_stride, float* y,
+                int64_t y_stride, int cols) {
   __m512 lo[MR], hi[MR];
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < k; ++t) {
-    request_panel_row(p + (t + kPanelAhead) * kPanel);  // past the end: a hint, never a fault
-    const __m512 w_lo = _mm512_loadu_ps(p + t * kPanel);
-    const __m512 w_hi = _mm512_loadu_ps(p + t * kPanel + 16);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_set1_ps(x[i * x_stride + t]);
-      lo[i] = _mm512_fmadd_ps(xv, w_lo, lo[i]);
-      hi[i] = _mm512_fmadd_ps(xv, w_hi, hi[i]);
+  for (int64_t g = 0; g * kGroup < k; ++g) {
+    w.start_group(g);
+    for (int64_t t = g * kGroup; t < std::min(k, (g + 1) * kGroup); ++t) {
+      __m512 w_lo, w_hi;
+      w.load(t, w_lo, w_hi);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = _mm512_set1_ps(x[i * x_stride + t]);
+        lo[i] = _mm512_fmadd_ps(xv, w_lo, lo[i]);
+        hi[i] = _mm512_fmadd_ps(xv, w_hi, hi[i]);
+      }
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    _mm512_storeu_ps(y + i * y_stride, lo[i]);
-    _mm512_storeu_ps(y + i * y_stride + 16, hi[i]);
-  }
+  for (int i = 0; i < MR; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
 }
 
 // One row of x: two accumulators would be one FMA chain per vector, waiting on its own latency;
 // four steps of k at a time keep eight chains going.
-void panel_row(const float* p, int64_t k, const float* x, float* y) {
+template <Format F>
+void panel_row(PanelReader<F> w, int64_t k, const float* x, float* y, int cols) {
   __m512 acc[8];
   for (auto& a : acc) a = _mm512_setzero_ps();
-  int64_t t = 0;
-  for (; t + 4 <= k; t += 4) {
-    for (int u = 0; u < 4; ++u) {
-      request_panel_row(p + (t + u + kPanelAhead) * kPanel);
-      const __m512 xv = _mm512_set1_ps(x[t + u]);
-      acc[2 * u] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(p + (t + u) * kPanel), acc[2 * u]);
-      acc[2 * u + 1] =
-          _mm512_fmadd_ps(xv, _mm512_loadu_ps(p + (t + u) * kPanel + 16), acc[2 * u + 1]);
+  for (int64_t g = 0; g * kGroup < k; ++g) {
+    w.start_group(g);
+    const int64_t end = std::min(k, (g + 1) * kGroup);
+    int64_t t = g * kGroup;
+    for (; t + 4 <= end; t += 4) {
+      for (int u = 0; u < 4; ++u) {
+        __m512 w_lo, w_hi;
+        w.load(t + u, w_lo, w_hi);
+        const __m512 xv = _mm512_set1_ps(x[t + u]);
+        acc[2 * u] = _mm512_fmadd_ps(xv, w_lo, acc[2 * u]);
+        acc[2 * u + 1] = _mm512_fmadd_ps(xv, w_hi, acc[2 * u + 1]);
+      }
+    }
+    for (; t < end; ++t) {  // fp32 only: K need not be a multiple of 4 there
+      __m512 w_lo, w_hi;
+      w.load(t, w_lo, w_hi);
+      const __m512 xv = _mm512_set1_ps(x[t]);
+      acc[0] = _mm512_fmadd_ps(xv, w_lo, acc[0]);
+      acc[1] = _mm512_fmadd_ps(xv, w_hi, acc[1]);
     }
   }
-  for (; t < k; ++t) {
-    const __m512 xv = _mm512_set1_ps(x[t]);
-    acc[0] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(p + t * kPanel), acc[0]);
-    acc[1] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(p + t * kPanel + 16), acc[1]);
-  }
-  _mm512_storeu_ps(y, _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6])));
-  _mm512_storeu_ps(y + 16,
-                   _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7])));
+  store(y, _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6])),
+        _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7])), cols);
 }
 
-void panels_f32(const float* panels, int64_t num_panels, int64_t k, const float* x,
-                int64_t x_stride, float* y, int64_t m) {
-  const int64_t n = num_panels * kPanel;
-  // Tiles of x as even as they can be: 13 rows run as 7 + 6, not 12 + 1.
+// Every row of x against one panel, in tiles as even as they can be (13 rows run as 7 + 6).
+template <Format F>
+void panel_rows(PanelReader<F> w, int64_t k, const float* x, int64_t x_stride, float* y,
+                int64_t y_stride, int64_t m, int cols) {
+  if (m == 1) {
+    panel_row(w, k, x, y, cols);
+    return;
+  }
   const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const float* p = panels + j * k * kPanel;
-      float* yj = y + j * kPanel;
-      if (m == 1) {
-        panel_row(p, k, x, yj);
-        continue;
-      }
-      int64_t m0 = 0;
-      for (int64_t tile = 0; tile < tiles; ++tile) {
-        const int64_t rows = (m - m0) / (tiles - tile);
-        const float* xt = x + m0 * x_stride;
-        float* yt = yj + m0 * n;
-        switch (rows) {
+  int64_t m0 = 0;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t rows = (m - m0) / (tiles - tile);
+    const float* xt = x + m0 * x_stride;
+    float* yt = y + m0 * y_stride;
+    switch (rows) {
 #define JETSERVE_PANEL_TILE(R) \
-  case R: panel_tile<R>(p, k, xt, x_stride, yt, n); break;
-          JETSERVE_PANEL_TILE(1) JETSERVE_PANEL_TILE(2) JETSERVE_PANEL_TILE(3)
-          JETSERVE_PANEL_TILE(4) JETSERVE_PANEL_TILE(5) JETSERVE_PANEL_TILE(6)
-          JETSERVE_PANEL_TILE(7) JETSERVE_PANEL_TILE(8) JETSERVE_PANEL_TILE(9)
-          JETSERVE_PANEL_TILE(10) JETSERVE_PANEL_TILE(11) JETSERVE_PANEL_TILE(12)
+  case R: panel_tile<F, R>(w, k, xt, x_stride, yt, y_stride, cols); break;
+      JETSERVE_PANEL_TILE(1) JETSERVE_PANEL_TILE(2) JETSERVE_PANEL_TILE(3)
+      JETSERVE_PANEL_TILE(4) JETSERVE_PANEL_TILE(5) JETSERVE_PANEL_TILE(6)
+      JETSERVE_PANEL_TILE(7) JETSERVE_PANEL_TILE(8) JETSERVE_PANEL_TILE(9)
+      JETSERVE_PANEL_TILE(10) JETSERVE_PANEL_TILE(11) JETSERVE_PANEL_TILE(12)
 #undef JETSERVE_PANEL_TILE
-          default: break;  // rows is 1 .. kPanelRows by construction
-        }
-        m0 += rows;
-      }
+      default: break;  // rows is 1 .. kPanelRows by construction
     }
-  });
+    m0 += rows;
+  }
 }
 
 template <Format F>
-void skinny(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m) {
-  at::parallel_for(0, w.n, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(4 * w.k);
-    int64_t n = begin;
-    if (m == 1) {  // a single row of x: eight weight rows at a time for eight FMA chains
-      for (; n + 8 <= end; n += 8)
-        tile<F, 1, 8>(w, x, x_stride, y, w.n, 0, n, Ahead<F, 8>{&w, std::min(n + 8, end - 8)});
-    }
-    for (; n + 4 <= end; n += 4) column_tile<F, 4>(w, x, x_stride, y, m, n, scratch.data());
-    for (; n < end; ++n) column_tile<F, 1>(w, x, x_stride, y, m, n, scratch.data());
-  });
-}
-#endif
-
-// Portable path (no AVX-512): dequantize a group, then plain loops the compiler vectorizes.
-void skinny_portable(const Weight& w, const float* x, int64_t x_stride, float* y, int64_t m) {
-  at::parallel_for(0, w.n, 64, [&](int64_t begin, int64_t end) {
-    float group[kGroup];
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t i = 0; i < m; ++i) y[i * w.n + n] = 0.0f;
-      for (int64_t g = 0; g < w.k / kGroup; ++g) {
-        w.dequant(n, g, group);
-        for (int64_t i = 0; i < m; ++i) {
-          const float* xr = x + i * x_stride + g * kGroup;
-          float dot = 0.0f;
-          for (int t = 0; t < kGroup; ++t) dot += xr[t] * group[t];
-          y[i * w.n + n] += dot;
+void panels_run(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(F != Format::F32 && m > kScratchRows ? w.k * kPanel : 0);
+    Panels dense{Format::F32, 1, w.k, w.n, scratch.data()};
+    for (int64_t j = begin; j < end; ++j) {
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
+      float* yj = y + j * kPanel;
+      if (scratch.empty()) {
+        panel_rows(PanelReader<F>(w, j), w.k, x, x_stride, yj, w.n, m, cols);
+      } else {
+        PanelReader<F> panel(w, j);
+        for (int64_t g = 0; g < w.groups(); ++g) {
+          panel.start_group(g);
+          for (int64_t t = g * kGroup; t < (g + 1) * kGroup; ++t) {
+            __m512 lo, hi;
+            panel.load(t, lo, hi);
+            _mm512_storeu_ps(scratch.data() + t * kPanel, lo);
+            _mm512_storeu_ps(scratch.data() + t * kPanel + 16, hi);
+          }
         }
+        panel_rows(PanelReader<Format::F32>(dense, 0), w.k, x, x_stride, yj, w.n, m, cols);
       }
     }
   });
 }
 
-#if !defined(__AVX512F__)
-void panels_f32(const float* panels, int64_t num_panels, int64_t k, const float* x,
-                int64_t x_stride, float* y, int64_t m) {
-  const int64_t n = num_panels * kPanel;
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  switch (w.format) {
+    case Format::F32: panels_run<Format::F32>(w, x, x_stride, y, m); break;
+    case Format::Int8: panels_run<Format::Int8>(w, x, x_stride, y, m); break;
+    case Format::Int4: panels_run<Format::Int4>(w, x, x_stride, y, m); break;
+  }
+}
+#else
+// Portable path (no AVX-512): each panel dequantized into a scratch panel, then plain loops the
+// compiler vectorizes.
+void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(w.k * kPanel);
     for (int64_t j = begin; j < end; ++j) {
-      const float* p = panels + j * k * kPanel;
+      w.dequant(j, panel.data());
+      const int64_t cols = std::min<int64_t>(kPanel, w.n - j * kPanel);
       for (int64_t i = 0; i < m; ++i) {
         float acc[kPanel] = {};
-        for (int64_t t = 0; t < k; ++t) {
+        for (int64_t t = 0; t < w.k; ++t) {
           const float xv = x[i * x_stride + t];
-          for (int c = 0; c < kPanel; ++c) acc[c] += xv * p[t * kPanel + c];
+          for (int c = 0; c < kPanel; ++c) acc[c] += xv * panel[t * kPanel + c];
         }
-        for (int c = 0; c < kPanel; ++c) y[i * n + j * kPanel + c] = acc[c];
+        std::copy(acc, acc + cols, y + i * w.n + j * kPanel);
       }
     }
   });
 }
 #endif
 
-void check_x(const torch::Tensor& x, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
-              "linear: x must be fp32 [M, K] with contiguous rows");
-  TORCH_CHECK(x.size(1) == k, "linear: x has ", x.size(1), " columns, the weight ", k);
-  TORCH_CHECK(k % kGroup == 0, "linear: K must be a multiple of ", kGroup);
-}
-
-torch::Tensor run_skinny(const Weight& w, const torch::Tensor& x) {
+// Many rows in bfloat16 with fp32 sums, where the CPU has AMX tiles (several times the fp32
+// FMAs): W dequantized a block of panels at a time into [K, columns] for torch's matmul.
+torch::Tensor run_bf16_blas(const Panels& w, const torch::Tensor& x) {
+  constexpr int64_t kBlockPanels = 16;
   const int64_t m = x.size(0);
   auto y = torch::empty({m, w.n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-#if defined(__AVX512F__)
-  switch (w.format) {
-    case Format::F32: TORCH_CHECK(false, "fp32 weights run as panels (linear_f32)"); break;
-    case Format::Int8: skinny<Format::Int8>(w, xp, x.stride(0), yp, m); break;
-    case Format::Int4: skinny<Format::Int4>(w, xp, x.stride(0), yp, m); break;
-  }
-#else
-  skinny_portable(w, xp, x.stride(0), yp, m);
-#endif
-  return y;
-}
-
-void dequant_rows(const Weight& w, int64_t begin, int64_t end, float* out) {
-  for (int64_t r = begin; r < end; ++r) {
-    float* row = out + (r - begin) * w.k;
-    for (int64_t g = 0; g < w.k / kGroup; ++g) {
-#if defined(__AVX512F__)
-      __m512 lo, hi;
-      switch (w.format) {
-        case Format::F32: load_group<Format::F32>(w, r, g, lo, hi); break;
-        case Format::Int8: load_group<Format::Int8>(w, r, g, lo, hi); break;
-        case Format::Int4: load_group<Format::Int4>(w, r, g, lo, hi); break;
-      }
-      _mm512_storeu_ps(row + g * kGroup, lo);
-      _mm512_storeu_ps(row + g * kGroup + 16, hi);
-#else
-      w.dequant(r, g, row + g * kGroup);
-#endif
-    }
-  }
-}
-
-// Many rows: dequantize W a block of rows at a time and let BLAS multiply, in fp32 or, with
-// `bf16`, in bfloat16 with fp32 accumulation (several times faster where the CPU has AMX).
-torch::Tensor run_blas(const Weight& w, const torch::Tensor& x, bool bf16) {
-  constexpr int64_t kBlockRows = 512;
-  const int64_t m = x.size(0);
-  auto y = torch::empty({m, w.n}, x.options());
-  auto block = torch::empty({std::min(kBlockRows, w.n), w.k}, x.options());
-  float* bp = block.data_ptr<float>();
-  const auto xb = bf16 ? x.to(torch::kBFloat16) : x;
-  for (int64_t n0 = 0; n0 < w.n; n0 += kBlockRows) {
-    const int64_t rows = std::min(kBlockRows, w.n - n0);
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-      dequant_rows(w, n0 + begin, n0 + end, bp + begin * w.k);
+  auto block = torch::empty({w.k, kBlockPanels * kPanel}, x.options());
+  const auto xb = x.to(torch::kBFloat16);
+  for (int64_t j0 = 0; j0 < w.num_panels; j0 += kBlockPanels) {
+    const int64_t panels = std::min(kBlockPanels, w.num_panels - j0);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j)
+        w.dequant(j0 + j, block.data_ptr<float>() + j * kPanel, block.stride(0));
     });
-    auto w_block = block.narrow(0, 0, rows);
-    y.narrow(1, n0, rows).copy_(bf16 ? torch::mm(xb, w_block.to(torch::kBFloat16).t())
-                                     : torch::mm(x, w_block.t()));
+    const int64_t cols = std::min(panels * kPanel, w.n - j0 * kPanel);
+    auto w_block = block.narrow(1, 0, cols).to(torch::kBFloat16);
+    y.narrow(1, j0 * kPanel, cols).copy_(torch::mm(xb, w_block));
   }
   return y;
 }
 
-torch::Tensor run(const Weight& w, const torch::Tensor& x, int64_t skinny_max_rows, bool bf16) {
-  return x.size(0) <= skinny_max_rows ? run_skinny(w, x) : run_blas(w, x, bf16);
+void check_x(const torch::Tensor& x, int64_t k, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, name,
+              ": x must be fp32 [M, K] with contiguous rows");
+  TORCH_CHECK(x.size(1) == k, name, ": x has ", x.size(1), " columns, the weight ", k);
+}
+
+void check_scales(const torch::Tensor& t, const Panels& w, const char* name) {
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat32 && t.dim() == 3 &&
+              t.size(0) == w.num_panels && t.size(1) == w.groups() && t.size(2) == kPanel,
+              name, ": one fp32 value per 32 weights, [N / 32, K / 32, 32]");
+}
+
+torch::Tensor run(const Panels& w, const torch::Tensor& x, bool bf16_blas) {
+  const int64_t m = x.size(0);
+  TORCH_CHECK(w.n > (w.num_panels - 1) * kPanel && w.n <= w.num_panels * kPanel,
+              "linear: ", w.n, " output columns do not fill ", w.num_panels, " panels");
+  if (w.format != Format::F32 && bf16_blas) return run_bf16_blas(w, x);
+  auto y = torch::empty({m, w.n}, x.options());
+  if (m > 0) panels_matmul(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), m);
+  return y;
 }
 
 }  // namespace
@@ -427,42 +344,37 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels) {
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
               panels.scalar_type() == torch::kFloat32,
               "linear_f32: the weight must be fp32 panels [N / ", kPanel, ", K, ", kPanel, "]");
-  const int64_t k = panels.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
-              "linear_f32: x must be fp32 [M, K] with contiguous rows");
-  TORCH_CHECK(x.size(1) == k, "linear_f32: x has ", x.size(1), " columns, the weight ", k);
-  const int64_t m = x.size(0);
-  auto y = torch::empty({m, panels.size(0) * kPanel}, x.options());
-  if (m > 0)
-    panels_f32(panels.data_ptr<float>(), panels.size(0), k, x.data_ptr<float>(), x.stride(0),
-               y.data_ptr<float>(), m);
-  return y;
+  check_x(x, panels.size(1), "linear_f32");
+  Panels w{Format::F32, panels.size(0), panels.size(1), panels.size(0) * kPanel};
+  w.f32 = panels.data_ptr<float>();
+  return run(w, x, false);
 }
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          int64_t skinny_max_rows, bool bf16) {
-  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == torch::kInt8, "linear_int8: q must be int8");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
-              scale.numel() == q.numel() / kGroup, "linear_int8: one fp32 scale per 32 weights");
-  check_x(x, q.size(1));
-  Weight w{Format::Int8, q.size(0), q.size(1)};
+                          int64_t n, bool bf16_blas) {
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kPanel && q.is_contiguous() &&
+              q.scalar_type() == torch::kInt8, "linear_int8: q must be int8 panels [N / 32, K, 32]");
+  TORCH_CHECK(q.size(1) % kGroup == 0, "linear_int8: K must be a multiple of ", kGroup);
+  check_x(x, q.size(1), "linear_int8");
+  Panels w{Format::Int8, q.size(0), q.size(1), n};
+  check_scales(scale, w, "linear_int8 scale");
   w.q8 = q.data_ptr<int8_t>();
   w.scale = scale.data_ptr<float>();
-  return run(w, x, skinny_max_rows, bf16);
+  return run(w, x, bf16_blas);
 }
 
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          const torch::Tensor& min, int64_t skinny_max_rows, bool bf16) {
-  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == torch::kUInt8, "linear_int4: q must be uint8");
-  const int64_t k = q.size(1) * 2;
-  TORCH_CHECK(scale.is_contiguous() && min.is_contiguous() &&
-              scale.scalar_type() == torch::kFloat32 && min.scalar_type() == torch::kFloat32 &&
-              scale.numel() == q.size(0) * k / kGroup && min.numel() == scale.numel(),
-              "linear_int4: one fp32 scale and min per 32 weights");
-  check_x(x, k);
-  Weight w{Format::Int4, q.size(0), k};
+                          const torch::Tensor& min, int64_t n, bool bf16_blas) {
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kPanel / 2 && q.is_contiguous() &&
+              q.scalar_type() == torch::kUInt8,
+              "linear_int4: q must be uint8 panels [N / 32, K, 16]");
+  TORCH_CHECK(q.size(1) % kGroup == 0, "linear_int4: K must be a multiple of ", kGroup);
+  check_x(x, q.size(1), "linear_int4");
+  Panels w{Format::Int4, q.size(0), q.size(1), n};
+  check_scales(scale, w, "linear_int4 scale");
+  check_scales(min, w, "linear_int4 min");
   w.q4 = q.data_ptr<uint8_t>();
   w.scale = scale.data_ptr<float>();
   w.min = min.data_ptr<float>();
-  return run(w, x, skinny_max_rows, bf16);
+  return run(w, x, bf16_blas);
 }

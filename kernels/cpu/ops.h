@@ -8,12 +8,15 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
                             const torch::Tensor& seq_lens, const torch::Tensor& q_rows,
                             torch::Tensor& out, double scale);
 
-// weight: fp32 packed in panels of 32 output columns, [N / 32, K, 32] (services/executor/linear.py).
+// Weights packed in panels of 32 output columns (services/executor/linear.py, linear.cpp): fp32
+// [N / 32, K, 32]; int8 q [N / 32, K, 32] with fp32 scales [N / 32, K / 32, 32]; int4 q
+// [N / 32, K, 16] with scales and mins. n: the output columns (the last panel may be padding).
+// bf16_blas: run torch's bfloat16 matmul on the dequantized weights (for many rows, on AMX).
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          int64_t skinny_max_rows, bool bf16);
+                          int64_t n, bool bf16_blas);
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          const torch::Tensor& min, int64_t skinny_max_rows, bool bf16);
+                          const torch::Tensor& min, int64_t n, bool bf16_blas);
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tensor>& residual,
                        const torch::Tensor& weight, double eps);

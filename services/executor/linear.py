@@ -1,8 +1,8 @@
 """The model's matmuls, y = x W^T, over weights kept in the precision they are stored in: dense
 (fp32, bf16, fp16), or weight-only int8 / int4 in groups of 32 along the input dimension (the
 layout of GGUF's Q8_0, Q4_0 and Q4_1 blocks), run by the CPU kernels in kernels/cpu/linear.cpp.
-fp32 weights on a CPU are packed once at load into panels of 32 output columns, the layout the
-kernel streams (one copy: a tied embedding table is looked up in the panels too).
+Weights on a CPU are packed once at load into panels of 32 output columns, the layout the kernel
+streams (one copy: a tied fp32 embedding table is looked up in the panels too).
 
 `model.quantization`: `none` keeps dense weights; `int8` / `int4` quantize every matmul at load;
 `auto` keeps a GGUF's own blocks (Q4_x stays int4, Q8_0 int8, float stays dense) and is `none`
@@ -17,14 +17,12 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32
-PANEL = 32  # output columns per panel of a packed fp32 weight
-# Up to this many rows of x, the kernels stream quantized W once in place; beyond it, BLAS is
-# faster (W dequantized a block of rows at a time for it). Measured: BENCHMARKS.md. Packed fp32
-# runs on its kernel at every M (as fast as BLAS from 64 rows up, faster below).
-SKINNY_MAX_ROWS = 48
+PANEL = 32  # output columns per panel of a packed weight
 # Many rows of x against quantized weights multiply in bfloat16 (fp32 accumulation) where the
-# CPU has AMX tiles: several times faster than fp32, on weights that are rounded already.
+# CPU has AMX tiles: several times faster than fp32, on weights that are rounded already. Below
+# this many rows the panel kernel streams the weights once and wins.
 BF16_BLAS = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+BF16_BLAS_MIN_ROWS = 49
 
 
 @dataclass
@@ -98,6 +96,43 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
+@dataclass
+class QuantizedPanels:
+    """A QuantizedWeight packed for the kernel: q in panels of 32 output columns (int8 [P, K,
+    32]; int4 [P, K, 16], byte c holding column c low and c + 16 high), scales and mins [P,
+    K / 32, 32]. N is padded to whole panels with zero weights; `n` is the real N."""
+
+    bits: int
+    n: int
+    q: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min)
+                   if t is not None)
+
+
+def pack_quantized(weight: QuantizedWeight) -> QuantizedPanels:
+    rows, cols = weight.shape
+    panels = -(-rows // PANEL)
+    pad = panels * PANEL - rows
+
+    def sideways(t: torch.Tensor) -> torch.Tensor:  # [rows, C] -> [panels, C, PANEL]
+        t = F.pad(t, (0, 0, 0, pad))
+        return t.view(panels, PANEL, -1).transpose(1, 2).contiguous()
+
+    scale = sideways(weight.scale)
+    if weight.bits == 8:
+        return QuantizedPanels(8, rows, sideways(weight.q), scale, None)
+    half = GROUP // 2  # row-major bytes: weight j of a group low, weight j + 16 high
+    low, high = (weight.q & 0xF).view(rows, -1, half), (weight.q >> 4).view(rows, -1, half)
+    levels = sideways(torch.cat((low, high), dim=-1).view(rows, cols))  # [panels, K, 32]
+    packed = levels[..., :PANEL // 2] | (levels[..., PANEL // 2:] << 4)
+    return QuantizedPanels(4, rows, packed.contiguous(), scale, sideways(weight.min))
+
+
 class DenseLinear:
     def __init__(self, weight: torch.Tensor, kernels):
         # The kernel covers fp32 on a CPU with whole panels of output columns; elsewhere (bf16,
@@ -125,14 +160,15 @@ class QuantizedLinear:
             raise RuntimeError("int8 and int4 weights run on the CPU kernels, which are not "
                                "available here (see the warning above); set "
                                "model.quantization: none")
-        self.weight = weight
+        self.weight = pack_quantized(weight)
         self.kernels = kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        bf16 = BF16_BLAS and x.shape[0] >= BF16_BLAS_MIN_ROWS
         if w.bits == 8:
-            return self.kernels.linear_int8(x, w.q, w.scale, SKINNY_MAX_ROWS, BF16_BLAS)
-        return self.kernels.linear_int4(x, w.q, w.scale, w.min, SKINNY_MAX_ROWS, BF16_BLAS)
+            return self.kernels.linear_int8(x, w.q, w.scale, w.n, bf16)
+        return self.kernels.linear_int4(x, w.q, w.scale, w.min, w.n, bf16)
 
 
 def make_linear(weight: torch.Tensor | QuantizedWeight, kernels) -> DenseLinear | QuantizedLinear:

@@ -1,5 +1,6 @@
-"""The C++ CPU kernels against torch: matmuls over packed fp32 weights, and over int8 and int4
-weights on both of their paths (few rows: in place; many rows: dequantized for BLAS), the fused
+"""The C++ CPU kernels against torch: matmuls over packed fp32, int8 and int4 weights on each of
+their paths (one row; register tiles of 2 to 12 rows; many rows over a dequantized scratch
+panel; bfloat16 BLAS), the fused
 element-wise ops, and the build's handling of a killed build and of a missing compiler."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops, kv_int8, reference
-from services.executor.linear import SKINNY_MAX_ROWS, pack_panels, quantize
+from services.executor.linear import pack_panels, pack_quantized, quantize
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 
@@ -20,11 +21,17 @@ def k():
     return cpu_ops.load()
 
 
-# Rows: 1 and 3 (register tiles of 4 with a remainder), the largest in-place size, BLAS beyond.
-ROWS = [1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 70]
+def quantized_linear(k, weight, x, bf16=False):
+    """x W^T through the kernel for W's packed panels (a QuantizedWeight)."""
+    w = pack_quantized(weight)
+    if w.bits == 8:
+        return k.linear_int8(x, w.q, w.scale, w.n, bf16)
+    return k.linear_int4(x, w.q, w.scale, w.min, w.n, bf16)
 
 
-@pytest.mark.parametrize("rows", ROWS)
+# Rows: one (its own loop), 3 and 12 (one register tile), 13 and 70 (tiles over a scratch panel).
+# Shapes: N short of a panel (7), past whole panels (261), and SmolLM2's down projection.
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 70])
 @pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
 def test_linear_matches_torch_on_every_format(k, rows, shape):
     gen = torch.Generator().manual_seed(rows)
@@ -32,16 +39,12 @@ def test_linear_matches_torch_on_every_format(k, rows, shape):
     x = torch.randn(rows, shape[1], generator=gen)
     q8, q4 = quantize(weight, 8), quantize(weight, 4)
     expected8, expected4 = x @ q8.dequantize().t(), x @ q4.dequantize().t()
-    torch.testing.assert_close(k.linear_int8(x, q8.q, q8.scale, SKINNY_MAX_ROWS, False),
-                               expected8, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(k.linear_int4(x, q4.q, q4.scale, q4.min, SKINNY_MAX_ROWS, False),
-                               expected4, atol=1e-4, rtol=1e-4)
-    # With bf16 for the many-rows path: inputs rounded to 8 bits of mantissa, fp32 sums.
+    torch.testing.assert_close(quantized_linear(k, q8, x), expected8, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(quantized_linear(k, q4, x), expected4, atol=1e-4, rtol=1e-4)
+    # The bf16 BLAS path: inputs rounded to 8 bits of mantissa, fp32 sums.
     bf16 = dict(atol=0.05 * shape[1] ** 0.5, rtol=0.02)
-    torch.testing.assert_close(k.linear_int8(x, q8.q, q8.scale, SKINNY_MAX_ROWS, True),
-                               expected8, **bf16)
-    torch.testing.assert_close(k.linear_int4(x, q4.q, q4.scale, q4.min, SKINNY_MAX_ROWS, True),
-                               expected4, **bf16)
+    torch.testing.assert_close(quantized_linear(k, q8, x, bf16=True), expected8, **bf16)
+    torch.testing.assert_close(quantized_linear(k, q4, x, bf16=True), expected4, **bf16)
 
 
 # Every register-tile height (1 .. 12), uneven splits past 12 (13 = 7 + 6), and prefill sizes.
@@ -61,15 +64,15 @@ def test_linear_reads_strided_rows_and_rejects_bad_shapes(k):
     torch.testing.assert_close(k.linear_f32(x, pack_panels(weight)), x @ weight.t(),
                                atol=1e-5, rtol=1e-5)
     q8 = quantize(weight, 8)
-    torch.testing.assert_close(k.linear_int8(x, q8.q, q8.scale, SKINNY_MAX_ROWS, False),
-                               x @ q8.dequantize().t(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(quantized_linear(k, q8, x), x @ q8.dequantize().t(),
+                               atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="x has 64 columns, the weight 32"):
         k.linear_f32(x, pack_panels(torch.randn(32, 32)))
     with pytest.raises(RuntimeError, match="fp32 panels"):
         k.linear_f32(x, torch.randn(10, 64))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        k.linear_int8(torch.randn(2, 48), torch.zeros(4, 48, dtype=torch.int8), torch.ones(6),
-                      SKINNY_MAX_ROWS, False)
+        k.linear_int8(torch.randn(2, 48), torch.zeros(1, 48, 32, dtype=torch.int8),
+                      torch.ones(1, 1, 32), 32, False)
 
 
 def test_quantization_error_is_bounded_per_group():
