@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from services.executor import linear
 from services.executor.attention import SeqSlice
 from services.executor.engine import Engine
 from services.executor.sampler import SamplingBatch, sample
@@ -155,8 +154,7 @@ def main() -> None:
         engine = Engine(EngineConfig(model=model, quantization=quantization, max_num_seqs=128,
                                      enable_prefix_caching=False))
         rows = []
-        print(f"\n{quantization} (threads: {torch.get_num_threads()}, "
-              f"skinny kernels up to {linear.SKINNY_MAX_ROWS} rows)")
+        print(f"\n{quantization} (threads: {torch.get_num_threads()})")
         for name, decodes, context, prefill in CASES:
             row = run_case(engine, decodes, context, prefill, args.repeats)
             row["case"] = name
