@@ -22,6 +22,7 @@ import json
 import platform
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -57,6 +58,14 @@ def workload_flops(config: ModelConfig, requests: list[GenerateRequest]) -> floa
         total += attended * 4 * config.num_heads * hd * config.num_layers
         total += r.max_tokens * 2 * config.vocab_size * h  # output projection per sampled token
     return total
+
+
+def on_own_thread(fn, *args):
+    """fn(*args) on a thread of its own that ends with it. torch's OpenMP keeps a thread team
+    per calling thread; a team left on this (main) thread would share the two cores with the
+    engine's model-thread team and slow every parallel op of both."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
@@ -224,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                         attention_backend=args.attention_backend, enable_prefix_caching=False)
     model_config, _ = load_model_config(args.model)
     points = {n: engine_workload(n, args.seed, model_config.vocab_size) for n in args.sweep}
-    matmul = matmul_flops_per_s()
+    matmul = on_own_thread(matmul_flops_per_s)
     variants = {("engine" if q == "none" else f"engine_{q}"):
                 msgspec.structs.replace(base, quantization=q) for q in args.quantization}
     first = next(iter(variants.values()))
@@ -240,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = run_engine(config, points, single_stream=not args.skip_single_stream)
     if not args.skip_hf:
         print(f"transformers static batching (batch {args.hf_batch_size}, fp32) ...", flush=True)
-        runs["hf_static"] = run_hf_static(points, args.hf_batch_size)
+        runs["hf_static"] = on_own_thread(run_hf_static, points, args.hf_batch_size)
 
     reference = next(iter(runs.values()))["points"]
     for n, requests in points.items():

@@ -156,7 +156,8 @@ def main() -> None:
         rows = []
         print(f"\n{quantization} (threads: {torch.get_num_threads()})")
         for name, decodes, context, prefill in CASES:
-            row = run_case(engine, decodes, context, prefill, args.repeats)
+            # On the engine's model thread, as the engine runs steps: one OpenMP team.
+            row = engine.on_model_thread(run_case, engine, decodes, context, prefill, args.repeats)
             row["case"] = name
             rows.append(row)
             parts = ", ".join(f"{k} {v:.1f}" for k, v in row["parts_ms"].items())

@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -211,7 +212,28 @@ void panel_row(PanelReader<F> w, int64_t k, const float* x, float* y, int cols) 
         _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7])), cols);
 }
 
-// Every row of x against one panel, in tiles as even as they can be (13 rows run as 7 + 6).
+// Calls tile.template operator()<R>(m0) for tiles of R rows covering [0, m), as even as they
+// can be (13 rows run as 7 + 6, not 12 + 1).
+template <typename Tile>
+void for_each_tile(int64_t m, const Tile& tile) {
+  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = (m - m0) / (tiles - t);
+    switch (rows) {
+#define JETSERVE_TILE(R) \
+  case R: tile.template operator()<R>(m0); break;
+      JETSERVE_TILE(1) JETSERVE_TILE(2) JETSERVE_TILE(3) JETSERVE_TILE(4) JETSERVE_TILE(5)
+      JETSERVE_TILE(6) JETSERVE_TILE(7) JETSERVE_TILE(8) JETSERVE_TILE(9) JETSERVE_TILE(10)
+      JETSERVE_TILE(11) JETSERVE_TILE(12)
+#undef JETSERVE_TILE
+      default: break;  // rows is 1 .. kPanelRows by construction
+    }
+    m0 += rows;
+  }
+}
+
+// Every row of x against one panel.
 template <Format F>
 void panel_rows(PanelReader<F> w, int64_t k, const float* x, int64_t x_stride, float* y,
                 int64_t y_stride, int64_t m, int cols) {
@@ -219,23 +241,23 @@ void panel_rows(PanelReader<F> w, int64_t k, const float* x, int64_t x_stride, f
     panel_row(w, k, x, y, cols);
     return;
   }
-  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
-  int64_t m0 = 0;
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int64_t rows = (m - m0) / (tiles - tile);
-    const float* xt = x + m0 * x_stride;
-    float* yt = y + m0 * y_stride;
-    switch (rows) {
-#define JETSERVE_PANEL_TILE(R) \
-  case R: panel_tile<F, R>(w, k, xt, x_stride, yt, y_stride, cols); break;
-      JETSERVE_PANEL_TILE(1) JETSERVE_PANEL_TILE(2) JETSERVE_PANEL_TILE(3)
-      JETSERVE_PANEL_TILE(4) JETSERVE_PANEL_TILE(5) JETSERVE_PANEL_TILE(6)
-      JETSERVE_PANEL_TILE(7) JETSERVE_PANEL_TILE(8) JETSERVE_PANEL_TILE(9)
-      JETSERVE_PANEL_TILE(10) JETSERVE_PANEL_TILE(11) JETSERVE_PANEL_TILE(12)
-#undef JETSERVE_PANEL_TILE
-      default: break;  // rows is 1 .. kPanelRows by construction
+  for_each_tile(m, [&]<int R>(int64_t m0) {
+    panel_tile<F, R>(w, k, x + m0 * x_stride, x_stride, y + m0 * y_stride, y_stride, cols);
+  });
+}
+
+// A quantized panel dequantized to fp32, [K, 32].
+template <Format F>
+void dequant_panel(const Panels& w, int64_t j, float* out) {
+  PanelReader<F> panel(w, j);
+  for (int64_t g = 0; g < w.groups(); ++g) {
+    panel.start_group(g);
+    for (int64_t t = g * kGroup; t < (g + 1) * kGroup; ++t) {
+      __m512 lo, hi;
+      panel.load(t, lo, hi);
+      _mm512_storeu_ps(out + t * kPanel, lo);
+      _mm512_storeu_ps(out + t * kPanel + 16, hi);
     }
-    m0 += rows;
   }
 }
 
@@ -243,40 +265,120 @@ template <Format F>
 void panels_run(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
   at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(F != Format::F32 && m > kScratchRows ? w.k * kPanel : 0);
-    Panels dense{Format::F32, 1, w.k, w.n, scratch.data()};
+    const Panels dense{Format::F32, 1, w.k, w.n, scratch.data()};
     for (int64_t j = begin; j < end; ++j) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
       float* yj = y + j * kPanel;
       if (scratch.empty()) {
         panel_rows(PanelReader<F>(w, j), w.k, x, x_stride, yj, w.n, m, cols);
       } else {
-        PanelReader<F> panel(w, j);
-        for (int64_t g = 0; g < w.groups(); ++g) {
-          panel.start_group(g);
-          for (int64_t t = g * kGroup; t < (g + 1) * kGroup; ++t) {
-            __m512 lo, hi;
-            panel.load(t, lo, hi);
-            _mm512_storeu_ps(scratch.data() + t * kPanel, lo);
-            _mm512_storeu_ps(scratch.data() + t * kPanel + 16, hi);
-          }
-        }
+        dequant_panel<F>(w, j, scratch.data());
         panel_rows(PanelReader<Format::F32>(dense, 0), w.k, x, x_stride, yj, w.n, m, cols);
       }
     }
   });
 }
 
-void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+#if defined(__AVX512BF16__)
+// bfloat16 dot products (vdpbf16ps: 32 products into 16 fp32 sums, where an FMA makes 16): for
+// many rows of x against quantized weights, which are rounded already. Both operands hold pairs
+// of consecutive k in each 32-bit lane: a weight lane is (w[2p, c], w[2p + 1, c]).
+
+// Two steps of k, as fp32 vectors of one half of the columns, into a vector of bf16 pairs.
+inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+  const __m512i e = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even)));
+  const __m512i o = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd)));
+  return _mm512_or_si512(e, _mm512_slli_epi32(o, 16));
+}
+
+// A quantized panel as bf16 pairs: out[p * 32 + c] = (w[2p, c], w[2p + 1, c]).
+template <Format F>
+void dequant_panel_bf16(const Panels& w, int64_t j, uint32_t* out) {
+  PanelReader<F> panel(w, j);
+  for (int64_t g = 0; g < w.groups(); ++g) {
+    panel.start_group(g);
+    for (int64_t t = g * kGroup; t < (g + 1) * kGroup; t += 2) {
+      __m512 lo0, hi0, lo1, hi1;
+      panel.load(t, lo0, hi0);
+      panel.load(t + 1, lo1, hi1);
+      _mm512_storeu_si512(out + t / 2 * kPanel, bf16_pairs(lo0, lo1));
+      _mm512_storeu_si512(out + t / 2 * kPanel + 16, bf16_pairs(hi0, hi1));
+    }
+  }
+}
+
+// y[0 .. MR, 0 .. cols) for one panel of bf16 pairs p against rows of x as bf16 pairs.
+template <int MR>
+void bf16_tile(const uint32_t* p, int64_t k, const uint32_t* x, int64_t x_stride, float* y,
+               int64_t y_stride, int cols) {
+  __m512 lo[MR], hi[MR];
+  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < k / 2; ++t) {
+    const __m512bh w_lo = reinterpret_cast<__m512bh>(_mm512_loadu_si512(p + t * kPanel));
+    const __m512bh w_hi = reinterpret_cast<__m512bh>(_mm512_loadu_si512(p + t * kPanel + 16));
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x[i * x_stride + t]));
+      lo[i] = _mm512_dpbf16_ps(lo[i], xv, w_lo);
+      hi[i] = _mm512_dpbf16_ps(hi[i], xv, w_hi);
+    }
+  }
+  for (int i = 0; i < MR; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
+}
+
+template <Format F>
+void panels_run_bf16(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  // x as bf16 pairs, once: row i's pair t is (x[i, 2t], x[i, 2t + 1]).
+  const int64_t pairs = w.k / 2;
+  std::vector<uint32_t> xb(m * pairs);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t t = 0; t < w.k; t += kGroup) {
+        const float* xr = x + i * x_stride + t;
+        _mm512_storeu_si512(xb.data() + i * pairs + t / 2,
+                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                _mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr))));
+      }
+  });
+  at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> scratch(pairs * kPanel);
+    for (int64_t j = begin; j < end; ++j) {
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
+      dequant_panel_bf16<F>(w, j, scratch.data());
+      for_each_tile(m, [&]<int R>(int64_t m0) {
+        bf16_tile<R>(scratch.data(), w.k, xb.data() + m0 * pairs, pairs,
+                     y + m0 * w.n + j * kPanel, w.n, cols);
+      });
+    }
+  });
+}
+constexpr bool kBf16Dot = true;
+#else
+template <Format F>
+void panels_run_bf16(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  panels_run<F>(w, x, x_stride, y, m);
+}
+constexpr bool kBf16Dot = false;
+#endif
+
+// bf16: rows past kScratchRows against quantized weights may multiply in bfloat16.
+void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m,
+                   bool bf16) {
+  bf16 = bf16 && m > kScratchRows;
   switch (w.format) {
     case Format::F32: panels_run<Format::F32>(w, x, x_stride, y, m); break;
-    case Format::Int8: panels_run<Format::Int8>(w, x, x_stride, y, m); break;
-    case Format::Int4: panels_run<Format::Int4>(w, x, x_stride, y, m); break;
+    case Format::Int8:
+      (bf16 ? panels_run_bf16<Format::Int8> : panels_run<Format::Int8>)(w, x, x_stride, y, m);
+      break;
+    case Format::Int4:
+      (bf16 ? panels_run_bf16<Format::Int4> : panels_run<Format::Int4>)(w, x, x_stride, y, m);
+      break;
   }
 }
 #else
 // Portable path (no AVX-512): each panel dequantized into a scratch panel, then plain loops the
 // compiler vectorizes.
-void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+constexpr bool kBf16Dot = false;
+void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m, bool) {
   at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(w.k * kPanel);
     for (int64_t j = begin; j < end; ++j) {
@@ -328,13 +430,23 @@ void check_scales(const torch::Tensor& t, const Panels& w, const char* name) {
               name, ": one fp32 value per 32 weights, [N / 32, K / 32, 32]");
 }
 
-torch::Tensor run(const Panels& w, const torch::Tensor& x, bool bf16_blas) {
+// Below this many rows the panel kernel, which streams the weights once, beats AMX BLAS.
+constexpr int64_t kAmxRows = 49;
+
+// many_rows: how more than kScratchRows rows multiply quantized weights: "fp32"; "bf16"
+// (AVX512-BF16 dot products); "amx" (from kAmxRows rows, torch's bf16 matmul on AMX tiles).
+torch::Tensor run(const Panels& w, const torch::Tensor& x, const std::string& many_rows) {
   const int64_t m = x.size(0);
   TORCH_CHECK(w.n > (w.num_panels - 1) * kPanel && w.n <= w.num_panels * kPanel,
               "linear: ", w.n, " output columns do not fill ", w.num_panels, " panels");
-  if (w.format != Format::F32 && bf16_blas) return run_bf16_blas(w, x);
+  TORCH_CHECK(many_rows == "fp32" || many_rows == "amx" || (many_rows == "bf16" && kBf16Dot),
+              "linear: many_rows must be fp32, amx", kBf16Dot ? " or bf16" : "",
+              " on this CPU, not ", many_rows);
+  if (many_rows == "amx" && m >= kAmxRows) return run_bf16_blas(w, x);
   auto y = torch::empty({m, w.n}, x.options());
-  if (m > 0) panels_matmul(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), m);
+  if (m > 0)  // below kAmxRows, "amx" runs as "bf16" where that is built in
+    panels_matmul(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), m,
+                  many_rows != "fp32" && kBf16Dot);
   return y;
 }
 
@@ -347,11 +459,11 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels) {
   check_x(x, panels.size(1), "linear_f32");
   Panels w{Format::F32, panels.size(0), panels.size(1), panels.size(0) * kPanel};
   w.f32 = panels.data_ptr<float>();
-  return run(w, x, false);
+  return run(w, x, "fp32");
 }
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          int64_t n, bool bf16_blas) {
+                          int64_t n, const std::string& many_rows) {
   TORCH_CHECK(q.dim() == 3 && q.size(2) == kPanel && q.is_contiguous() &&
               q.scalar_type() == torch::kInt8, "linear_int8: q must be int8 panels [N / 32, K, 32]");
   TORCH_CHECK(q.size(1) % kGroup == 0, "linear_int8: K must be a multiple of ", kGroup);
@@ -360,11 +472,11 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   check_scales(scale, w, "linear_int8 scale");
   w.q8 = q.data_ptr<int8_t>();
   w.scale = scale.data_ptr<float>();
-  return run(w, x, bf16_blas);
+  return run(w, x, many_rows);
 }
 
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          const torch::Tensor& min, int64_t n, bool bf16_blas) {
+                          const torch::Tensor& min, int64_t n, const std::string& many_rows) {
   TORCH_CHECK(q.dim() == 3 && q.size(2) == kPanel / 2 && q.is_contiguous() &&
               q.scalar_type() == torch::kUInt8,
               "linear_int4: q must be uint8 panels [N / 32, K, 16]");
@@ -376,5 +488,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
   w.q4 = q.data_ptr<uint8_t>();
   w.scale = scale.data_ptr<float>();
   w.min = min.data_ptr<float>();
-  return run(w, x, bf16_blas);
+  return run(w, x, many_rows);
 }
+
+bool bf16_dot_products() { return kBf16Dot; }

@@ -7,6 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "x W^T, W fp32 packed in panels of 32 output columns");
   m.def("linear_int8", &linear_int8, "x W^T, W int8 panels with a scale per 32 weights");
   m.def("linear_int4", &linear_int4, "x W^T, W int4 panels with a scale and min per 32 weights");
+  m.def("bf16_dot_products", &bf16_dot_products, "whether many_rows=\"bf16\" is built in");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding x into the residual first");
   m.def("rotary_and_cache", &rotary_and_cache,
         "rotary on the q and k parts of a fused qkv row, then k and v into the paged cache");

@@ -11,12 +11,14 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
 // Weights packed in panels of 32 output columns (services/executor/linear.py, linear.cpp): fp32
 // [N / 32, K, 32]; int8 q [N / 32, K, 32] with fp32 scales [N / 32, K / 32, 32]; int4 q
 // [N / 32, K, 16] with scales and mins. n: the output columns (the last panel may be padding).
-// bf16_blas: run torch's bfloat16 matmul on the dequantized weights (for many rows, on AMX).
+// many_rows: "fp32", "bf16" or "amx", how many rows of x multiply quantized weights (linear.cpp).
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          int64_t n, bool bf16_blas);
+                          int64_t n, const std::string& many_rows);
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          const torch::Tensor& min, int64_t n, bool bf16_blas);
+                          const torch::Tensor& min, int64_t n, const std::string& many_rows);
+// Whether this build has the AVX512-BF16 dot products ("bf16" above).
+bool bf16_dot_products();
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tensor>& residual,
                        const torch::Tensor& weight, double eps);

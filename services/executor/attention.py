@@ -48,7 +48,18 @@ class PrefillSlice:
     q_start: int
     q_len: int
     block_ids: torch.Tensor | None  # None: no earlier context, attend to the fresh K/V only
-    mask: torch.Tensor | None  # [q_len, context_len] causal mask with an offset, when needed
+    first_pos: int = 0  # position of the first new token (tokens before it are cached)
+    _mask: torch.Tensor | None = None
+
+    def mask(self, block_size: int) -> torch.Tensor:
+        """[q_len, cached blocks' tokens]: causal with an offset. Made on first use, on the
+        model thread (a long chunk's mask is large enough for torch's parallel ops)."""
+        if self._mask is None:
+            keys = self.block_ids.shape[0] * block_size
+            self._mask = (torch.arange(keys, device=self.block_ids.device)[None, :]
+                          <= (self.first_pos + torch.arange(self.q_len,
+                                                            device=self.block_ids.device))[:, None])
+        return self._mask
 
 
 @dataclass
@@ -116,17 +127,12 @@ class TorchBackend:
             if s.q_len == 1:
                 continue
             if s.context_len == s.q_len:
-                prefills.append(PrefillSlice(s.q_start, s.q_len, None, None))
+                prefills.append(PrefillSlice(s.q_start, s.q_len, None))
                 continue
             num_blocks = -(-s.context_len // bs)
-            first_pos = s.context_len - s.q_len
-            mask = (torch.arange(num_blocks * bs)[None, :]
-                    <= (first_pos + torch.arange(s.q_len))[:, None])
             prefills.append(PrefillSlice(
-                s.q_start, s.q_len,
-                torch.tensor(s.block_table[:num_blocks], device=device),
-                mask.to(device),
-            ))
+                s.q_start, s.q_len, torch.tensor(s.block_table[:num_blocks], device=device),
+                first_pos=s.context_len - s.q_len))
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_groups=groups,
@@ -194,13 +200,15 @@ class TorchBackend:
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             query = q[rows].transpose(0, 1).unsqueeze(0)
+            mask = None
             if p.block_ids is None:
                 keys, values = k[rows].unsqueeze(0), v[rows].unsqueeze(0)
             else:
                 keys = _gather_blocks(k_cache, p.block_ids, q.dtype).unsqueeze(0)
                 values = _gather_blocks(v_cache, p.block_ids, q.dtype).unsqueeze(0)
+                mask = p.mask(self.block_size)
             o = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
-                                               attn_mask=p.mask, is_causal=p.mask is None,
+                                               attn_mask=mask, is_causal=mask is None,
                                                scale=scale, enable_gqa=True)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out

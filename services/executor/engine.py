@@ -86,8 +86,10 @@ def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # The one thread that runs torch's parallel work: loading, the KV pool, every step. An
+        # OpenMP thread team per calling thread would leave two teams on the cores, and each
+        # parallel op then waits ~40 us for its workers to wake instead of ~2 us.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         simulated = config.model.startswith("sim:")
         if simulated:  # no weights, no tensors: the host's clock stands in for the device
             self.device, self.dtype = torch.device("cpu"), torch.float32
@@ -95,9 +97,9 @@ class Engine:
         else:
             self.device = _pick_device(config)
             self.dtype = _pick_dtype(config, self.device)
-            model_config, weights, model_dir = load_model_files(
-                config.model, self.device, self.dtype, config.weights_cache_dir,
-                config.quantization)
+            model_config, weights, model_dir = self.on_model_thread(
+                load_model_files, config.model, self.device, self.dtype,
+                config.weights_cache_dir, config.quantization)
         self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.weights_cache_dir))
         self.model_config = model_config
         self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
@@ -117,22 +119,31 @@ class Engine:
             if self.kv_dtype == torch.int8 and backend.name != "torch":
                 raise ValueError(f"kv_cache.dtype int8 runs on the torch attention backend, not "
                                  f"{backend.name}: set model.attention_backend: torch")
-            model = LlamaModel(model_config, weights, backend, self.max_model_len)
+            model = self.on_model_thread(LlamaModel, model_config, weights, backend,
+                                          self.max_model_len)
+            del weights  # the model holds them, packed
             num_blocks = config.num_kv_blocks or self._blocks_that_fit()
-            self.runner = ModelRunner(model, backend, num_blocks, config.block_size,
-                                      self.kv_dtype, self.device)
+            self.runner = self.on_model_thread(ModelRunner, model, backend, num_blocks,
+                                                config.block_size, self.kv_dtype, self.device)
+            self.on_model_thread(self.runner.warm_up)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
                                    preemption_margin=config.preemption_margin)
         self.stats = EngineStats()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        if not simulated:
-            self._worker.submit(self.runner.warm_up).result()
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+
+    def on_model_thread(self, fn, *args):
+        """fn(*args) on the model thread: start-up work, and anything else (a benchmark's direct
+        forward passes) that runs torch's parallel ops."""
+        def call():
+            if self.config.num_threads:  # OpenMP's thread count is the calling thread's
+                torch.set_num_threads(self.config.num_threads)
+            return fn(*args)
+        return self._worker.submit(call).result()
 
     def _blocks_that_fit(self) -> int:
         per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size,

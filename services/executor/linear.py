@@ -18,11 +18,16 @@ import torch.nn.functional as F
 
 GROUP = 32
 PANEL = 32  # output columns per panel of a packed weight
-# Many rows of x against quantized weights multiply in bfloat16 (fp32 accumulation) where the
-# CPU has AMX tiles: several times faster than fp32, on weights that are rounded already. Below
-# this many rows the panel kernel streams the weights once and wins.
-BF16_BLAS = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-BF16_BLAS_MIN_ROWS = 49
+
+
+def many_rows_precision(kernels) -> str:
+    """How prefill-sized batches (more than 8 rows) multiply quantized weights: in bfloat16 with
+    fp32 sums, on weights that are rounded already, where the CPU makes that fast: "amx" (AMX
+    tiles, from 49 rows: several times the fp32 FMAs), "bf16" (AVX512-BF16 dot products: twice
+    them), else "fp32". Decode-sized batches always run in fp32."""
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return "amx"
+    return "bf16" if kernels.bf16_dot_products() else "fp32"
 
 
 @dataclass
@@ -162,13 +167,13 @@ class QuantizedLinear:
                                "model.quantization: none")
         self.weight = pack_quantized(weight)
         self.kernels = kernels
+        self.many_rows = many_rows_precision(kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        bf16 = BF16_BLAS and x.shape[0] >= BF16_BLAS_MIN_ROWS
         if w.bits == 8:
-            return self.kernels.linear_int8(x, w.q, w.scale, w.n, bf16)
-        return self.kernels.linear_int4(x, w.q, w.scale, w.min, w.n, bf16)
+            return self.kernels.linear_int8(x, w.q, w.scale, w.n, self.many_rows)
+        return self.kernels.linear_int4(x, w.q, w.scale, w.min, w.n, self.many_rows)
 
 
 def make_linear(weight: torch.Tensor | QuantizedWeight, kernels) -> DenseLinear | QuantizedLinear:

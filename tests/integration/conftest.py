@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import msgspec
+
 from services.stack import Stack, free_port
 from shared.protocol import Completion, GenerateRequest
 
@@ -21,6 +23,24 @@ SMALL_EXECUTOR = {"scheduler.batch_level.max_num_seqs": 2,
                   "scheduler.batch_level.executor_queue_depth": 0}
 
 
+async def service_stats(client, name: str) -> dict:
+    """The data of the `name` service's $SRV.STATS: one request to the one instance of it, in
+    milliseconds (discovery gathers answers for 0.3 s, long enough for the tiny model to run a
+    few hundred tokens)."""
+    msg = await client.nc.request(f"$SRV.STATS.{name}", b"", timeout=2)
+    return next(ep["data"] for ep in msgspec.json.decode(msg.data)["endpoints"] if ep.get("data"))
+
+
+async def wait_for_stat(client, name: str, key: str, value: int, timeout_s: float = 5) -> None:
+    """Poll until the `name` service reports `key` == `value` (the tiny model runs 1,000 tokens
+    in about half a second here: a test that slept instead would race it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (await service_stats(client, name))[key] != value:
+        assert loop.time() < deadline, f"{name} never reported {key} == {value}"
+        await asyncio.sleep(0.01)
+
+
 async def finish_order_with_a_late_urgent_request(
         client, make: Callable[..., GenerateRequest],
         before_urgent: Callable[[], Awaitable[None]] | None = None) -> list[str]:
@@ -33,12 +53,12 @@ async def finish_order_with_a_late_urgent_request(
         assert isinstance(completion, Completion), completion
         finished.append(request.request_id)
 
-    tasks = [asyncio.create_task(run(make("busy-a", 1000, priority=1))),
-             asyncio.create_task(run(make("busy-b", 1600, priority=1)))]
-    await asyncio.sleep(0.3)
+    tasks = [asyncio.create_task(run(make("busy-a", 1400, priority=1))),
+             asyncio.create_task(run(make("busy-b", 2000, priority=1)))]
+    await wait_for_stat(client, "executor", "running", 2)
     for i in range(4):
         tasks.append(asyncio.create_task(run(make(f"low-{i}", 60, priority=1))))
-    await asyncio.sleep(0.3)
+    await wait_for_stat(client, "priority", "queue_depth", 4)
     if before_urgent is not None:
         await before_urgent()
     tasks.append(asyncio.create_task(run(make("urgent", 60, priority=9))))

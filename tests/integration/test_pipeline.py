@@ -17,6 +17,8 @@ from tests.integration.conftest import (
     SMALL_EXECUTOR,
     finish_order_with_a_late_urgent_request,
     running_stack,
+    service_stats,
+    wait_for_stat,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -146,8 +148,7 @@ async def test_cancel_a_running_request(client):
 
 
 async def executor_stats(client) -> dict:
-    [stats] = await discover(client.nc, "STATS", "executor", wait_s=0.3)
-    return next(ep["data"] for ep in stats["endpoints"] if ep.get("data"))
+    return await service_stats(client, "executor")
 
 
 async def test_abandoning_a_stream_cancels_the_request(client):
@@ -165,21 +166,16 @@ async def test_abandoning_a_stream_cancels_the_request(client):
 
 
 async def priority_queue_depth(client) -> int:
-    [stats] = await discover(client.nc, "STATS", "priority", wait_s=0.3)
-    return next(ep["data"]["queue_depth"] for ep in stats["endpoints"] if ep.get("data"))
+    return (await service_stats(client, "priority"))["queue_depth"]
 
 
 async def test_cancel_a_queued_request(client):
     # Fill the executor's two slots, then queue a third request at priority and cancel it there.
-    running = [asyncio.create_task(client.generate(long_request(f"fill-{i}", 1500), timeout=60))
+    running = [asyncio.create_task(client.generate(long_request(f"fill-{i}", 2000), timeout=60))
                for i in range(2)]
-    await asyncio.sleep(0.5)
+    await wait_for_stat(client, "executor", "running", 2)
     queued = asyncio.create_task(client.generate(long_request("cancel-queued", 1500), timeout=60))
-    for _ in range(50):
-        if await priority_queue_depth(client) == 1:
-            break
-        await asyncio.sleep(0.1)
-    assert await priority_queue_depth(client) == 1
+    await wait_for_stat(client, "priority", "queue_depth", 1)
     await client.cancel("cancel-queued")
     final = await queued
     assert isinstance(final, Completion) and final.finish_reason == "cancelled"

@@ -7,13 +7,14 @@ import asyncio
 import pytest
 import pytest_asyncio
 
-from shared.bus import discover
 from shared.client import JetserveClient
 from shared.protocol import Completion, Error, GenerateRequest
 from tests.integration.conftest import (
     SMALL_EXECUTOR,
     finish_order_with_a_late_urgent_request,
     running_stack,
+    service_stats,
+    wait_for_stat,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -40,12 +41,11 @@ def request(request_id: str, max_tokens: int, priority: int = 5, **kw) -> Genera
 
 
 async def priority_stats(client) -> dict:
-    [stats] = await discover(client.nc, "STATS", "priority", wait_s=0.3)
-    return next(ep["data"] for ep in stats["endpoints"] if ep.get("data"))
+    return await service_stats(client, "priority")
 
 
 async def test_a_running_request_stops_at_its_deadline_with_its_tokens(client):
-    """1,500 tokens take the tiny model several seconds; with deadline_ms 400 the request ends
+    """1,500 tokens take the tiny model most of a second; with deadline_ms 400 the request ends
     at 400 ms with finish_reason `deadline` and what it generated so far."""
     completion = await client.generate(request("deadline-run", 1500, deadline_ms=400), timeout=30)
     assert isinstance(completion, Completion), completion
@@ -56,10 +56,10 @@ async def test_a_running_request_stops_at_its_deadline_with_its_tokens(client):
 
 async def test_a_waiting_request_past_its_deadline_gets_an_error_and_no_slot(client):
     # The busy requests are priority 9 as well, so the late one cannot overtake them.
-    busy = [asyncio.create_task(client.generate(request(f"busy-{i}", 1500, priority=9),
+    busy = [asyncio.create_task(client.generate(request(f"busy-{i}", 2000, priority=9),
                                                 timeout=60))
             for i in range(2)]
-    await asyncio.sleep(0.5)
+    await wait_for_stat(client, "executor", "running", 2)
     before = (await priority_stats(client))["deadline_exceeded"]
     late = await client.generate(request("late", 8, priority=9, deadline_ms=300), timeout=10)
     assert isinstance(late, Error) and late.code == "deadline_exceeded"
@@ -75,19 +75,19 @@ async def test_a_waiting_request_past_its_deadline_gets_an_error_and_no_slot(cli
 
 
 async def batcher_stats(client) -> dict:
-    [stats] = await discover(client.nc, "STATS", "batcher", wait_s=0.3)
-    return next(ep["data"] for ep in stats["endpoints"] if ep.get("data"))
+    return await service_stats(client, "batcher")
 
 
 async def test_a_request_that_outranks_a_full_executor_overtakes_without_waiting_for_room(client):
-    """Both slots run priority-1 requests of 1,500 tokens and the executor holds no queue. A
+    """Both slots run priority-1 requests of 2,000 tokens and the executor holds no queue. A
     priority-9 request still goes there at once (overtaking dispatch), preempts the later one,
     and finishes while they run; the preempted one resumes and reports the preemption."""
     before = (await batcher_stats(client))["overtaking"]
-    busy = [asyncio.create_task(client.generate(request(f"low-{i}", 1500, priority=1),
+    busy = [asyncio.create_task(client.generate(request(f"low-{i}", 2000, priority=1),
                                                 timeout=60))
             for i in range(2)]
-    await asyncio.sleep(0.5)
+    await wait_for_stat(client, "executor", "running", 2)
+    await asyncio.sleep(0.4)  # two heartbeats: the batcher has heard what the executor runs
     urgent = await client.generate(request("overtaker", 8, priority=9), timeout=10)
     assert isinstance(urgent, Completion), urgent
     assert len(urgent.token_ids) == 8 and urgent.scheduling.queue_wait_ms < 300

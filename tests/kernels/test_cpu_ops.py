@@ -21,17 +21,17 @@ def k():
     return cpu_ops.load()
 
 
-def quantized_linear(k, weight, x, bf16=False):
+def quantized_linear(k, weight, x, many_rows="fp32"):
     """x W^T through the kernel for W's packed panels (a QuantizedWeight)."""
     w = pack_quantized(weight)
     if w.bits == 8:
-        return k.linear_int8(x, w.q, w.scale, w.n, bf16)
-    return k.linear_int4(x, w.q, w.scale, w.min, w.n, bf16)
+        return k.linear_int8(x, w.q, w.scale, w.n, many_rows)
+    return k.linear_int4(x, w.q, w.scale, w.min, w.n, many_rows)
 
 
-# Rows: one (its own loop), 3 and 12 (one register tile), 13 and 70 (tiles over a scratch panel).
-# Shapes: N short of a panel (7), past whole panels (261), and SmolLM2's down projection.
-@pytest.mark.parametrize("rows", [1, 3, 12, 13, 70])
+# Rows: one (its own loop), 3 and 8 (registers), 9 and 70 (tiles over a scratch panel; "amx" is
+# BLAS at 70). Shapes: N short of a panel (7), past whole panels (261), SmolLM2's down projection.
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 70])
 @pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
 def test_linear_matches_torch_on_every_format(k, rows, shape):
     gen = torch.Generator().manual_seed(rows)
@@ -41,10 +41,27 @@ def test_linear_matches_torch_on_every_format(k, rows, shape):
     expected8, expected4 = x @ q8.dequantize().t(), x @ q4.dequantize().t()
     torch.testing.assert_close(quantized_linear(k, q8, x), expected8, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(quantized_linear(k, q4, x), expected4, atol=1e-4, rtol=1e-4)
-    # The bf16 BLAS path: inputs rounded to 8 bits of mantissa, fp32 sums.
-    bf16 = dict(atol=0.05 * shape[1] ** 0.5, rtol=0.02)
-    torch.testing.assert_close(quantized_linear(k, q8, x, bf16=True), expected8, **bf16)
-    torch.testing.assert_close(quantized_linear(k, q4, x, bf16=True), expected4, **bf16)
+    # In bfloat16: inputs rounded to 8 bits of mantissa, fp32 sums; exact where the rows are few.
+    bf16 = dict(atol=0.05 * shape[1] ** 0.5, rtol=0.02) if rows > 8 else dict(atol=1e-4, rtol=1e-4)
+    for many_rows in ["amx"] + (["bf16"] if k.bf16_dot_products() else []):
+        torch.testing.assert_close(quantized_linear(k, q8, x, many_rows), expected8, **bf16)
+        torch.testing.assert_close(quantized_linear(k, q4, x, many_rows), expected4, **bf16)
+
+
+def test_bf16_dot_products_round_only_the_inputs(k):
+    """The bf16 path's error is the rounding of x and w to bfloat16, nothing more: its result
+    equals an fp64 product of the rounded operands to fp32 summation error."""
+    if not k.bf16_dot_products():
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    gen = torch.Generator().manual_seed(0)
+    # int8: w = scale * q rounds once in both (int4's scale * q + min is one FMA in the kernel,
+    # two roundings in torch, and then a weight can round to a neighbouring bfloat16).
+    weight = quantize(torch.randn(64, 256, generator=gen), 8)
+    x = torch.randn(20, 256, generator=gen)
+    rounded = (x.bfloat16().double() @ weight.dequantize().bfloat16().double().t()).float()
+    torch.testing.assert_close(quantized_linear(k, weight, x, "bf16"), rounded, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="many_rows must be"):
+        quantized_linear(k, weight, x, "fp16")
 
 
 # Every register-tile height (1 .. 12), uneven splits past 12 (13 = 7 + 6), and prefill sizes.
@@ -72,7 +89,7 @@ def test_linear_reads_strided_rows_and_rejects_bad_shapes(k):
         k.linear_f32(x, torch.randn(10, 64))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         k.linear_int8(torch.randn(2, 48), torch.zeros(1, 48, 32, dtype=torch.int8),
-                      torch.ones(1, 1, 32), 32, False)
+                      torch.ones(1, 1, 32), 32, "fp32")
 
 
 def test_quantization_error_is_bounded_per_group():
