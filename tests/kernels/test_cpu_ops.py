@@ -30,8 +30,9 @@ def quantized_linear(k, weight, x, many_rows="fp32"):
 
 
 # Rows: one (its own loop), 3 and 8 (registers), 9 and 70 (tiles over a scratch panel; "amx" is
-# BLAS at 70). Shapes: N short of a panel (7), past whole panels (261), SmolLM2's down projection.
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 70])
+# BLAS at 70), 200 (blocks of 72, 72 and 56 rows). Shapes: N short of a panel (7), past whole
+# panels (261), SmolLM2's down projection.
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 70, 200])
 @pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
 def test_linear_matches_torch_on_every_format(k, rows, shape):
     gen = torch.Generator().manual_seed(rows)
@@ -64,8 +65,9 @@ def test_bf16_dot_products_round_only_the_inputs(k):
         quantized_linear(k, weight, x, "fp16")
 
 
-# Every register-tile height (1 .. 12), uneven splits past 12 (13 = 7 + 6), and prefill sizes.
-@pytest.mark.parametrize("rows", list(range(1, 14)) + [25, 70])
+# Every register-tile height (1 .. 12), uneven splits past 12 (13 = 7 + 6), prefill sizes, and
+# row blocks (200 = 72 + 72 + 56).
+@pytest.mark.parametrize("rows", list(range(1, 14)) + [25, 70, 200])
 @pytest.mark.parametrize("shape", [(32, 64), (96, 40), (576, 1536)])
 def test_packed_fp32_linear_matches_torch(k, rows, shape):
     gen = torch.Generator().manual_seed(rows)
