@@ -88,7 +88,7 @@ class Engine:
         self.config = config
         # The one thread that runs torch's parallel work: loading, the KV pool, every step. An
         # OpenMP thread team per calling thread would leave two teams on the cores, and each
-        # parallel op then waits ~40 us for its workers to wake instead of ~2 us.
+        # parallel op then waits ~40 us for its workers to wake instead of ~3 us.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         simulated = config.model.startswith("sim:")
         if simulated:  # no weights, no tensors: the host's clock stands in for the device
@@ -121,7 +121,6 @@ class Engine:
                                  f"{backend.name}: set model.attention_backend: torch")
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
                                           self.max_model_len)
-            del weights  # the model holds them, packed
             num_blocks = config.num_kv_blocks or self._blocks_that_fit()
             self.runner = self.on_model_thread(ModelRunner, model, backend, num_blocks,
                                                 config.block_size, self.kv_dtype, self.device)
