@@ -1,0 +1,96 @@
+"""The CPU matmul kernels on their own: every layer's matmuls of a model (distinct random weights,
+so they stream from memory as in the engine) at a range of row counts, for packed fp32, int8 and
+int4 weights (fp32, and bfloat16 for many rows where the CPU has it), beside torch's own fp32
+matmul (BLAS) on the same shapes. The best of `--repeats` runs, in ms for all the layers.
+
+    python -m loadtest.linear_bench --rows 1 8 40 128 512 --result-json results/linear_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from services.executor.linear import pack_panels, pack_quantized, quantize
+from shared.model_files import DUMMY_SHAPES
+
+
+def layer_shapes(shape: dict) -> list[tuple[int, int]]:
+    """(N, K) of one layer's fused QKV, output, fused gate/up and down projections."""
+    h, hd = shape["hidden_size"], shape["head_dim"]
+    qkv = (shape["num_heads"] + 2 * shape["num_kv_heads"]) * hd
+    return [(qkv, h), (h, shape["num_heads"] * hd), (2 * shape["intermediate_size"], h),
+            (h, shape["intermediate_size"])]
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(DUMMY_SHAPES))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 40, 128, 512])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--result-json", default="results/linear_bench.json")
+    args = parser.parse_args(argv)
+    kernels = cpu_ops.load()
+    if kernels is None:
+        raise SystemExit("the CPU kernels did not build (see the warning above)")
+    shape = DUMMY_SHAPES[args.shape]
+    torch.manual_seed(0)
+    dense = [torch.randn(n, k) * 0.02 for _ in range(shape["num_layers"])
+             for n, k in layer_shapes(shape)]
+    panels = [pack_panels(w) for w in dense]
+    quantized = {bits: [pack_quantized(quantize(w, bits)) for w in dense] for bits in (8, 4)}
+    precisions = ["fp32"] + (["bf16"] if kernels.bf16_dot_products() else [])
+
+    def run_quantized(bits: int, xs: dict, precision: str):
+        for w in quantized[bits]:
+            x = xs[w.q.shape[1]]
+            if bits == 8:
+                kernels.linear_int8(x, w.q, w.scale, w.n, precision)
+            else:
+                kernels.linear_int4(x, w.q, w.scale, w.min, w.n, precision)
+
+    results = []
+    print(f"{len(dense)} matmuls ({args.shape}), ms for all of them, best of {args.repeats}")
+    for m in args.rows:
+        xs = {k: torch.randn(m, k) for k in {k for _, k in layer_shapes(shape)}}
+        row = {"rows": m,
+               "fp32": best_ms(lambda: [kernels.linear_f32(xs[p.shape[1]], p) for p in panels],
+                               args.repeats),
+               "blas_fp32": best_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
+                                    args.repeats)}
+        for bits in (8, 4):
+            for precision in precisions:
+                row[f"int{bits}_{precision}"] = best_ms(
+                    lambda: run_quantized(bits, xs, precision), args.repeats)
+        flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
+        row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
+        results.append(row)
+        print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in row.items()), flush=True)
+    path = Path(args.result_json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": "linear_bench", "date": time.strftime("%Y-%m-%d"),
+                                "shape": args.shape, "threads": torch.get_num_threads(),
+                                "results": results}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""The matmul microbenchmark on the tiny shape: every format and row count gets a figure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kernels import cpu_ops
+from loadtest import linear_bench
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
+def test_every_format_and_row_count_is_timed(tmp_path):
+    out = tmp_path / "linear.json"
+    assert linear_bench.main(["--shape", "tiny", "--rows", "1", "9", "--repeats", "1",
+                              "--result-json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in results] == [1, 9]
+    for row in results:
+        columns = {"fp32", "blas_fp32", "int8_fp32", "int4_fp32", "fp32_gflop_per_s"}
+        assert columns <= set(row)
+        assert all(row[c] > 0 for c in columns), row
