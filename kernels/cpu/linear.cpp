@@ -14,8 +14,9 @@
 // fast the weights stream in, so the stream is asked for well ahead of its use (one core alone
 // cannot keep enough lines in flight while it also computes), and quantized weights are
 // dequantized in registers as they arrive. Prefill (many rows) is bound by the FMAs: a quantized
-// panel is then dequantized once into an fp32 scratch panel in L2, and every tile of x runs the
-// fp32 tile over it, so dequantizing costs once per panel rather than once per tile.
+// panel is then dequantized once into an fp32 scratch panel in L2 (or, with many_rows "bf16",
+// into bfloat16 pairs for vdpbf16ps), and every tile of x runs over it, so dequantizing costs once
+// per panel rather than once per tile. Past 96 rows, x is taken in blocks that stay in L2.
 
 #include "ops.h"
 
