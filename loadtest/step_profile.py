@@ -38,6 +38,7 @@ CASES = [
     ("tail: 2 long decodes", 2, 700, 0),
     ("prefill 40 tokens (chat)", 0, 0, 40),
     ("prefill chunk 512 + 16 decodes", 16, 256, 496),
+    ("full: 384-token chunk + 128 decodes", 128, 300, 384),  # a many-request run's steady state
 ]
 PARTS = {
     "qkv_proj": "matmuls", "o_proj": "matmuls", "gate_up_proj": "matmuls", "down_proj": "matmuls",

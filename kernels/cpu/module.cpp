@@ -3,7 +3,11 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged fp32 KV cache");
+        "decode attention over a paged fp32 or int8 KV cache");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "a prefill slice's causal attention over a paged fp32 or int8 KV cache");
+  m.def("prefill_attention_kernel", &prefill_attention_kernel,
+        "whether paged_prefill_attention is built in (AVX-512)");
   m.def("linear_f32", &linear_f32, "x W^T, W fp32 packed in panels of 32 output columns");
   m.def("linear_int8", &linear_int8, "x W^T, W int8 panels with a scale per 32 weights");
   m.def("linear_int4", &linear_int4, "x W^T, W int4 panels with a scale and min per 32 weights");

@@ -7,6 +7,13 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, const torch::Tensor& q_rows,
                             torch::Tensor& out, double scale);
+// A prefill slice's causal attention over its cached context and its own new tokens (written to
+// the cache already), for head_dim 64 or 128 where AVX-512 is built in (prefill_attention_kernel).
+void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                             const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                             int64_t q_start, int64_t q_len, int64_t first_pos, torch::Tensor& out,
+                             double scale);
+bool prefill_attention_kernel();
 
 // Weights packed in panels of 32 output columns (services/executor/linear.py, linear.cpp): fp32
 // [N / 32, K, 32]; int8 q [N / 32, K, 32] with fp32 scales [N / 32, K / 32, 32]; int4 q

@@ -4,17 +4,15 @@
 //
 // The query heads of one KV head are scored together against every cached key, then the softmax
 // weights accumulate the values. With AVX-512 (head_dim 64 or 128), 16 positions' scores are
-// summed in one transposing tree and the exponentials are vectorized; otherwise plain loops. Keys
-// and values are read in place through the block table, once per step for all the query heads
-// that share them: nothing is gathered into a contiguous copy first.
+// summed in one transposing tree, the exponentials are vectorized and the next 16 rows are
+// prefetched; otherwise plain loops. Keys and values are read in place through the block table,
+// once per step for all the query heads that share them: nothing is gathered into a contiguous
+// copy first.
 
 #include "ops.h"
+#include "attention_simd.h"
 
 #include <ATen/Parallel.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -26,77 +24,7 @@
 #if defined(__AVX512F__)
 namespace {
 
-// e^x for x <= 0 (scores minus their max): 2^(x log2 e) as 2^n * 2^f, with 2^f = e^(f ln 2) from
-// its Taylor series to the 6th power (|f ln 2| <= 0.35: relative error under 1e-7).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 g = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// The 16 horizontal sums of v[0..16) as one vector (element i = sum of v[i]): a transposing
-// tree of 15 adds instead of 16 separate reductions.
-inline __m512 sum16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per lane: the lane sums of v[4i .. 4i+4)
-    const __m512d c = _mm512_castps_pd(t[2 * i]), d = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
-  }
-  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
-                                   _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
-                                   _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
-}
-
-// Walks a sequence's positions block by block: the cache row of each position without a
-// division per position. Strides in bytes.
-struct RowCursor {
-  const char* base;
-  const int32_t* table;
-  int64_t block_size, token_stride, block = 0, offset = 0;
-
-  const char* next() {
-    const char* row =
-        base + (static_cast<int64_t>(table[block]) * block_size + offset) * token_stride;
-    if (++offset == block_size) offset = 0, ++block;
-    return row;
-  }
-};
-
-// A cache row's 16 values at [16 d, 16 d + 16), unscaled, and the row's scale.
-template <typename T>
-inline __m512 load16(const char* row, int d) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * d);
-  } else {
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * d))));
-  }
-}
-template <typename T, int DV>
-inline float row_scale(const char* row) {
-  if constexpr (std::is_same_v<T, float>) {
-    return 1.0f;
-  } else {
-    float scale;
-    std::memcpy(&scale, row + 16 * DV, sizeof scale);
-    return scale;
-  }
-}
+using namespace paged;
 
 // The scores of G query heads against positions [0, len) of their KV head, into
 // scores[h * stride + pos], with their maxima in peak[h]. Each key row is read from memory once
@@ -107,9 +35,17 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
   std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
   const char* rows[16];
   alignas(64) float row_scales[16];
+  const char* ahead[16];
+  int n_ahead = static_cast<int>(std::min<int64_t>(16, len));
+  for (int i = 0; i < n_ahead; ++i) ahead[i] = keys.next();
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
-    for (int i = 0; i < n; ++i) rows[i] = keys.next();
+    const int n = n_ahead;
+    for (int i = 0; i < n; ++i) rows[i] = ahead[i];
+    n_ahead = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, len - p0 - 16)));
+    for (int i = 0; i < n_ahead; ++i) {
+      ahead[i] = keys.next();
+      prefetch_row<T, DV>(ahead[i]);
+    }
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     if constexpr (!std::is_same_v<T, float>)
       for (int i = 0; i < 16; ++i) row_scales[i] = i < n ? row_scale<T, DV>(rows[i]) : 0.0f;
@@ -155,8 +91,14 @@ void accumulate_values(const float* weights, int64_t stride, const float* totals
   __m512 acc[HB][DV];
   for (int h = 0; h < HB; ++h)
     for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
+  RowCursor ahead = values;
+  for (int64_t i = 0; i < std::min<int64_t>(16, len); ++i) ahead.next();
   for (int64_t pos = 0; pos < len; ++pos) {
     const char* row = values.next();
+    if (pos + 16 < len) {
+      const char* next = ahead.next();
+      prefetch_row<T, DV>(next);
+    }
     const float row_weight = row_scale<T, DV>(row);  // an int8 row's scale joins the weight
     __m512 v[DV];
     for (int d = 0; d < DV; ++d) v[d] = load16<T>(row, d);
@@ -195,6 +137,7 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
     }
   }
 }
+
 
 }  // namespace
 #endif
@@ -343,3 +286,4 @@ void paged_decode_attention(
     }
   });
 }
+

@@ -47,7 +47,9 @@ class PagedDecodes:
 class PrefillSlice:
     q_start: int
     q_len: int
-    block_ids: torch.Tensor | None  # None: no earlier context, attend to the fresh K/V only
+    # int32 blocks of the whole context; None: no earlier context and no prefill kernel, attend
+    # to the fresh K/V only
+    block_ids: torch.Tensor | None
     first_pos: int = 0  # position of the first new token (tokens before it are cached)
     _mask: torch.Tensor | None = None
 
@@ -79,9 +81,11 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 class TorchBackend:
-    """Paged attention in torch: prefill chunks one by one through SDPA; decodes through the C++
-    kernel on a CPU with fp32, else gathered into groups of similar length for SDPA. On a CPU
-    with fp32 the element-wise ops and matmuls run on the C++ kernels too (kernels/cpu/)."""
+    """Paged attention in torch, or in the C++ kernels on a CPU with fp32 (kernels/cpu/): these
+    read the cache in place, decodes all in one call and each prefill chunk in one (where the
+    build has AVX-512). Otherwise prefill chunks run one by one through SDPA over their gathered
+    blocks, and decodes are gathered into groups of similar length for SDPA. On a CPU with fp32
+    the element-wise ops and matmuls run on the C++ kernels too."""
 
     name = "torch"
 
@@ -94,6 +98,8 @@ class TorchBackend:
             from kernels import cpu_ops
 
             self.cpu_kernels = cpu_ops.load()
+        self.prefill_kernel = (self.cpu_kernels is not None
+                               and self.cpu_kernels.prefill_attention_kernel())
 
     def prepare(self, seqs: list[SeqSlice], slot_mapping: list[int]) -> TorchAttentionMetadata:
         device, bs = self.device, self.block_size
@@ -126,12 +132,13 @@ class TorchBackend:
         for s in seqs:
             if s.q_len == 1:
                 continue
-            if s.context_len == s.q_len:
+            if s.context_len == s.q_len and not self.prefill_kernel:
                 prefills.append(PrefillSlice(s.q_start, s.q_len, None))
                 continue
             num_blocks = -(-s.context_len // bs)
             prefills.append(PrefillSlice(
-                s.q_start, s.q_len, torch.tensor(s.block_table[:num_blocks], device=device),
+                s.q_start, s.q_len,
+                torch.tensor(s.block_table[:num_blocks], dtype=torch.int32, device=device),
                 first_pos=s.context_len - s.q_len))
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
@@ -197,7 +204,14 @@ class TorchBackend:
                                                attn_mask=group.key_mask, scale=scale,
                                                enable_gqa=True)
             out[group.q_index] = o.squeeze(2)
-        for p in meta.prefills:
+        prefills = meta.prefills
+        if self.prefill_kernel and q.shape[2] in (64, 128):
+            for p in prefills:
+                self.cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, p.block_ids,
+                                                         p.q_start, p.q_len, p.first_pos, out,
+                                                         scale)
+            prefills = []
+        for p in prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             query = q[rows].transpose(0, 1).unsqueeze(0)
             mask = None

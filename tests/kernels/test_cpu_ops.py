@@ -1,6 +1,6 @@
 """The C++ CPU kernels against torch: matmuls over packed fp32, int8 and int4 weights on each of
 their paths (one row; register tiles of 2 to 12 rows; many rows over a dequantized scratch
-panel; bfloat16 BLAS), the fused
+panel; bfloat16 BLAS), paged decode and prefill attention, the fused
 element-wise ops, and the build's handling of a killed build and of a missing compiler."""
 
 from __future__ import annotations
@@ -221,6 +221,65 @@ def test_paged_decode_attention_matches_reference(k, head_dim, group, block, int
     expected = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu_seqlens,
                                          torch.tensor(lens), 0.1)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+# Slices as (cached tokens, new tokens): a fresh prompt, a chunk after cached context, one that
+# ends mid-tile and mid-block, a single token, one longer than a few tiles.
+PREFILL_SLICES = [(0, 40), (37, 20), (5, 13), (64, 1), (0, 150), (100, 77)]
+
+
+@pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.load().prefill_attention_kernel(),
+                    reason="the prefill kernel needs AVX-512")
+@pytest.mark.parametrize("head_dim,group,block", [(64, 1, 16), (64, 3, 16), (64, 5, 8),
+                                                  (128, 3, 32), (128, 7, 16)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, int8):
+    kv_heads = 2
+    heads = group * kv_heads
+    gen = torch.Generator().manual_seed(head_dim + group)
+    lens = [cached + new for cached, new in PREFILL_SLICES]
+    num_blocks = sum(-(-n // block) for n in lens) + 1
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+    if int8:
+        k_cache, v_cache = kv_int8.quantize(k_cache), kv_int8.quantize(v_cache)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    width = max(-(-n // block) for n in lens)
+    tables, used = [], 0
+    for n in lens:
+        count = -(-n // block)
+        tables.append(order[used:used + count].tolist() + [0] * (width - count))
+        used += count
+    new_tokens = [new for _, new in PREFILL_SLICES]
+    total = sum(new_tokens)
+    # q as the engine has it: a view into the fused QKV output, its rows strided.
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))
+    out = torch.full((total, heads, head_dim), float("nan"))
+    q_start = 0
+    for (cached, new), table in zip(PREFILL_SLICES, tables):
+        blocks = torch.tensor(table[:-(-(cached + new) // block)], dtype=torch.int32)
+        k.paged_prefill_attention(q, k_cache, v_cache, blocks, q_start, new, cached, out, 0.1)
+        q_start += new
+    cu_seqlens = torch.tensor([0] + new_tokens).cumsum(0)
+    expected = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu_seqlens,
+                                         torch.tensor(lens), 0.1)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_paged_prefill_attention_names_what_it_refuses(k):
+    if not k.prefill_attention_kernel():
+        pytest.skip("the prefill kernel needs AVX-512")
+    q = torch.randn(4, 2, 32)
+    cache = torch.randn(2, 16, 1, 32)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128, not 32"):
+        k.paged_prefill_attention(q, cache, cache, torch.tensor([1], dtype=torch.int32), 0, 4, 0,
+                                  torch.empty_like(q), 0.1)
+    q = torch.randn(20, 2, 64)
+    cache = torch.randn(2, 16, 1, 64)
+    with pytest.raises(RuntimeError, match="block table is shorter than the slice"):
+        k.paged_prefill_attention(q, cache, cache, torch.tensor([1], dtype=torch.int32), 0, 20, 0,
+                                  torch.empty_like(q), 0.1)
 
 
 def test_dense_linear_packs_what_the_kernel_takes_and_leaves_the_rest_to_torch(k):

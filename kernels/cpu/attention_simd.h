@@ -1,0 +1,96 @@
+// Vector helpers shared by the paged attention kernels (AVX-512 builds only): a fast e^x for
+// softmax, a 16-way horizontal sum, and reads of fp32 or int8 cache rows through a block table.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace paged {
+
+// e^x for x <= 0 (scores minus their max): 2^(x log2 e) as 2^n * 2^f, with 2^f = e^(f ln 2) from
+// its Taylor series to the 6th power (|f ln 2| <= 0.35: relative error under 1e-7).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 g = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718f));
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The 16 horizontal sums of v[0..16) as one vector (element i = sum of v[i]): a transposing
+// tree of 15 adds instead of 16 separate reductions.
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per lane: the lane sums of v[4i .. 4i+4)
+    const __m512d c = _mm512_castps_pd(t[2 * i]), d = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                   _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                   _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+// Walks a sequence's positions block by block: the cache row of each position without a
+// division per position. Strides in bytes.
+struct RowCursor {
+  const char* base;
+  const int32_t* table;
+  int64_t block_size, token_stride, block = 0, offset = 0;
+
+  const char* next() {
+    const char* row =
+        base + (static_cast<int64_t>(table[block]) * block_size + offset) * token_stride;
+    if (++offset == block_size) offset = 0, ++block;
+    return row;
+  }
+};
+
+// A cache row's 16 values at [16 d, 16 d + 16), unscaled, and the row's scale.
+template <typename T>
+inline __m512 load16(const char* row, int d) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * d);
+  } else {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * d))));
+  }
+}
+template <typename T, int DV>
+inline float row_scale(const char* row) {
+  if constexpr (std::is_same_v<T, float>) {
+    return 1.0f;
+  } else {
+    float scale;
+    std::memcpy(&scale, row + 16 * DV, sizeof scale);
+    return scale;
+  }
+}
+
+// Asks for a cache row's lines ahead of its use: rows are scattered over blocks, so the hardware
+// prefetcher alone leaves the loads waiting on memory.
+template <typename T, int DV>
+inline void prefetch_row(const char* row) {
+  constexpr int bytes = std::is_same_v<T, float> ? 64 * DV : 16 * DV + 4;
+  for (int c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
+  if constexpr (bytes % 64 != 0) _mm_prefetch(row + bytes - 1, _MM_HINT_T0);
+}
+
+}  // namespace paged
+#endif

@@ -1,0 +1,184 @@
+// Prefill attention straight from the paged KV cache, for the CPU (AVX-512; without it the
+// torch backend runs SDPA over gathered blocks): each slice's new tokens against its cached
+// context and themselves, causal, over an fp32 or an int8 cache (kernels/kv_int8.py).
+//
+// Flash-style tiles of 16 (token, query head) rows of one KV head, one row per vector lane, over
+// 16 keys at a time with an online softmax. Scores come out transposed, one vector of the tile's
+// rows per key, so the softmax's maxima and sums run across vectors and no horizontal sum is
+// needed; the keys and values are read once per tile through the block table, nothing gathered.
+
+#include "ops.h"
+#include "attention_simd.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+#if defined(__AVX512F__)
+namespace {
+
+using namespace paged;
+
+// The next n rows of a cursor as fp32 (an int8 row times its scale) into dst, zeros past them.
+template <typename T, int DV>
+inline void load_chunk_rows(RowCursor& cursor, int n, float (*dst)[16 * DV]) {
+  for (int i = 0; i < n; ++i) {
+    const char* row = cursor.next();
+    const __m512 w = _mm512_set1_ps(row_scale<T, DV>(row));
+    for (int d = 0; d < DV; ++d) _mm512_store_ps(dst[i] + 16 * d, _mm512_mul_ps(load16<T>(row, d), w));
+  }
+  for (int i = n; i < 16; ++i)
+    for (int d = 0; d < DV; ++d) _mm512_store_ps(dst[i] + 16 * d, _mm512_setzero_ps());
+}
+
+// Rows [r0, r0 + 16) of a slice's (token, head) rows, r = token * group + head, for one KV head:
+// flash-style over keys [0, last query position] read through the block table, 16 at a time,
+// with an online softmax. A row is a vector lane: the query tile is transposed once, each key's
+// values are broadcast against it, and the scores of one key for all 16 rows form one vector.
+// q and out point at the slice's first token and the KV head's first query head.
+template <typename T, int DV>
+void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t r0,
+                  int64_t num_rows, int64_t group, int64_t first_pos, float scale,
+                  RowCursor keys, RowCursor values) {
+  constexpr int D = 16 * DV;
+  const int live = static_cast<int>(std::min<int64_t>(16, num_rows - r0));
+  alignas(64) float qt[D][16];   // the tile's queries, transposed and scaled
+  alignas(64) float ot[D][16];   // its outputs, transposed
+  alignas(64) float kbuf[16][D];
+  alignas(64) float vbuf[16][D];
+  alignas(64) float lane_pos[16];
+  for (int lane = 0; lane < 16; ++lane) {
+    const int64_t r = r0 + std::min(lane, live - 1);  // spare lanes repeat the last row
+    const float* src = q + (r / group) * q_stride + (r % group) * D;
+    for (int d = 0; d < D; ++d) qt[d][lane] = src[d] * scale;
+    lane_pos[lane] = static_cast<float>(first_pos + r / group);
+  }
+  for (int d = 0; d < D; ++d) _mm512_store_ps(ot[d], _mm512_setzero_ps());
+  const __m512 pos = _mm512_load_ps(lane_pos);
+  __m512 peak = _mm512_set1_ps(-1e30f), total = _mm512_setzero_ps();
+  const int64_t num_keys = first_pos + (r0 + live - 1) / group + 1;
+  for (int64_t c0 = 0; c0 < num_keys; c0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
+    load_chunk_rows<T, DV>(keys, n, kbuf);
+    load_chunk_rows<T, DV>(values, n, vbuf);
+    __m512 sc[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) sc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m512 qd = _mm512_load_ps(qt[d]);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) sc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kbuf[j][d]), sc[j]);
+    }
+    // Key c0 + j is visible to lanes at or after its position (and exists: j < n).
+    __m512 chunk_peak = _mm512_set1_ps(-1e30f);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      const __mmask16 visible = j < n ? _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(c0 + j)), pos, _CMP_LE_OQ) : 0;
+      sc[j] = _mm512_mask_blend_ps(visible, _mm512_set1_ps(-1e30f), sc[j]);
+      chunk_peak = _mm512_max_ps(chunk_peak, sc[j]);
+    }
+    const __m512 new_peak = _mm512_max_ps(peak, chunk_peak);
+    const __m512 alpha = exp_nonpositive(_mm512_sub_ps(peak, new_peak));
+    peak = new_peak;
+    total = _mm512_mul_ps(total, alpha);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      sc[j] = exp_nonpositive(_mm512_sub_ps(sc[j], new_peak));  // masked: e^-huge = 0
+      total = _mm512_add_ps(total, sc[j]);
+    }
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m512 o[8];
+#pragma GCC unroll 8
+      for (int dd = 0; dd < 8; ++dd) o[dd] = _mm512_mul_ps(_mm512_load_ps(ot[d0 + dd]), alpha);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+#pragma GCC unroll 8
+        for (int dd = 0; dd < 8; ++dd)
+          o[dd] = _mm512_fmadd_ps(sc[j], _mm512_set1_ps(vbuf[j][d0 + dd]), o[dd]);
+#pragma GCC unroll 8
+      for (int dd = 0; dd < 8; ++dd) _mm512_store_ps(ot[d0 + dd], o[dd]);
+    }
+  }
+  alignas(64) float inv[16];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+  for (int lane = 0; lane < live; ++lane) {
+    const int64_t r = r0 + lane;
+    float* dst = out + (r / group) * out_stride + (r % group) * D;
+    for (int d = 0; d < D; ++d) dst[d] = ot[d][lane] * inv[lane];
+  }
+}
+
+}  // namespace
+#endif
+
+void paged_prefill_attention(
+    const torch::Tensor& q,            // [num_tokens, num_heads, head_dim], rows may be strided
+    const torch::Tensor& k_cache,      // as paged_decode_attention's, the new keys written already
+    const torch::Tensor& v_cache,
+    const torch::Tensor& block_table,  // int32 [blocks], the slice's sequence
+    int64_t q_start, int64_t q_len,    // the slice's rows of q and out
+    int64_t first_pos,                 // the position of its first token (cached tokens before)
+    torch::Tensor& out,                // [num_tokens, num_heads, head_dim]
+    double scale) {
+  const bool int8 = k_cache.scalar_type() == torch::kInt8;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
+              (int8 || k_cache.scalar_type() == torch::kFloat32) &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_prefill_attention: fp32 queries over an fp32 or int8 cache");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be packed");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
+              block_table.is_contiguous(), "cache, out and block_table must be contiguous");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  TORCH_CHECK(k_cache.size(3) == (int8 ? head_dim + 4 : head_dim),
+              "paged_prefill_attention: cache rows of ", k_cache.size(3), " for head_dim ", head_dim);
+  TORCH_CHECK(block_table.size(0) * block_size >= first_pos + q_len,
+              "paged_prefill_attention: the block table is shorter than the slice");
+#if defined(__AVX512F__)
+  TORCH_CHECK(head_dim == 64 || head_dim == 128,
+              "paged_prefill_attention: head_dim 64 or 128, not ", head_dim);
+  const float* q_ptr = q.data_ptr<float>();
+  const char* k_ptr = static_cast<const char*>(k_cache.data_ptr());
+  const char* v_ptr = static_cast<const char*>(v_cache.data_ptr());
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t q_stride = q.stride(0), out_stride = num_heads * head_dim;
+  const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
+  const int64_t token_stride = num_kv_heads * row_bytes;
+  const int64_t num_rows = q_len * group, tiles = (num_rows + 15) / 16;
+  const float fscale = static_cast<float>(scale);
+  // Later tiles attend to more keys: tasks alternate between the first and the last tiles, so
+  // the contiguous ranges parallel_for hands each thread carry equal work.
+  at::parallel_for(0, tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task % num_kv_heads, i = task / num_kv_heads;
+      const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
+      const float* qs = q_ptr + q_start * q_stride + kv * group * head_dim;
+      float* o = out_ptr + q_start * out_stride + kv * group * head_dim;
+      const RowCursor keys{k_ptr + kv * row_bytes, table, block_size, token_stride};
+      const RowCursor values{v_ptr + kv * row_bytes, table, block_size, token_stride};
+      auto run = [&](auto tile_fn) {
+        tile_fn(qs, q_stride, o, out_stride, tile * 16, num_rows, group, first_pos, fscale, keys,
+                values);
+      };
+      if (head_dim == 64 && int8) run(prefill_tile<int8_t, 4>);
+      else if (head_dim == 64) run(prefill_tile<float, 4>);
+      else if (int8) run(prefill_tile<int8_t, 8>);
+      else run(prefill_tile<float, 8>);
+    }
+  });
+#else
+  TORCH_CHECK(false, "paged_prefill_attention needs AVX-512 (the torch backend uses SDPA)");
+#endif
+}
+
+bool prefill_attention_kernel() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
