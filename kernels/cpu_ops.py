@@ -1,5 +1,5 @@
-"""The CPU kernels (C++ in kernels/cpu/): decode attention over the paged cache, matmuls over fp32,
-int8 and int4 weights, and the fused element-wise ops. Built on first use with torch's extension
+"""The CPU kernels (C++ in kernels/cpu/): decode and prefill attention over the paged cache,
+matmuls over fp32, int8 and int4 weights, and the fused element-wise ops. Built on first use with torch's extension
 loader, once per version of their source, into the user's cache directory.
 
 The build directory is keyed by the sources, the compiler flags, torch and the processor, not by
