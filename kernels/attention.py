@@ -20,17 +20,30 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_int8
+
 LOG2E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
 KEY_TILE = 64  # keys per inner-loop step (at least one cache block)
 
 
 @triton.jit
+def _dequantize_rows(values, cache_ptr, rows, in_seq, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    """int8 rows' values times their fp32 scale, stored in the 4 bytes after each row
+    (kernels/kv_int8.py), as `dtype`."""
+    scale = tl.load((cache_ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=in_seq,
+                    other=0.0)
+    return (values.to(tl.float32) * scale[:, None]).to(dtype)
+
+
+@triton.jit
 def _attend(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, positions,
             seq_len, first_tile, end_tile, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo,
             stride_vh, scale_log2, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax of rows `q` (at absolute `positions`) over key tiles [first_tile, end_tile)."""
+            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+            INT8: tl.constexpr):
+    """Online softmax of rows `q` (at absolute `positions`) over key tiles [first_tile, end_tile).
+    An int8 cache's rows are dequantized as they load (their scale follows the values)."""
     dims = tl.arange(0, HEAD_DIM)
     offsets = tl.arange(0, BLOCK_N)
     for tile in range(first_tile, end_tile):
@@ -38,9 +51,11 @@ def _attend(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head
         in_seq = key_pos < seq_len
         block = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         slot = key_pos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + (block * stride_kb + slot * stride_ko + kv_head * stride_kh)[:, None]
-                    + dims[None, :], mask=in_seq[:, None], other=0.0)
-        if UPCAST:
+        k_rows = block * stride_kb + slot * stride_ko + kv_head * stride_kh
+        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=in_seq[:, None], other=0)
+        if INT8:
+            k = _dequantize_rows(k, k_cache_ptr, k_rows, in_seq, HEAD_DIM, q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         scores = tl.where(key_pos[None, :] <= positions[:, None], scores, float("-inf"))
@@ -49,9 +64,11 @@ def _attend(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
-        v = tl.load(v_cache_ptr + (block * stride_vb + slot * stride_vo + kv_head * stride_vh)[:, None]
-                    + dims[None, :], mask=in_seq[:, None], other=0.0)
-        if UPCAST:
+        v_rows = block * stride_vb + slot * stride_vo + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=in_seq[:, None], other=0)
+        if INT8:
+            v = _dequantize_rows(v, v_cache_ptr, v_rows, in_seq, HEAD_DIM, q.dtype)
+        elif UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -82,7 +99,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tabl
                             GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                            UPCAST: tl.constexpr):
+                            UPCAST: tl.constexpr, INT8: tl.constexpr):
     tile_index = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(cu_seqlens_q_ptr, tile_index, num_seqs, BLOCK_M)
@@ -111,7 +128,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tabl
         q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
         kv_head, positions, seq_len, 0, last_position // BLOCK_N + 1, stride_kb, stride_ko,
         stride_kh, stride_vb, stride_vo, stride_vh, scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-        PRECISION, UPCAST)
+        PRECISION, UPCAST, INT8)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
@@ -124,7 +141,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_s
                          stride_vh, stride_bt, num_heads, num_splits, tiles_per_split,
                          GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, INT8: tl.constexpr):
     """One slice of one decode's context, for one KV head's query group: the slice's
     normalized output and its log2-sum-exp, merged later by _decode_merge_kernel."""
     seq = tl.program_id(0)
@@ -152,7 +169,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_s
         q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
         kv_head, positions, seq_len, first_tile, end_tile, stride_kb, stride_ko, stride_kh,
         stride_vb, stride_vo, stride_vh, scale_log2, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
-        UPCAST)
+        UPCAST, INT8)
     empty = l_i == 0.0  # a slice past the end of this context
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -200,11 +217,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, out: torch.Tensor | None = None, *, max_q_len: int | None = None,
                     max_seq_len: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Causal attention for a batch mixing prefill chunks and decodes; see kernels.reference.
+    The cache may be int8 (kernels/kv_int8.py): its rows are dequantized as they load.
 
     `max_q_len` and `max_seq_len` (when the caller knows them) avoid reading them back from the
     device; `num_splits` forces the split-KV decode path's slice count (decode-only batches)."""
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, row = k_cache.shape
+    int8 = kv_int8.is_int8(k_cache)
+    assert row == head_dim + (kv_int8.SCALE_BYTES if int8 else 0)
     assert num_heads % num_kv_heads == 0 and k_cache.shape == v_cache.shape
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16
@@ -242,7 +262,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, partial_out,
                 partial_lse, scale_log2, q.stride(0), q.stride(1), *common, num_heads, splits,
                 tiles_per_split, GROUP=group, ROWS=max(MIN_ROWS, group_pad), HEAD_DIM=head_dim,
-                BLOCK_SIZE=block_size, BLOCK_N=key_tile, PRECISION=precision, UPCAST=upcast)
+                BLOCK_SIZE=block_size, BLOCK_N=key_tile, PRECISION=precision, UPCAST=upcast,
+                INT8=int8)
             _decode_merge_kernel[(num_seqs, num_heads)](
                 partial_out, partial_lse, out, cu_seqlens_q, out.stride(0), out.stride(1),
                 num_heads, splits, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits))
@@ -254,5 +275,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, num_seqs, scale_log2,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, GROUP=group,
         GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=key_tile, PRECISION=precision, UPCAST=upcast)
+        BLOCK_N=key_tile, PRECISION=precision, UPCAST=upcast, INT8=int8)
     return out

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_int8
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, residual_ptr, residual_out_ptr, n_cols,
@@ -105,31 +107,54 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                               stride_kt, stride_kh, stride_vt, stride_vh, stride_block,
                               stride_offset, stride_head, block_size, num_kv_heads, head_dim,
-                              BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+                              BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
+                              INT8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # a padding token: nothing to write
         return
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    head_ids = tl.arange(0, BLOCK_HEADS)
+    heads = head_ids[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_kv_heads) & (dims < head_dim)
-    target = (slot // block_size) * stride_block + (slot % block_size) * stride_offset \
-        + heads * stride_head + dims
-    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + target, key, mask=mask)
-    tl.store(v_cache_ptr + target, value, mask=mask)
+    rows = (slot // block_size) * stride_block + (slot % block_size) * stride_offset \
+        + head_ids * stride_head
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
+    if INT8:
+        _store_int8_rows(k_cache_ptr, rows, dims, key, mask, head_ids < num_kv_heads, head_dim)
+        _store_int8_rows(v_cache_ptr, rows, dims, value, mask, head_ids < num_kv_heads, head_dim)
+    else:
+        tl.store(k_cache_ptr + rows[:, None] + dims, key, mask=mask)
+        tl.store(v_cache_ptr + rows[:, None] + dims, value, mask=mask)
+
+
+@triton.jit
+def _store_int8_rows(cache_ptr, rows, dims, x, mask, head_mask, head_dim):
+    """Each head's values as int8 with their fp32 scale (max |x| / 127) in the 4 bytes after
+    them, rounded to nearest (kernels/kv_int8.py rounds ties to even, this away from zero: the
+    interpreter has no rint)."""
+    x = x.to(tl.float32)
+    scale = tl.max(tl.abs(x), 1) / 127
+    scaled = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled))
+    tl.store(cache_ptr + rows[:, None] + dims, q.to(tl.int8), mask=mask)
+    tl.store((cache_ptr + rows + head_dim).to(tl.pointer_type(tl.float32)), scale, mask=head_mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key/value [num_tokens, num_kv_heads, head_dim] into slots block * block_size + offset."""
+    """key/value [num_tokens, num_kv_heads, head_dim] into slots block * block_size + offset;
+    an int8 cache gets them quantized (kernels/kv_int8.py)."""
     assert k_cache.stride() == v_cache.stride() and key.stride(-1) == 1 and value.stride(-1) == 1
     num_tokens, num_kv_heads, head_dim = key.shape
+    int8 = kv_int8.is_int8(k_cache)
+    assert k_cache.shape[3] == head_dim + (kv_int8.SCALE_BYTES if int8 else 0)
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
         value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], num_kv_heads, head_dim,
-        BLOCK_HEADS=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_HEADS=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        INT8=int8)

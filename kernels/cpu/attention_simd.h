@@ -83,13 +83,13 @@ inline float row_scale(const char* row) {
   }
 }
 
-// Asks for a cache row's lines ahead of its use: rows are scattered over blocks, so the hardware
-// prefetcher alone leaves the loads waiting on memory.
+// Asks for a cache row's lines, into L2, ahead of their use: rows are scattered over blocks, so
+// the hardware prefetcher alone leaves the loads waiting on memory.
 template <typename T, int DV>
 inline void prefetch_row(const char* row) {
   constexpr int bytes = std::is_same_v<T, float> ? 64 * DV : 16 * DV + 4;
-  for (int c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
-  if constexpr (bytes % 64 != 0) _mm_prefetch(row + bytes - 1, _MM_HINT_T0);
+  for (int c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
+  if constexpr (bytes % 64 != 0) _mm_prefetch(row + bytes - 1, _MM_HINT_T1);
 }
 
 }  // namespace paged

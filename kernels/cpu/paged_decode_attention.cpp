@@ -26,6 +26,16 @@ namespace {
 
 using namespace paged;
 
+// Rows are asked for this many positions before their use (into L2: at 128 sequences of 300
+// tokens that measured ~100 ms for 30 layers, against ~145 ms for 16 rows ahead into L1).
+constexpr int64_t kAhead = 32;
+
+// Prefetches the next `count` rows of a cursor, advancing it.
+template <typename T, int DV>
+inline void prefetch_rows(RowCursor& cursor, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) prefetch_row<T, DV>(cursor.next());
+}
+
 // The scores of G query heads against positions [0, len) of their KV head, into
 // scores[h * stride + pos], with their maxima in peak[h]. Each key row is read from memory once
 // for all G heads: 16 rows are scored against one head, then the next head finds them in L1.
@@ -35,17 +45,15 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
   std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
   const char* rows[16];
   alignas(64) float row_scales[16];
-  const char* ahead[16];
-  int n_ahead = static_cast<int>(std::min<int64_t>(16, len));
-  for (int i = 0; i < n_ahead; ++i) ahead[i] = keys.next();
+  RowCursor ahead = keys;  // kAhead positions in front of `keys`
+  int64_t ahead_pos = std::min<int64_t>(kAhead, len);
+  prefetch_rows<T, DV>(ahead, ahead_pos);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
-    const int n = n_ahead;
-    for (int i = 0; i < n; ++i) rows[i] = ahead[i];
-    n_ahead = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, len - p0 - 16)));
-    for (int i = 0; i < n_ahead; ++i) {
-      ahead[i] = keys.next();
-      prefetch_row<T, DV>(ahead[i]);
-    }
+    const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
+    for (int i = 0; i < n; ++i) rows[i] = keys.next();
+    const int64_t more = std::min<int64_t>(16, len - ahead_pos);
+    prefetch_rows<T, DV>(ahead, more);
+    ahead_pos += more;
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     if constexpr (!std::is_same_v<T, float>)
       for (int i = 0; i < 16; ++i) row_scales[i] = i < n ? row_scale<T, DV>(rows[i]) : 0.0f;
@@ -91,14 +99,11 @@ void accumulate_values(const float* weights, int64_t stride, const float* totals
   __m512 acc[HB][DV];
   for (int h = 0; h < HB; ++h)
     for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
-  RowCursor ahead = values;
-  for (int64_t i = 0; i < std::min<int64_t>(16, len); ++i) ahead.next();
+  RowCursor ahead = values;  // its first kAhead rows were prefetched with the scores
+  for (int64_t i = 0; i < std::min<int64_t>(kAhead, len); ++i) ahead.next();
   for (int64_t pos = 0; pos < len; ++pos) {
     const char* row = values.next();
-    if (pos + 16 < len) {
-      const char* next = ahead.next();
-      prefetch_row<T, DV>(next);
-    }
+    if (pos + kAhead < len) prefetch_row<T, DV>(ahead.next());
     const float row_weight = row_scale<T, DV>(row);  // an int8 row's scale joins the weight
     __m512 v[DV];
     for (int d = 0; d < DV; ++d) v[d] = load16<T>(row, d);
@@ -121,6 +126,8 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
   const int64_t stride = len + 16;
   std::vector<float> peak(group), totals(group);
   score_group<T, DV>(q, group, scale, keys, len, scores, stride, peak.data());
+  RowCursor first_values = values;
+  prefetch_rows<T, DV>(first_values, std::min<int64_t>(kAhead, len));
   for (int64_t h = 0; h < group; ++h) totals[h] = exponentiate(scores + h * stride, len, peak[h]);
   // Up to 16 accumulators (HB * DV) stay in registers beside the value row.
   constexpr int kMaxHeads = 16 / DV;

@@ -116,9 +116,6 @@ class Engine:
             self.runner = SimRunner(profile, model_config.vocab_size, self.eos_token_id)
         else:
             backend = _pick_backend(config, self.device, self.dtype)
-            if self.kv_dtype == torch.int8 and backend.name != "torch":
-                raise ValueError(f"kv_cache.dtype int8 runs on the torch attention backend, not "
-                                 f"{backend.name}: set model.attention_backend: torch")
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
                                           self.max_model_len)
             num_blocks = config.num_kv_blocks or self._blocks_that_fit()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels import kv_int8
 from services.executor.attention import SeqSlice, split_qkv
 
 
@@ -59,8 +60,9 @@ class TritonBackend:
     @staticmethod
     def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
-        """Rotary on q and k in place, k and v into their cache slots; the q, k, v views."""
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        """Rotary on q and k in place, k and v into their cache slots (quantized for an int8
+        cache); the q, k, v views."""
+        num_kv_heads, head_dim = k_cache.shape[2], kv_int8.head_dim_of(k_cache)
         q, k, v = split_qkv(qkv, qkv.shape[1] // head_dim - 2 * num_kv_heads, num_kv_heads, head_dim)
         kernels.rotary_embedding(positions, q, k, cos_sin_cache)
         kernels.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -20,9 +20,9 @@ def requests() -> list[GenerateRequest]:
     return greedy + sampled
 
 
-async def run(backend: str) -> list[list[int]]:
+async def run(backend: str, kv_cache_dtype: str = "auto") -> list[list[int]]:
     engine = Engine(tiny_config(attention_backend=backend, max_num_batched_tokens=32,
-                                num_kv_blocks=64))
+                                num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype))
     try:
         if backend == "triton":
             assert isinstance(engine.runner.backend, TritonBackend)
@@ -37,3 +37,11 @@ async def test_triton_backend_matches_torch_backend():
     assert all(len(t) == 6 for t in torch_tokens)
     assert triton_tokens == torch_tokens
     assert len({tuple(t) for t in torch_tokens[4:]}) == 4  # the sampled outputs differ
+
+
+async def test_an_int8_kv_cache_on_the_triton_backend_gives_the_torch_backends_tokens():
+    """Both quantize each row as it is written and read it dequantized (greedy requests only:
+    a tie in rounding may differ, kernels/elementwise.py)."""
+    torch_tokens = await run("torch", "int8")
+    triton_tokens = await run("triton", "int8")
+    assert triton_tokens[:4] == torch_tokens[:4]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import kv_int8, reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
@@ -91,6 +91,40 @@ def test_reshape_and_cache_writes_slots_and_skips_negative_ones(block_size, dtyp
     reference.reshape_and_cache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].abs().sum(-1).count_nonzero() == 4 * 2  # four tokens, two heads each
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reshape_and_cache_quantizes_into_an_int8_cache(dtype):
+    """Rows as kernels/kv_int8.py writes them: head_dim int8 values, then their fp32 scale."""
+    gen = torch.Generator().manual_seed(3)
+    key = torch.randn(5, 3, 64, generator=gen).to(DEVICE, dtype)
+    value = torch.randn(5, 3, 64, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([0, 19, -1, 47, 5], device=DEVICE)
+    caches = [torch.zeros(4, 16, 3, 68, dtype=torch.int8, device=DEVICE) for _ in range(4)]
+    kernels.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    reference.reshape_and_cache(key, value, caches[2], caches[3], slots)
+    for ours, theirs in ((caches[0], caches[2]), (caches[1], caches[3])):
+        scale = theirs[..., 64:].contiguous().view(torch.float32)  # [..., 1]
+        torch.testing.assert_close(ours[..., 64:].contiguous().view(torch.float32), scale)
+        # A GPU's division may round a value sitting on .5 the other way: one step at most.
+        assert (kv_int8.dequantize(ours) - kv_int8.dequantize(theirs)).abs().le(scale + 1e-7).all()
+    written = caches[0].view(-1, 68).abs().sum(-1).nonzero().flatten() // 3  # slots with data
+    assert sorted(set(written.tolist())) == [0, 5, 19, 47]  # the -1 slot wrote nothing
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_attention_over_an_int8_cache(num_splits, dtype):
+    """Mixed prefill and decodes, and decode-only batches split over the context, read int8
+    rows dequantized: the same values the reference reads."""
+    mixed = paged_batch(**MIXED, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                        dtype=dtype)
+    decodes = paged_batch(q_lens=[1, 1, 1], seq_lens=[130, 47, 5], num_heads=9, num_kv_heads=3,
+                          head_dim=64, block_size=16, dtype=dtype)
+    for q, k_cache, v_cache, *rest in (mixed, decodes):
+        batch = (q, kv_int8.quantize(k_cache), kv_int8.quantize(v_cache), *rest)
+        out = kernels.paged_attention(*batch, 0.125, num_splits=num_splits)
+        close(out, reference.paged_attention(*batch, 0.125))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
