@@ -1,0 +1,166 @@
+"""The CPU attention kernels on their own: decode batches and prefill chunks over a paged fp32 KV
+cache for every layer of a model (a cache per layer, blocks scattered, so it streams from memory
+as in the engine), against SDPA over the gathered blocks, as the torch backend runs without the
+kernels. The median of `--repeats` runs, in ms for all the layers.
+
+    python -m loadtest.attention_bench --decode 1:300 8:256 64:256 128:300 \
+        --prefill 40:0 384:0 200:300 --result-json results/attention_bench.json
+
+A decode point B:L is B sequences at L cached tokens each; a prefill point T:P is one chunk of T
+new tokens after P cached ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from shared.model_files import DUMMY_SHAPES
+
+BLOCK_SIZE = 16
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def pair(text: str) -> tuple[int, int]:
+    a, _, b = text.partition(":")
+    return int(a), int(b)
+
+
+class Caches:
+    """Per-layer K and V caches with `seqs` sequences of `length` tokens, blocks scattered."""
+
+    def __init__(self, layers: int, seqs: int, length: int, kv_heads: int, head_dim: int):
+        per_seq = -(-length // BLOCK_SIZE)
+        blocks = seqs * per_seq + 1
+        shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)
+        self.k = [torch.randn(shape) for _ in range(layers)]
+        self.v = [torch.randn(shape) for _ in range(layers)]
+        order = torch.randperm(blocks - 1) + 1
+        self.tables = order[:seqs * per_seq].view(seqs, per_seq).to(torch.int32).contiguous()
+        self.bytes = 2 * layers * seqs * length * kv_heads * head_dim * 4
+
+    def gathered(self, layer: int, seq: int, length: int):
+        """One sequence's keys and values, contiguous: [length, KVH, D] each."""
+        ids = self.tables[seq]
+        k, v = self.k[layer], self.v[layer]
+        keys = k.view(k.shape[0], -1).index_select(0, ids).view(-1, *k.shape[2:])[:length]
+        values = v.view(v.shape[0], -1).index_select(0, ids).view(-1, *v.shape[2:])[:length]
+        return keys, values
+
+
+def decode_point(kernels, shape: dict, seqs: int, length: int, repeats: int) -> dict:
+    layers, heads, kv_heads, dim = (shape["num_layers"], shape["num_heads"],
+                                    shape["num_kv_heads"], shape["head_dim"])
+    caches = Caches(layers, seqs, length, kv_heads, dim)
+    # q as the engine has it: a view into the fused QKV output.
+    q = torch.randn(seqs, (heads + 2 * kv_heads) * dim)[:, :heads * dim].unflatten(1, (heads, dim))
+    out = torch.empty(seqs, heads, dim)
+    lens = torch.full((seqs,), length, dtype=torch.int32)
+    rows = torch.arange(seqs)
+    scale = dim ** -0.5
+
+    def kernel():
+        for layer in range(layers):
+            kernels.paged_decode_attention(q, caches.k[layer], caches.v[layer], caches.tables,
+                                           lens, rows, out, scale)
+
+    def sdpa():  # every sequence at the same length: one batched call a layer
+        for layer in range(layers):
+            kv = [caches.gathered(layer, s, length) for s in range(seqs)]
+            keys = torch.stack([k for k, _ in kv]).transpose(1, 2)
+            values = torch.stack([v for _, v in kv]).transpose(1, 2)
+            F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale,
+                                           enable_gqa=True)
+
+    row = {"seqs": seqs, "context": length, "kernel_ms": median_ms(kernel, repeats),
+           "sdpa_ms": median_ms(sdpa, repeats)}
+    row["kernel_gb_per_s"] = caches.bytes / row["kernel_ms"] / 1e6
+    return row
+
+
+def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int) -> dict:
+    layers, heads, kv_heads, dim = (shape["num_layers"], shape["num_heads"],
+                                    shape["num_kv_heads"], shape["head_dim"])
+    length = cached + tokens
+    caches = Caches(layers, 1, length, kv_heads, dim)
+    q = torch.randn(tokens, (heads + 2 * kv_heads) * dim)[:, :heads * dim].unflatten(1, (heads, dim))
+    out = torch.empty(tokens, heads, dim)
+    table = caches.tables[0].contiguous()
+    scale = dim ** -0.5
+    mask = torch.arange(length)[None, :] <= (cached + torch.arange(tokens))[:, None]
+
+    def kernel():
+        for layer in range(layers):
+            kernels.paged_prefill_attention(q, caches.k[layer], caches.v[layer], table, 0, tokens,
+                                            cached, out, scale)
+
+    def sdpa():
+        query = q.transpose(0, 1).unsqueeze(0)
+        for layer in range(layers):
+            keys, values = caches.gathered(layer, 0, length)
+            F.scaled_dot_product_attention(query, keys.unsqueeze(0).transpose(1, 2),
+                                           values.unsqueeze(0).transpose(1, 2), attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+
+    row = {"tokens": tokens, "cached": cached, "kernel_ms": median_ms(kernel, repeats),
+           "sdpa_ms": median_ms(sdpa, repeats)}
+    flops = 4 * heads * dim * (tokens * cached + tokens * (tokens + 1) / 2) * layers
+    row["kernel_gflop_per_s"] = flops / row["kernel_ms"] / 1e6
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(DUMMY_SHAPES))
+    parser.add_argument("--decode", type=pair, nargs="*",
+                        default=[(1, 300), (8, 256), (64, 256), (128, 300)])
+    parser.add_argument("--prefill", type=pair, nargs="*",
+                        default=[(40, 0), (384, 0), (200, 300)])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--result-json", default="results/attention_bench.json")
+    args = parser.parse_args(argv)
+    kernels = cpu_ops.load()
+    if kernels is None or not kernels.prefill_attention_kernel():
+        raise SystemExit("the CPU attention kernels need a build with AVX-512")
+    shape = DUMMY_SHAPES[args.shape]
+    torch.manual_seed(0)
+    print(f"{args.shape}: {shape['num_layers']} layers, ms for all of them, "
+          f"median of {args.repeats}")
+    decodes, prefills = [], []
+    for seqs, length in args.decode:
+        row = decode_point(kernels, shape, seqs, length, args.repeats)
+        decodes.append(row)
+        print(f"  decode {seqs:4d} x {length:5d}: kernel {row['kernel_ms']:8.1f} "
+              f"({row['kernel_gb_per_s']:.1f} GB/s)  SDPA {row['sdpa_ms']:8.1f}", flush=True)
+    for tokens, cached in args.prefill:
+        row = prefill_point(kernels, shape, tokens, cached, args.repeats)
+        prefills.append(row)
+        print(f"  prefill {tokens:4d} after {cached:5d}: kernel {row['kernel_ms']:8.1f} "
+              f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  SDPA {row['sdpa_ms']:8.1f}", flush=True)
+    path = Path(args.result_json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": "attention_bench", "date": time.strftime("%Y-%m-%d"),
+                                "shape": args.shape, "threads": torch.get_num_threads(),
+                                "decode": decodes, "prefill": prefills}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""The attention microbenchmark on the tiny shape: every decode and prefill point gets figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kernels import cpu_ops
+from loadtest import attention_bench
+
+
+@pytest.mark.skipif(cpu_ops.load() is None or not cpu_ops.load().prefill_attention_kernel(),
+                    reason="the CPU attention kernels need a build with AVX-512")
+def test_every_point_is_timed(tmp_path):
+    out = tmp_path / "attention.json"
+    assert attention_bench.main(["--shape", "tiny", "--decode", "2:40", "--prefill", "24:0",
+                                 "17:30", "--repeats", "1", "--result-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["seqs"], r["context"]) for r in result["decode"]] == [(2, 40)]
+    assert [(r["tokens"], r["cached"]) for r in result["prefill"]] == [(24, 0), (17, 30)]
+    for row in result["decode"] + result["prefill"]:
+        assert row["kernel_ms"] > 0 and row["sdpa_ms"] > 0, row
