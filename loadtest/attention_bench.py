@@ -22,19 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from loadtest.linear_bench import times_ms
 from shared.model_files import DUMMY_SHAPES
 
 BLOCK_SIZE = 16
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(times_ms(fn, repeats))
 
 
 def pair(text: str) -> tuple[int, int]:

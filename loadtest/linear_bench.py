@@ -29,14 +29,19 @@ def layer_shapes(shape: dict) -> list[tuple[int, int]]:
             (h, shape["intermediate_size"])]
 
 
-def best_ms(fn, repeats: int) -> float:
+def times_ms(fn, repeats: int) -> list[float]:
+    """ms of `repeats` calls of fn, after one to warm up."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def best_ms(fn, repeats: int) -> float:
+    return min(times_ms(fn, repeats))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,30 @@
-// Vector helpers shared by the paged attention kernels (AVX-512 builds only): a fast e^x for
-// softmax, a 16-way horizontal sum, and reads of fp32 or int8 cache rows through a block table.
+// What the paged attention kernels share: their argument checks, and (AVX-512 builds) vector
+// helpers: a fast e^x for softmax, a 16-way horizontal sum, and reads of fp32 or int8 cache rows
+// through a block table.
 #pragma once
+
+#include <torch/extension.h>
+
+namespace paged {
+
+// The checks both kernels make of their tensors; whether the cache is int8 (else fp32).
+inline bool check_attention_args(const char* op, const torch::Tensor& q,
+                                 const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 const torch::Tensor& out, const torch::Tensor& block_table) {
+  const bool int8 = k_cache.scalar_type() == torch::kInt8;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
+              (int8 || k_cache.scalar_type() == torch::kFloat32) &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              op, ": fp32 queries over an fp32 or int8 cache");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), op, ": q's heads must be packed");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
+              block_table.is_contiguous(), op, ": cache, out and block tables must be contiguous");
+  TORCH_CHECK(k_cache.size(3) == (int8 ? q.size(2) + 4 : q.size(2)), op, ": cache rows of ",
+              k_cache.size(3), " for head_dim ", q.size(2));
+  return int8;
+}
+
+}  // namespace paged
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

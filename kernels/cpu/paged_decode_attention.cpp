@@ -179,19 +179,11 @@ void paged_decode_attention(
     const torch::Tensor& q_rows,        // int64 [num_seqs], the row of q holding each query
     torch::Tensor& out,                 // [num_tokens, num_heads, head_dim]
     double scale) {
-  const bool int8 = k_cache.scalar_type() == torch::kInt8;
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
-              (int8 || k_cache.scalar_type() == torch::kFloat32) &&
-              v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_decode_attention: fp32 queries over an fp32 or int8 cache");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be packed");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
-              block_tables.is_contiguous(), "cache, out and block_tables must be contiguous");
+  const bool int8 =
+      paged::check_attention_args("paged_decode_attention", q, k_cache, v_cache, out, block_tables);
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
-  TORCH_CHECK(k_cache.size(3) == (int8 ? head_dim + 4 : head_dim),
-              "paged_decode_attention: cache rows of ", k_cache.size(3), " for head_dim ", head_dim);
   const int64_t block_size = k_cache.size(1);
   const int64_t num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head

@@ -121,19 +121,11 @@ void paged_prefill_attention(
     int64_t first_pos,                 // the position of its first token (cached tokens before)
     torch::Tensor& out,                // [num_tokens, num_heads, head_dim]
     double scale) {
-  const bool int8 = k_cache.scalar_type() == torch::kInt8;
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
-              (int8 || k_cache.scalar_type() == torch::kFloat32) &&
-              v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_prefill_attention: fp32 queries over an fp32 or int8 cache");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be packed");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
-              block_table.is_contiguous(), "cache, out and block_table must be contiguous");
+  const bool int8 =
+      paged::check_attention_args("paged_prefill_attention", q, k_cache, v_cache, out, block_table);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
-  TORCH_CHECK(k_cache.size(3) == (int8 ? head_dim + 4 : head_dim),
-              "paged_prefill_attention: cache rows of ", k_cache.size(3), " for head_dim ", head_dim);
   TORCH_CHECK(block_table.size(0) * block_size >= first_pos + q_len,
               "paged_prefill_attention: the block table is shorter than the slice");
 #if defined(__AVX512F__)

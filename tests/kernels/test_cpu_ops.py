@@ -191,6 +191,24 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch):
         cpu_ops.build("tiny", [source], tmp_path / "cache")
 
 
+def scattered_cache(lens: list[int], block: int, kv_heads: int, head_dim: int, int8: bool, gen):
+    """Random K and V caches holding sequences of `lens` tokens in scattered blocks (none is
+    block 0, the padding), and their block tables padded with 0."""
+    num_blocks = sum(-(-n // block) for n in lens) + 1
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+    if int8:  # the reference reads it dequantized: the same values, so the same tolerance
+        k_cache, v_cache = kv_int8.quantize(k_cache), kv_int8.quantize(v_cache)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    width = max(-(-n // block) for n in lens)
+    tables, used = [], 0
+    for n in lens:
+        count = -(-n // block)
+        tables.append(order[used:used + count].tolist() + [0] * (width - count))
+        used += count
+    return k_cache, v_cache, tables
+
+
 # 64 and 128 take the vectorized path, which scores a KV head's query heads together and sums
 # values for up to 16 / (head_dim / 16) of them at a time: groups of 1, 3, 5 and 7 cover every case.
 @pytest.mark.parametrize("head_dim,group,block", [
@@ -201,18 +219,7 @@ def test_paged_decode_attention_matches_reference(k, head_dim, group, block, int
     heads = group * kv_heads
     lens = [1, 15, 16, 17, 33, 200]
     gen = torch.Generator().manual_seed(head_dim)
-    num_blocks = sum(-(-n // block) for n in lens) + 1
-    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
-    if int8:  # the reference reads it dequantized: the same values, so the same tolerance
-        k_cache, v_cache = kv_int8.quantize(k_cache), kv_int8.quantize(v_cache)
-    order = torch.randperm(num_blocks - 1, generator=gen) + 1  # scattered blocks, none is 0
-    width = max(-(-n // block) for n in lens)
-    tables, used = [], 0
-    for n in lens:
-        count = -(-n // block)
-        tables.append(order[used:used + count].tolist() + [0] * (width - count))
-        used += count
+    k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, int8, gen)
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
     out = torch.empty_like(q)
     k.paged_decode_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
@@ -238,18 +245,7 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, in
     heads = group * kv_heads
     gen = torch.Generator().manual_seed(head_dim + group)
     lens = [cached + new for cached, new in PREFILL_SLICES]
-    num_blocks = sum(-(-n // block) for n in lens) + 1
-    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
-    if int8:
-        k_cache, v_cache = kv_int8.quantize(k_cache), kv_int8.quantize(v_cache)
-    order = torch.randperm(num_blocks - 1, generator=gen) + 1
-    width = max(-(-n // block) for n in lens)
-    tables, used = [], 0
-    for n in lens:
-        count = -(-n // block)
-        tables.append(order[used:used + count].tolist() + [0] * (width - count))
-        used += count
+    k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, int8, gen)
     new_tokens = [new for _, new in PREFILL_SLICES]
     total = sum(new_tokens)
     # q as the engine has it: a view into the fused QKV output, its rows strided.
