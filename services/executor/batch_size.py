@@ -8,7 +8,8 @@ free KV blocks and preemptions. The controller answers with a new limit or none.
 - **memory tight** (a preemption, or free blocks under `kv_free_threshold` of the pool): shrink;
 - **SLO broken** (TPOT p99 over `tpot_slo_ms`): shrink;
 - **demand with headroom** (requests wait, the batch fills `high_load_threshold` of the limit,
-  TPOT p99 at most `GROW_HEADROOM` of the SLO): grow;
+  TPOT p99 at most `GROW_HEADROOM` of the SLO, or no TPOT samples in the interval and the latest
+  ones within the SLO): grow;
 - **low load** (the batch under `low_load_threshold` of the limit, nothing waiting): shrink, so a
   burst starts at a latency-safe size and grows while TPOT allows;
 - otherwise hold.
@@ -59,19 +60,25 @@ class BatchSizeController:
         self.config = config
         self.limit = config.initial_batch_size
         self.decisions: deque[Decision] = deque(maxlen=20)  # the latest, for $SRV.STATS
+        # Whether the latest interval with TPOT samples broke the SLO. Steps longer than the
+        # interval leave some intervals without samples, and those must not grow past a breach.
+        self.breached = False
 
     def update(self, seen: Interval, now: float | None = None) -> Decision | None:
         """The limit for the next interval; a Decision when it changed."""
         c = self.config
         full = seen.running >= c.high_load_threshold * self.limit
         p99 = seen.tpot_p99_ms
+        if p99 is not None:
+            self.breached = p99 > c.tpot_slo_ms
         if seen.preemptions or seen.free_kv_fraction < c.kv_free_threshold:
             new, reason = self.limit - c.step_size, (
                 f"kv memory tight: {seen.preemptions} preemptions, "
                 f"{seen.free_kv_fraction:.0%} of blocks free")
         elif p99 is not None and p99 > c.tpot_slo_ms:
             new, reason = self.limit - c.step_size, f"tpot p99 {p99:.1f} ms > slo {c.tpot_slo_ms:g}"
-        elif seen.waiting and full and (p99 is None or p99 <= GROW_HEADROOM * c.tpot_slo_ms):
+        elif seen.waiting and full and (p99 <= GROW_HEADROOM * c.tpot_slo_ms if p99 is not None
+                                        else not self.breached):
             new, reason = self.limit + c.step_size, (
                 f"{seen.waiting} waiting, tpot p99 "
                 f"{'-' if p99 is None else f'{p99:.1f}'} ms within slo {c.tpot_slo_ms:g}")

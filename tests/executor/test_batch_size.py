@@ -48,6 +48,17 @@ def test_shrinks_when_tpot_p99_breaks_the_slo_down_to_the_minimum():
     assert c.limit == 4  # the minimum
 
 
+def test_an_interval_without_samples_does_not_grow_past_the_latest_breach():
+    """Steps longer than the interval leave intervals with no TPOT sample: after a breach they
+    hold, and growth resumes only once samples are back within the SLO."""
+    c = BatchSizeController(CONFIG)
+    c.update(seen(waiting=9, tpot=61.5))
+    assert c.limit == 12
+    assert c.update(seen(waiting=9, running=12, tpot=None)) is None and c.limit == 12
+    assert c.update(seen(waiting=9, running=12, tpot=20.0)).new == 16
+    assert c.update(seen(waiting=9, running=16, tpot=None)).new == 20
+
+
 def test_shrinks_when_kv_memory_runs_tight():
     c = BatchSizeController(CONFIG)
     decision = c.update(seen(waiting=3, preemptions=2))
