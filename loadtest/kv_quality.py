@@ -1,14 +1,21 @@
-"""What an int8 KV cache buys and costs on the real engine: `kv_cache.dtype: int8` against the
-model's own dtype (`auto`, fp32 on a CPU).
+"""What a compressed KV cache buys and costs on the real engine. Three configurations: the
+model's own dtype (`auto`, fp32 on a CPU), `kv_cache.dtype: int8`, and `mixed`
+(`kv_cache.compress_below_priority: 5`: half the KV memory an int8 pool for the requests under
+priority 5, half the model's dtype for the others; the requests alternate priority 9 and 1).
 
-- **Capacity**: the blocks a fixed KV budget (`--budget-gib`) holds, as 1,024-token sequences;
-  then that many plus a third again of such requests (800-token prompts, 224 tokens out) sent at
-  once: the most that ran at the same time, sampled every 5 ms (the scheduler admits on the
-  blocks a prompt needs now, so it overcommits), and the preemptions that followed.
+- **Capacity**: the 1,024-token sequences a fixed KV budget (`--budget-gib`) holds; then that
+  many plus a third again of such requests (800-token prompts, 224 tokens out) sent at once: the
+  most that ran at the same time, sampled every 5 ms (the scheduler admits on the blocks a prompt
+  needs now, so it overcommits), and the preemptions that followed.
 - **Agreement**: greedy tokens on loadtest.quant_quality's 32 prompts, `--max-tokens` each,
   against the fp32 cache's (the share of each output before the first differing token, and the
-  identical outputs).
-- **Throughput**: output tokens/s of that agreement run (32 requests at once).
+  identical outputs); for `mixed`, per priority too.
+- **Throughput**: output tokens/s of that agreement run (32 requests at once, short contexts),
+  and of `--batch-requests` requests of `--batch-prompt` random tokens and `--batch-max-tokens`
+  out, sent at once to an engine with a KV budget (`--batch-budget-gib`) that holds them all in
+  every configuration, so the figure is the speed of the cache alone: over the whole run, and
+  over its decode phase (from the last prompt prefilled to the first request finished, every
+  request decoding; large-batch decode reads every sequence's KV each step).
 
     python -m loadtest.kv_quality --result-json results/kv_quality.json
 """
@@ -31,17 +38,29 @@ from shared.config import EngineConfig
 from shared.protocol import Completion, GenerateRequest
 
 SEQUENCE_TOKENS = 1024
+HIGH, LOW = 9, 1  # the mixed configuration's two priorities, either side of its bound (5)
+CONFIGS = {"auto": {}, "int8": {"kv_cache_dtype": "int8"},
+           "mixed": {"kv_compress_below_priority": 5}}
 
 
-async def _run(engine: Engine, requests: list[GenerateRequest]) -> tuple[list, float, int]:
-    """Results in order, wall seconds, and the most sequences running at once."""
+async def _run(engine: Engine, requests: list[GenerateRequest]) -> tuple[list, float, int, float]:
+    """Results in order, wall seconds, the most sequences running at once, and the decode
+    tokens/s while every request ran and decoded: from when the last prompt was prefilled to
+    when the first request finished (NaN if that never happened)."""
     most = 0
     done = asyncio.Event()
+    window: list[tuple[float, int]] = []  # (time, decode tokens) at its start and end
 
     async def watch() -> None:
         nonlocal most
+        scheduler = engine.scheduler
         while not done.is_set():
-            most = max(most, len(engine.scheduler.running))
+            most = max(most, len(scheduler.running))
+            if not window and engine.num_unfinished == len(requests) and not scheduler.waiting \
+                    and all(s.num_computed_tokens >= s.num_prompt_tokens for s in scheduler.running):
+                window.append((time.perf_counter(), engine.stats.decode_tokens))
+            elif len(window) == 1 and engine.num_unfinished < len(requests):
+                window.append((time.perf_counter(), engine.stats.decode_tokens))
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
@@ -51,65 +70,117 @@ async def _run(engine: Engine, requests: list[GenerateRequest]) -> tuple[list, f
     finally:
         done.set()
         await watcher
-    return results, time.perf_counter() - start, most
+    assert all(isinstance(r, Completion) for r in results), results
+    decode_tok_s = float("nan")
+    if len(window) == 2 and window[1][0] > window[0][0]:
+        decode_tok_s = (window[1][1] - window[0][1]) / (window[1][0] - window[0][0])
+    return results, time.perf_counter() - start, most, decode_tok_s
 
 
-def measure(config: EngineConfig, max_tokens: int, seed: int) -> dict:
-    async def go() -> dict:
+def _random_requests(engine: Engine, rng: random.Random, count: int, prompt: int, out: int,
+                     mixed: bool) -> list[GenerateRequest]:
+    """Distinct random prompts (no prefix-cache sharing); priorities alternate when mixed."""
+    vocab = engine.model_config.vocab_size
+    return [GenerateRequest(prompt_token_ids=[rng.randrange(100, vocab) for _ in range(prompt)],
+                            max_tokens=out, temperature=0.0, ignore_eos=True,
+                            priority=(HIGH if i % 2 == 0 else LOW) if mixed else 5)
+            for i in range(count)]
+
+
+def measure(config: EngineConfig, batch_config: EngineConfig, args) -> dict:
+    mixed = config.kv_compress_below_priority is not None
+
+    async def capacity_and_agreement() -> dict:
         engine = Engine(config)
         try:
-            blocks = engine.block_manager.num_blocks
-            fits = blocks * config.block_size // SEQUENCE_TOKENS
-            greedy = [msgspec.structs.replace(p, max_tokens=max_tokens, temperature=0.0,
-                                              ignore_eos=True) for p in prompts()]
-            results, seconds, _ = await _run(engine, greedy)
-            assert all(isinstance(r, Completion) for r in results), results
+            sizes = engine.pool_sizes
+            fits = [n * config.block_size // SEQUENCE_TOKENS for n in sizes]
+            greedy = [msgspec.structs.replace(p, max_tokens=args.max_tokens, temperature=0.0,
+                                              ignore_eos=True,
+                                              priority=(HIGH if i % 2 == 0 else LOW) if mixed else 5)
+                      for i, p in enumerate(prompts())]
+            results, seconds, _, _ = await _run(engine, greedy)
             tokens = [r.token_ids for r in results]
-            # Long prompts, distinct (no prefix-cache sharing), more than the cache holds.
-            rng = random.Random(seed)
-            vocab = engine.model_config.vocab_size
-            long = [GenerateRequest(prompt_token_ids=[rng.randrange(100, vocab) for _ in range(800)],
-                                    max_tokens=SEQUENCE_TOKENS - 800, temperature=0.0,
-                                    ignore_eos=True)
-                    for _ in range(fits + fits // 3 + 1)]
+            long = _random_requests(engine, random.Random(args.seed), sum(fits) + sum(fits) // 3 + 1,
+                                    800, SEQUENCE_TOKENS - 800, mixed)
             preempted = engine.scheduler.num_preemptions
-            long_results, _, most = await _run(engine, long)
-            assert all(isinstance(r, Completion) for r in long_results), long_results
-            return {"kv_blocks": blocks, "sequences_of_1024_that_fit": fits,
+            _, _, most, _ = await _run(engine, long)
+            return {"kv_blocks_per_pool": sizes, "sequences_of_1024_that_fit": sum(fits),
+                    "sequences_of_1024_per_pool": fits,
                     "long_requests_sent": len(long), "most_running_at_once": most,
                     "preemptions": engine.scheduler.num_preemptions - preempted,
                     "greedy_output_tok_s": sum(map(len, tokens)) / seconds, "tokens": tokens}
         finally:
             await engine.stop()
 
-    return asyncio.run(go())
+    async def large_batch() -> dict:
+        engine = Engine(batch_config)
+        try:
+            requests = _random_requests(engine, random.Random(args.seed + 1), args.batch_requests,
+                                        args.batch_prompt, args.batch_max_tokens, mixed)
+            results, seconds, most, decode_tok_s = await _run(engine, requests)
+            return {"batch_output_tok_s": sum(len(r.token_ids) for r in results) / seconds,
+                    "batch_decode_tok_s": decode_tok_s,
+                    "batch_seconds": seconds, "batch_most_running": most,
+                    "batch_preemptions": engine.scheduler.num_preemptions}
+        finally:
+            await engine.stop()
+
+    result = asyncio.run(capacity_and_agreement())
+    if args.batch_requests:
+        result.update(asyncio.run(large_batch()))
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--budget-gib", type=float, default=0.5, help="the KV cache's memory")
+    parser.add_argument("--budget-gib", type=float, default=0.25, help="the KV cache's memory")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch-requests", type=int, default=128, help="0: skip that run")
+    parser.add_argument("--batch-prompt", type=int, default=512)
+    parser.add_argument("--batch-max-tokens", type=int, default=64)
+    parser.add_argument("--batch-budget-gib", type=float, default=4.0)
+    parser.add_argument("--batch-tokens", type=int, default=2048,
+                        help="max_num_batched_tokens of that run (prompts prefill fast)")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default="results/kv_quality.json")
     args = parser.parse_args(argv)
 
     base = EngineConfig(model=args.model, max_num_seqs=256, cpu_kv_cache_gib=args.budget_gib,
                         max_model_len=2048, enable_prefix_caching=False)
-    results = {dtype: measure(msgspec.structs.replace(base, kv_cache_dtype=dtype),
-                              args.max_tokens, args.seed) for dtype in ("auto", "int8")}
+    batch_base = msgspec.structs.replace(base, cpu_kv_cache_gib=args.batch_budget_gib,
+                                         max_num_batched_tokens=args.batch_tokens)
+    names = ["auto"] + [n for n in args.configs if n != "auto"]  # auto is the reference
+    results = {name: measure(msgspec.structs.replace(base, **CONFIGS[name]),
+                             msgspec.structs.replace(batch_base, **CONFIGS[name]), args)
+               for name in names}
     reference = results["auto"]["tokens"]
     for r in results.values():
-        r["agreement_with_fp32_kv"] = agreement(r.pop("tokens"), reference)
+        tokens = r.pop("tokens")
+        r["agreement_with_fp32_kv"] = agreement(tokens, reference)
+        r["agreement_by_priority"] = {  # the mixed run's even prompts ran at HIGH, odd at LOW
+            str(HIGH): agreement(tokens[0::2], reference[0::2]),
+            str(LOW): agreement(tokens[1::2], reference[1::2])}
     print(f"KV budget {args.budget_gib} GiB, {args.model}")
-    print(f"{'kv dtype':<10}{'blocks':>8}{'1024-token seqs':>17}{'sent':>6}{'ran at once':>13}"
-          f"{'preempted':>11}{'tok/s':>8}{'agreement':>11}{'identical':>11}")
+    print(f"{'kv dtype':<10}{'blocks':>12}{'1024-token seqs':>17}{'sent':>6}{'ran at once':>13}"
+          f"{'preempted':>11}{'tok/s':>8}{'agreement':>11}{'identical':>11}"
+          f"{'batch tok/s':>13}{'decode tok/s':>14}")
     for name, r in results.items():
         a = r["agreement_with_fp32_kv"]
-        print(f"{name:<10}{r['kv_blocks']:>8}{r['sequences_of_1024_that_fit']:>17}"
+        print(f"{name:<10}{'+'.join(map(str, r['kv_blocks_per_pool'])):>12}"
+              f"{r['sequences_of_1024_that_fit']:>17}"
               f"{r['long_requests_sent']:>6}{r['most_running_at_once']:>13}{r['preemptions']:>11}"
               f"{r['greedy_output_tok_s']:>8.1f}"
-              f"{100 * a['mean_prefix_share']:>10.1f}%{a['identical']:>6}/{a['prompts']}")
+              f"{100 * a['mean_prefix_share']:>10.1f}%{a['identical']:>6}/{a['prompts']}"
+              f"{r.get('batch_output_tok_s', float('nan')):>13.1f}"
+              f"{r.get('batch_decode_tok_s', float('nan')):>14.1f}")
+    mixed = results.get("mixed")
+    if mixed:
+        for priority, a in mixed["agreement_by_priority"].items():
+            print(f"mixed, priority {priority}: agreement {100 * a['mean_prefix_share']:.1f}%, "
+                  f"identical {a['identical']}/{a['prompts']}")
     path = Path(args.result_json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": "kv_quality", "date": time.strftime("%Y-%m-%d"),

@@ -23,7 +23,7 @@ import torch
 
 from services.executor.attention import SeqSlice, TorchBackend
 from services.executor.engine import Engine
-from services.executor.model import LlamaModel
+from services.executor.model import KvSegment, LlamaModel
 from services.executor.run_local import run_requests
 from services.executor.weights import load_model_files
 from shared.config import EngineConfig
@@ -119,7 +119,7 @@ def perplexity(model_name: str, quantization: str, text: str) -> tuple[float, in
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
     table = list(range(num_blocks))
     meta = backend.prepare([SeqSlice(0, len(ids), len(ids), table)], list(range(len(ids))))
-    logits = model.forward(torch.tensor(ids), torch.arange(len(ids)), meta, caches,
+    logits = model.forward(torch.tensor(ids), torch.arange(len(ids)), [KvSegment(meta, caches)],
                            torch.arange(len(ids) - 1))
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     matmuls = [model.lm_head] + [getattr(layer, name) for layer in model.layers

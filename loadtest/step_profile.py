@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from services.executor.attention import SeqSlice
 from services.executor.engine import Engine
+from services.executor.model import KvSegment
 from services.executor.sampler import SamplingBatch, sample
 from services.executor.sequence import SamplingParams
 from shared.config import EngineConfig
@@ -108,7 +109,7 @@ def run_case(engine: Engine, decodes: int, context: int, prefill: int, repeats: 
     ids, positions, meta, rows, sampling = step_inputs(engine, decodes, context, prefill)
 
     def step():
-        logits = model.forward(ids, positions, meta, runner.kv_caches, rows)
+        logits = model.forward(ids, positions, [KvSegment(meta, runner.kv_caches)], rows)
         with record_function("sample"):
             return sample(logits, sampling).tolist()
 

@@ -4,6 +4,10 @@ A full block is identified by a chained hash (shared/block_hash.py), so equal ha
 prefixes. Freed blocks keep their hash and content until they are reused: a later request whose
 prompt starts with the same blocks takes them back instead of recomputing them. What the cache
 gains and loses is recorded for the executor's KV events (the batcher's routing index).
+
+With `kv_cache.compress_below_priority` the cache is two pools (KvPools): the model's dtype and
+int8. A sequence takes every block from the pool of its `pool` index, block ids count from 0 in
+each pool, and prefix hits stay within a pool.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class Block:
 
 
 class BlockManager:
+    num_pools = 1
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -42,6 +48,14 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
+
+    @property
+    def pools(self) -> list[BlockManager]:
+        return [self]
+
+    def pool_size(self, pool: int) -> int:
+        assert pool == 0
+        return len(self.blocks)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
@@ -144,3 +158,80 @@ class BlockManager:
         for i in range(len(seq.block_hashes), num_blocks):
             parent = seq.block_hashes[i - 1] if i else b""
             seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+
+
+class KvPools:
+    """Two or more block pools behind BlockManager's interface: each call about a sequence goes
+    to the pool its `pool` index names; counts add up over the pools; the prefix cache's hashes,
+    as the KV events report them, are those that any pool holds."""
+
+    def __init__(self, sizes: list[int], block_size: int, enable_prefix_caching: bool = True):
+        self.pools = [BlockManager(n, block_size, enable_prefix_caching) for n in sizes]
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+    @property
+    def num_pools(self) -> int:
+        return len(self.pools)
+
+    def pool_size(self, pool: int) -> int:
+        return self.pools[pool].num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(p.num_blocks for p in self.pools)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(p.num_free_blocks for p in self.pools)
+
+    @property
+    def prefix_queries(self) -> int:
+        return sum(p.prefix_queries for p in self.pools)
+
+    @property
+    def prefix_hits(self) -> int:
+        return sum(p.prefix_hits for p in self.pools)
+
+    @property
+    def hash_to_block(self) -> dict[bytes, int]:
+        """Every cached hash (a block id of one pool holding it)."""
+        held: dict[bytes, int] = {}
+        for pool in reversed(self.pools):
+            held.update(pool.hash_to_block)
+        return held
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        return self.pools[seq.pool].blocks_needed(seq, num_new_tokens)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
+        return self.pools[seq.pool].can_allocate(seq, num_new_tokens, reserve)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.pools[seq.pool].allocate(seq, num_new_tokens)
+
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        return self.pools[seq.pool].take_cached_prefix(seq)
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        self.pools[seq.pool].commit_full_blocks(seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.pools[seq.pool].free_seq(seq)
+
+    def reset_prefix_cache(self) -> None:
+        for pool in self.pools:
+            pool.reset_prefix_cache()
+
+    def drain_kv_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """Net changes to the union of the pools' hashes: a hash one pool lost is removed only
+        when no other pool holds it. A hash both pools gained may be reported stored again;
+        the receiver's index is a set."""
+        touched: dict[bytes, None] = {}
+        for pool in self.pools:
+            stored, removed = pool.drain_kv_changes()
+            touched.update(dict.fromkeys(stored))
+            touched.update(dict.fromkeys(removed))
+        held = [h for h in touched if any(h in p.hash_to_block for p in self.pools)]
+        held_set = set(held)
+        return held, [h for h in touched if h not in held_set]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.executor.attention import TorchBackend
-from services.executor.block_manager import BlockManager
+from services.executor.block_manager import BlockManager, KvPools
 from services.executor.model import LlamaModel
 from services.executor.model_runner import ModelRunner, kv_cache_bytes_per_block
 from shared.preprocess import check_limits, prompt_token_ids
@@ -108,21 +108,32 @@ class Engine:
                                  model_config.max_position)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
                              else model_config.eos_token_id)
+        if config.kv_compress_below_priority is not None and config.kv_cache_dtype == "int8":
+            raise ValueError("kv_compress_below_priority needs kv_cache_dtype auto")
         if simulated:
             profile = load_profile(config.model.removeprefix("sim:"))
             num_blocks = config.num_kv_blocks or (
                 profile.kv_blocks * 16 // config.block_size if profile.kv_blocks
                 else self._blocks_that_fit())
+            self.pool_sizes = self._split_pools(num_blocks)
             self.runner = SimRunner(profile, model_config.vocab_size, self.eos_token_id)
         else:
             backend = _pick_backend(config, self.device, self.dtype)
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
                                           self.max_model_len)
-            num_blocks = config.num_kv_blocks or self._blocks_that_fit()
-            self.runner = self.on_model_thread(ModelRunner, model, backend, num_blocks,
-                                                config.block_size, self.kv_dtype, self.device)
+            self.pool_sizes = self._split_pools(config.num_kv_blocks or self._blocks_that_fit())
+            self.runner = self.on_model_thread(ModelRunner, model, backend, self.pool_sizes[0],
+                                                config.block_size, self.kv_dtype, self.device,
+                                                sum(self.pool_sizes[1:]))
             self.on_model_thread(self.runner.warm_up)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_pool_dtypes = [str(self.kv_dtype).removeprefix("torch."), "int8"][
+            :len(self.pool_sizes)]
+        if len(self.pool_sizes) == 1:
+            self.block_manager = BlockManager(self.pool_sizes[0], config.block_size,
+                                              config.enable_prefix_caching)
+        else:
+            self.block_manager = KvPools(self.pool_sizes, config.block_size,
+                                         config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
                                    preemption_margin=config.preemption_margin)
@@ -154,6 +165,25 @@ class Engine:
         most_useful = 2 * self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         return max(2, min(int(budget // per_block), most_useful))
 
+    def _split_pools(self, num_blocks: int) -> list[int]:
+        """[blocks] for one pool; with kv_compress_below_priority the memory of `num_blocks`
+        blocks in the model's dtype as [its blocks, int8 blocks], split by the compressed
+        fraction."""
+        fraction = self.config.kv_compressed_fraction
+        if self.config.kv_compress_below_priority is None:
+            return [num_blocks]
+        bs = self.config.block_size
+        full = kv_cache_bytes_per_block(self.model_config, bs, self.kv_dtype)
+        budget = num_blocks * full
+        compressed = kv_cache_bytes_per_block(self.model_config, bs, torch.int8)
+        return [max(2, int(budget * (1 - fraction) // full)),
+                max(2, int(budget * fraction // compressed))]
+
+    def kv_pool_of(self, priority: int) -> int:
+        """0: the model's dtype; 1: the int8 pool, for priorities under the configured bound."""
+        below = self.config.kv_compress_below_priority
+        return 1 if below is not None and priority < below else 0
+
     # ------------------------------------------------------------------------------- requests
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
@@ -180,10 +210,11 @@ class Engine:
         check_limits(request, len(prompt), self.max_model_len, self.model_config.vocab_size)
         total = len(prompt) + request.max_tokens
         blocks = -(-total // self.config.block_size)
-        usable = self.block_manager.num_blocks - self.scheduler.watermark_blocks
+        pool = self.kv_pool_of(request.priority)
+        usable = self.block_manager.pool_size(pool) - self.scheduler.watermark_blocks
         if blocks > usable:
             raise ProtocolError("prompt_too_long", f"prompt + `max_tokens` needs {blocks} KV blocks;"
-                                f" the pool has {usable} usable")
+                                f" the {'int8 ' if pool else ''}pool has {usable} usable")
         sampling = SamplingParams(
             max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k, min_p=request.min_p,
@@ -191,7 +222,7 @@ class Engine:
             stop=tuple(request.stop), stop_token_ids=frozenset(request.stop_token_ids),
             ignore_eos=request.ignore_eos)
         seq = Sequence(request_id, prompt, sampling, priority=request.priority,
-                       score=score,
+                       score=score, pool=pool,
                        arrival_index=next(self._arrivals),
                        arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         state = self._requests[request_id] = RequestState(

@@ -28,6 +28,18 @@ class LayerWeights:
     down_proj: Linear
 
 
+@dataclass
+class KvSegment:
+    """Consecutive rows of a step whose sequences keep their KV in one pool: the backend's
+    metadata for them (rows counted from `start`) and that pool's (K, V) caches, one per layer.
+    A step has one segment, or one per KV pool (kv_cache.compress_below_priority)."""
+
+    meta: object
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    start: int = 0
+    stop: int | None = None  # None: to the end of the step
+
+
 def rotary_cos_sin(config: ModelConfig, max_position: int, device: torch.device) -> torch.Tensor:
     """[max_position, head_dim]: cos of each rotary frequency in the first half, sin in the second."""
     dim = config.head_dim
@@ -67,23 +79,25 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                segments: list[KvSegment], logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] for the chosen rows of the flattened batch."""
         cfg, ops = self.config, self.backend
         num_tokens = input_ids.shape[0]
         hidden = self.embed(input_ids)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = hidden
                 hidden = ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps, residual)
-            q, k, v = ops.rotary_and_cache(layer.qkv_proj(hidden), positions, self.cos_sin_cache,
-                                           k_cache, v_cache, attn_meta.slot_mapping)
-            attn = ops.attention(q, k, v, k_cache, v_cache, self.scale, attn_meta)
+            qkv = layer.qkv_proj(hidden)
+            if len(segments) == 1:
+                attn = self._attend(qkv, positions, segments[0], i)
+            else:  # the matmuls run on the whole step; attention pool by pool
+                attn = torch.cat([self._attend(qkv[s.start:s.stop], positions[s.start:s.stop], s, i)
+                                  for s in segments])
             hidden = layer.o_proj(attn.view(num_tokens, self.q_size))
             hidden, residual = ops.rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps, residual)
             hidden = layer.down_proj(ops.silu_and_mul(layer.gate_up_proj(hidden)))
@@ -92,3 +106,11 @@ class LlamaModel:
         residual = residual[logits_indices]
         hidden, _ = ops.rms_norm(hidden, self.norm, cfg.rms_norm_eps, residual)
         return self.lm_head(hidden).float()
+
+    def _attend(self, qkv: torch.Tensor, positions: torch.Tensor, segment: KvSegment,
+                layer: int) -> torch.Tensor:
+        """Rotary, the cache write and attention for one segment's rows of a layer."""
+        ops, (k_cache, v_cache) = self.backend, segment.caches[layer]
+        q, k, v = ops.rotary_and_cache(qkv, positions, self.cos_sin_cache, k_cache, v_cache,
+                                       segment.meta.slot_mapping)
+        return ops.attention(q, k, v, k_cache, v_cache, self.scale, segment.meta)

@@ -13,7 +13,7 @@ import torch
 
 from kernels import kv_int8
 from services.executor.attention import SeqSlice, TorchBackend
-from services.executor.model import LlamaModel
+from services.executor.model import KvSegment, LlamaModel
 from services.executor.sampler import SamplingBatch, make_generator, sample
 from services.executor.scheduler import ScheduledSeq
 from services.executor.sequence import SamplingParams
@@ -24,7 +24,7 @@ from shared.model_files import ModelConfig
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_meta: object
+    segments: list[KvSegment]  # one per KV pool the step's sequences use
     logits_indices: torch.Tensor
     pending_dst: torch.Tensor | None  # rows of input_ids to take from the previous step's output
     pending_src: torch.Tensor | None
@@ -45,16 +45,24 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: TorchBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
-        """`dtype`: the KV cache's, the model's or int8 (kernels/kv_int8.py)."""
+                 dtype: torch.dtype, device: torch.device, int8_blocks: int = 0):
+        """`dtype`: the KV cache's, the model's or int8 (kernels/kv_int8.py). `int8_blocks`: the
+        size of a second, int8 pool (pool 1: kv_cache.compress_below_priority)."""
         cfg = model.config
         self.model = model
         self.backend = backend
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, kv_cache_row(cfg, dtype))
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(cfg.num_layers)]
+
+        def pool(blocks: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            shape = (blocks, block_size, cfg.num_kv_heads, kv_cache_row(cfg, dtype))
+            return [(torch.zeros(shape, dtype=dtype, device=device),
+                     torch.zeros(shape, dtype=dtype, device=device))
+                    for _ in range(cfg.num_layers)]
+
+        self.kv_pools = [pool(num_blocks, dtype)]
+        if int8_blocks:
+            self.kv_pools.append(pool(int8_blocks, torch.int8))
+        self.kv_caches = self.kv_pools[0]
         self.block_size = block_size
         self._generators: dict[str, torch.Generator] = {}
         self._last_sampled: torch.Tensor | None = None
@@ -69,9 +77,15 @@ class ModelRunner:
         pending_dst: list[int] = []
         pending_src: list[int] = []
         params, generators = [], []
-        for item in batch:
+        segments: list[KvSegment] = []
+        segment_start = 0  # the current segment's first row (a pool's sequences are consecutive)
+        for index, item in enumerate(batch):
             seq, start, n = item.seq, item.start_pos, item.num_new_tokens
-            q_start = len(input_ids)
+            if index and seq.pool != batch[index - 1].seq.pool:
+                segments.append(self._segment(batch[index - 1].seq.pool, slices, slots,
+                                              segment_start, len(input_ids)))
+                slices, slots, segment_start = [], [], len(input_ids)
+            q_start = len(input_ids) - segment_start
             known = seq.token_ids[start:start + n]
             input_ids.extend(known)
             if len(known) < n:  # the last input is the token sampled by the step in flight
@@ -88,11 +102,12 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
                 params.append(seq.sampling)
                 generators.append(None if seq.sampling.greedy else self._generator(seq))
+        segments.append(self._segment(batch[-1].seq.pool, slices, slots, segment_start, None))
         device = self.device
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            attn_meta=self.backend.prepare(slices, slots),
+            segments=segments,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             pending_dst=torch.tensor(pending_dst, device=device) if pending_dst else None,
             pending_src=torch.tensor(pending_src, device=device) if pending_src else None,
@@ -100,12 +115,16 @@ class ModelRunner:
             num_tokens=len(input_ids),
         )
 
+    def _segment(self, pool: int, slices: list[SeqSlice], slots: list[int], start: int,
+                 stop: int | None) -> KvSegment:
+        return KvSegment(self.backend.prepare(slices, slots), self.kv_pools[pool], start, stop)
+
     def execute(self, inputs: StepInputs) -> list[int]:
         """Model thread: run the step and return the sampled token of each sampling row."""
         if inputs.pending_dst is not None:
             inputs.input_ids[inputs.pending_dst] = self._last_sampled[inputs.pending_src]
-        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_meta,
-                                    self.kv_caches, inputs.logits_indices)
+        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.segments,
+                                    inputs.logits_indices)
         sampled = sample(logits, inputs.sampling).to(self.device)
         self._last_sampled = sampled
         return sampled.tolist()
@@ -113,21 +132,23 @@ class ModelRunner:
     def warm_up(self, prompt_len: int = 32) -> None:
         """A prefill and a decode before serving, on the thread that will run the steps, so the
         first request does not pay for the thread pool's start, lazy initialization (kernel
-        compilation on a GPU) and first-touch page faults. Uses the first blocks of the pool,
+        compilation on a GPU) and first-touch page faults. Uses the first blocks of each pool,
         which no request holds yet."""
         bs = self.block_size
-        prompt_len = max(1, min(prompt_len, self.kv_caches[0][0].shape[0] * bs - 1))
-        table = list(range(-(-(prompt_len + 1) // bs)))
         greedy = SamplingBatch([SamplingParams(max_tokens=1, temperature=0.0)], [None])
-        for start, n in ((0, prompt_len), (prompt_len, 1)):
-            positions = list(range(start, start + n))
-            slots = [table[p // bs] * bs + p % bs for p in positions]
-            self.execute(StepInputs(
-                input_ids=torch.zeros(n, dtype=torch.long, device=self.device),
-                positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-                attn_meta=self.backend.prepare([SeqSlice(0, n, start + n, table)], slots),
-                logits_indices=torch.tensor([n - 1], dtype=torch.long, device=self.device),
-                pending_dst=None, pending_src=None, sampling=greedy, num_tokens=n))
+        for caches in self.kv_pools:
+            length = max(1, min(prompt_len, caches[0][0].shape[0] * bs - 1))
+            table = list(range(-(-(length + 1) // bs)))
+            for start, n in ((0, length), (length, 1)):
+                positions = list(range(start, start + n))
+                slots = [table[p // bs] * bs + p % bs for p in positions]
+                meta = self.backend.prepare([SeqSlice(0, n, start + n, table)], slots)
+                self.execute(StepInputs(
+                    input_ids=torch.zeros(n, dtype=torch.long, device=self.device),
+                    positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+                    segments=[KvSegment(meta, caches)],
+                    logits_indices=torch.tensor([n - 1], dtype=torch.long, device=self.device),
+                    pending_dst=None, pending_src=None, sampling=greedy, num_tokens=n))
         self._last_sampled = None
 
     def _generator(self, seq) -> torch.Generator:

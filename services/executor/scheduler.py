@@ -5,7 +5,8 @@ token budget and a sequence limit, so long prompts are prefilled in chunks besid
 When KV blocks run out it preempts by recompute: the lowest-score, latest-admitted sequence
 gives its blocks back and returns to the waiting queue at its original place. A waiting sequence
 whose score beats a running one's by `preemption_margin` may preempt it, unless that one was
-aged past the aging bound (then it sorts first and is never displaced by others).
+aged past the aging bound (then it sorts first and is never displaced by others). With two KV
+pools (block_manager.KvPools) a sequence short of blocks preempts only within its own pool.
 """
 
 from __future__ import annotations
@@ -99,8 +100,15 @@ class Scheduler:
         behind = [s for s in prefills if best_waiting is not None and s.sort_key() >= best_waiting]
         budget, preempted = self._schedule_running(decodes + ahead, scheduled, budget)
 
-        while self.waiting and budget > 0 and not preempted:
-            seq = self.waiting[0]
+        # Admission in score order within each KV pool: a pool out of blocks stops admitting
+        # for this step but does not hold back sequences bound for another pool.
+        full_pools: set[int] = set()
+        index = 0
+        while index < len(self.waiting) and budget > 0 and not preempted:
+            seq = self.waiting[index]
+            if seq.pool in full_pools:
+                index += 1
+                continue
             if seq.num_pending:  # preempted while its last token was in flight: next step
                 break
             if len(self.running) >= self.max_num_seqs:
@@ -114,16 +122,20 @@ class Scheduler:
                     seq.num_cached_tokens = cached
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.can_allocate(seq, num_new, reserve=self.watermark_blocks):
-                victim = self._preempt_lower(seq)
+                victim = self._preempt_lower(seq, same_pool=True)
                 if victim is None:
                     break
                 budget += scheduled.pop(victim, 0)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_allocate(seq, num_new, reserve=self.watermark_blocks):
                 bm.free_seq(seq)  # give back the cached prefix it claimed
-                break
+                full_pools.add(seq.pool)
+                if len(full_pools) == bm.num_pools:
+                    break
+                index += 1
+                continue
             bm.allocate(seq, num_new)
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True
             self.running.append(seq)
@@ -141,6 +153,8 @@ class Scheduler:
             if samples:
                 seq.num_pending += 1
             bm.commit_full_blocks(seq)
+        if bm.num_pools > 1:  # the model attends pool by pool, over consecutive rows
+            batch.sort(key=lambda item: item.seq.pool)
         return batch
 
     def _schedule_running(self, seqs: list[Sequence], scheduled: dict[Sequence, int],
@@ -158,7 +172,9 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not bm.can_allocate(seq, num_new):
-                victim = max(self.running, key=Sequence.sort_key)  # lowest score, latest
+                # The lowest score, latest admitted, among those whose blocks it can use.
+                victim = max((s for s in self.running if s.pool == seq.pool),
+                             key=Sequence.sort_key)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
                 preempted = True
@@ -183,11 +199,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def _preempt_lower(self, seq: Sequence) -> Sequence | None:
-        """Preempt the weakest running sequence if `seq` outranks it by the margin; return it."""
-        if not self.running:
+    def _preempt_lower(self, seq: Sequence, same_pool: bool = False) -> Sequence | None:
+        """Preempt the weakest running sequence (in `seq`'s KV pool, when it is blocks `seq`
+        needs) if `seq` outranks it by the margin; return it."""
+        rivals = [s for s in self.running if s.pool == seq.pool] if same_pool else self.running
+        if not rivals:
             return None
-        victim = max(self.running, key=Sequence.sort_key)
+        victim = max(rivals, key=Sequence.sort_key)
         if (victim.aged and not seq.aged) or seq.score - victim.score < self.preemption_margin:
             return None
         self._preempt(victim)

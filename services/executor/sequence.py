@@ -39,6 +39,7 @@ class Sequence:
     aged: bool = False  # waited past the aging bound: ahead of every request that has not
     arrival_index: int = 0  # admission order; ties in score go to the earlier one
     arrival_time: float = 0.0
+    pool: int = 0  # the KV pool its blocks come from (block_manager.KvPools; 1: int8)
 
     token_ids: list[int] = field(default_factory=list)  # prompt + the outputs known so far
     num_pending: int = 0  # tokens sampled by a step still in flight, not yet known here

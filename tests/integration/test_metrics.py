@@ -47,13 +47,14 @@ async def executor_stats(nc) -> dict:
 async def test_every_service_serves_metrics_that_follow_the_load(tmp_path):
     ports = {kind: free_port() for kind in KINDS}
     settings = {f"monitoring.metrics_port.{kind}": port for kind, port in ports.items()}
+    settings["kv_cache.compress_below_priority"] = 5  # two KV pools; the long requests: int8
     async with running_stack(tmp_path, settings=settings) as stack, \
             await JetserveClient.connect(stack.url, tenant="metered") as client:
         labels = {"model_name": "dummy:tiny", "executor": "executor-0"}
         # Three long requests run; the gauges say so, as $SRV.STATS does.
         long = [asyncio.create_task(client.generate(GenerateRequest(
             request_id=f"long-{i}", prompt_token_ids=[20, 21, 22], max_tokens=1500,
-            ignore_eos=True), timeout=60)) for i in range(3)]
+            ignore_eos=True, priority=1), timeout=60)) for i in range(3)]
         for _ in range(100):
             stats = await executor_stats(client.nc)
             if stats["running"] == 3:
@@ -66,6 +67,9 @@ async def test_every_service_serves_metrics_that_follow_the_load(tmp_path):
         # The caches fill as the three decode: the scrape lies between the stats around it.
         usage = value(executor, "jetserve:kv_cache_usage_perc", **labels)
         assert 0 < stats["kv_usage"] - 1e-4 <= usage <= after["kv_usage"] + 1e-4 < 1
+        assert [p["dtype"] for p in after["kv_pools"]] == ["float32", "int8"]
+        assert value(executor, "jetserve:kv_pool_usage_perc", pool="float32", **labels) == 0
+        assert value(executor, "jetserve:kv_pool_usage_perc", pool="int8", **labels) > usage
         for i in range(3):
             await client.cancel(f"long-{i}")
         await asyncio.gather(*long)
@@ -120,7 +124,8 @@ async def test_every_service_serves_metrics_that_follow_the_load(tmp_path):
         assert value(admission, "jetserve:rejected_requests_total", tenant="metered",
                      code=bad.code) == 1
         priority = await scrape(ports["priority"])
-        assert value(priority, "jetserve:priority_queue_wait_seconds_count", priority="5") == 8
+        assert value(priority, "jetserve:priority_queue_wait_seconds_count", priority="5") == 5
+        assert value(priority, "jetserve:priority_queue_wait_seconds_count", priority="1") == 3
         assert value(priority, "jetserve:priority_dispatched_total") == 8
         for _ in range(50):  # the executors' reports ride on heartbeats
             priority = await scrape(ports["priority"])
@@ -159,6 +164,7 @@ async def test_prometheus_scrapes_the_projects_scrape_config(tmp_path):
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     web = free_port()
     settings = {f"monitoring.metrics_port.{kind}": port for kind, port in ports.items()}
+    settings["kv_cache.compress_below_priority"] = 5  # two KV pools; the long requests: int8
     prometheus = subprocess.Popen(
         [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
          f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
