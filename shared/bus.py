@@ -16,7 +16,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from shared.config import JetserveConfig, NatsSection
 from shared.messages import Done, WorkItem, encode
@@ -34,6 +34,7 @@ from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM, Subjects
 log = structlog.get_logger()
 
 json_encode = msgspec.json.Encoder().encode
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the expected last sequence did not match
 
 
 async def connect(section: NatsSection, name: str) -> Client:
@@ -109,19 +110,29 @@ class Outbox:
     def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects):
         self.nc, self.js, self.subjects = nc, js, subjects
 
-    async def delta(self, item: WorkItem, delta: Delta) -> None:
+    async def delta(self, item: WorkItem, delta: Delta, reply: str | None = None) -> None:
+        """`reply`: where the server may answer "no responders" (the executor's check that a
+        streaming client still listens); clients ignore it."""
         subject = (self.subjects.stream(item.tenant, item.request_id) if item.durable
                    else item.reply_to)
         if subject:
-            await self.nc.publish(subject, json_encode(delta))
+            await self.nc.publish(subject, json_encode(delta), reply=reply or "")
 
     async def store_result(self, tenant: str, request_id: str, output: Completion | Error,
                            headers: dict[str, str] | None = None) -> None:
         """The durable request's one final output, into LLM_RESULTS. The message id makes a second
         result for the same request a duplicate, not a copy (qualified by tenant: ids are only
-        unique within one)."""
-        await self.js.publish(self.subjects.results(tenant, request_id), json_encode(output),
-                              headers={**(headers or {}), "Nats-Msg-Id": f"{tenant}.{request_id}"})
+        unique within one), inside the duplicate window; past it, the expected last sequence 0
+        (the subject must still be empty) refuses it. Either way the first result stands."""
+        try:
+            await self.js.publish(self.subjects.results(tenant, request_id), json_encode(output),
+                                  headers={**(headers or {}),
+                                           "Nats-Msg-Id": f"{tenant}.{request_id}",
+                                           "Nats-Expected-Last-Subject-Sequence": "0"})
+        except APIError as exc:
+            if exc.err_code != WRONG_LAST_SEQUENCE:
+                raise
+            log.info("a second result was not stored", tenant=tenant, request_id=request_id)
 
     async def final(self, item: WorkItem, output: Completion | Error,
                     headers: dict[str, str] | None = None) -> None:

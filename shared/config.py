@@ -29,7 +29,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    # Requests of a priority under this keep their KV in a second, int8 pool, which takes
+    # `kv_compressed_fraction` of the KV memory (None: one pool).
+    kv_compress_below_priority: Annotated[int, msgspec.Meta(ge=1, le=10)] | None = None
+    kv_compressed_fraction: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.5
     # KV pool: an explicit block count wins; else a share of free GPU memory, or a size on CPU.
+    # With two pools the count is the memory of that many blocks of the model's dtype.
     num_kv_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     cpu_kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
@@ -56,6 +61,9 @@ class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A held durable request is kept alive with in-progress acks well inside this window.
     ack_wait_s: Annotated[float, msgspec.Meta(ge=1)] = 30.0
     duplicate_window_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    # Durable requests admission may hold at once (the LLM_REQUESTS consumer's max_ack_pending;
+    # the server's default, 1,000, would cap durable work in flight whatever the executors).
+    max_ack_pending: Annotated[int, msgspec.Meta(ge=1)] = 50_000
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # internal request/reply hops
 
 
@@ -77,8 +85,17 @@ class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cpu_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
     enable_prefix_caching: bool = True
     # auto: the model's dtype; int8: each (token, head) row as int8 with an fp32 scale
-    # (kernels/kv_int8.py), ~3.8x the tokens of fp32 in the same memory (torch backend only).
+    # (kernels/kv_int8.py), ~3.8x the tokens of fp32 in the same memory.
     dtype: Literal["auto", "int8"] = "auto"
+    # Requests of a priority under this keep their KV in int8 blocks of a second pool, which
+    # takes `compressed_fraction` of the KV memory; the rest stays in `dtype` (None: one pool).
+    compress_below_priority: Annotated[int, msgspec.Meta(ge=1, le=10)] | None = None
+    compressed_fraction: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.5
+
+    def __post_init__(self):
+        if self.compress_below_priority is not None and self.dtype == "int8":
+            raise ValueError("`compress_below_priority` needs `dtype: auto`: with `dtype: int8` "
+                             "every block is int8 already")
 
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -245,6 +262,8 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             quantization=model.quantization, attention_backend=model.attention_backend, max_model_len=model.max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=batch.max_num_batched_tokens,
             block_size=kv.block_size, num_kv_blocks=kv.num_blocks, kv_cache_dtype=kv.dtype,
+            kv_compress_below_priority=kv.compress_below_priority,
+            kv_compressed_fraction=kv.compressed_fraction,
             gpu_memory_utilization=kv.gpu_memory_utilization, cpu_kv_cache_gib=kv.cpu_cache_gib,
             enable_prefix_caching=kv.enable_prefix_caching,
             pipeline=self.scheduler.token_level.pipeline, num_threads=model.num_threads,

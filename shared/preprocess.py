@@ -28,6 +28,23 @@ def prompt_token_ids(tokenizer: Tokenizer, request: GenerateRequest, vocab_size:
     return prompt
 
 
+def check_prompt_size(tokenizer: Tokenizer, request: GenerateRequest, max_model_len: int) -> None:
+    """Refuse a text prompt that must be too long before spending any time encoding it: its
+    characters over the longest token's are a lower bound on its tokens."""
+    if request.prompt is not None:
+        chars = len(request.prompt)
+    elif request.messages is not None:
+        chars = sum(len(m.content) for m in request.messages)
+    else:
+        return
+    at_least = -(-chars // tokenizer.max_token_chars)
+    if at_least + request.max_tokens > max_model_len:
+        raise ProtocolError("prompt_too_long", f"the prompt's {chars} characters are at least "
+                            f"{at_least} tokens (no token is longer than "
+                            f"{tokenizer.max_token_chars} characters) and `max_tokens` is "
+                            f"{request.max_tokens}: more than max_model_len {max_model_len}")
+
+
 def check_limits(request: GenerateRequest, num_prompt_tokens: int, max_model_len: int,
                  vocab_size: int) -> None:
     total = num_prompt_tokens + request.max_tokens

@@ -6,6 +6,7 @@ out-of-range values are rejected with a message that names the field (msgspec's 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -134,11 +135,39 @@ class ProtocolError(Exception):
         return Error(request_id=request_id, code=self.code, message=self.message)
 
 
+# Arrays and objects inside one another that a payload may have: a GenerateRequest needs three
+# (the request, `messages`, a message). Deeper payloads are refused before any decoder sees them;
+# a decoder's own limit is the interpreter's recursion limit, which it reports as a RecursionError
+# rather than a decoding error.
+MAX_NESTING = 32
+# A JSON string (skipped whole, escapes included) or one bracket.
+_STRING_OR_BRACKET = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def check_nesting(payload: bytes | str) -> None:
+    """Raise ProtocolError (`invalid_request`, naming the limit) when arrays and objects nest
+    deeper than MAX_NESTING. Linear in the payload; a payload with few brackets is not scanned."""
+    data = payload.encode() if isinstance(payload, str) else bytes(payload)
+    if data.count(b"[") + data.count(b"{") <= MAX_NESTING:
+        return
+    depth = 0
+    for match in _STRING_OR_BRACKET.finditer(data):
+        bracket = match.group()
+        if bracket in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_NESTING:
+                raise ProtocolError("invalid_request", f"the payload nests arrays and objects "
+                                    f"more than {MAX_NESTING} levels deep (the limit)")
+        elif bracket in (b"]", b"}"):
+            depth -= 1
+
+
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
 
 
 def decode_generate_request(payload: bytes | str) -> GenerateRequest:
     """Parse and check a JSON GenerateRequest; every failure is a ProtocolError naming the field."""
+    check_nesting(payload)
     try:
         request = _request_decoder.decode(payload)
     except msgspec.ValidationError as exc:
@@ -173,6 +202,7 @@ _cancel_decoder = msgspec.json.Decoder(Cancel)
 
 
 def decode_cancel(payload: bytes | str) -> Cancel:
+    check_nesting(payload)
     try:
         return _cancel_decoder.decode(payload)
     except msgspec.ValidationError as exc:

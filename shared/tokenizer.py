@@ -57,6 +57,10 @@ class Tokenizer:
         config_file = directory / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # No token stands for more characters than its vocabulary string has (a byte-level
+        # token's string has a character per byte), so a text of n characters is at least
+        # n / max_token_chars tokens: the bound that refuses a huge prompt without encoding it.
+        self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)))
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None

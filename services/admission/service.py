@@ -7,13 +7,18 @@ message is held here (kept alive with in-progress acks) and acknowledged only on
 result is stored in LLM_RESULTS; a redelivered one whose result exists is only acknowledged. A
 held request that no service reports holding (priority's queue, an executor) for longer than the
 heartbeat timeout was lost with a dead service: it is handed back to JetStream to run again.
+That silence is timed on a clock a stalled event loop barely advances, so a stall is not taken
+for deaths; and a redelivered request that a service still reports (this admission restarted) is
+held again, not admitted a second time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
@@ -26,7 +31,7 @@ from nats.micro import Request
 
 from services.admission.rate_limit import TokenBuckets
 from shared.block_hash import block_hashes
-from shared.preprocess import check_limits, prompt_token_ids
+from shared.preprocess import check_limits, check_prompt_size, prompt_token_ids
 from shared.tokenizer import Tokenizer
 from shared.model_files import load_model_config, tokenizer_dir
 from shared.bus import (
@@ -41,7 +46,9 @@ from shared.messages import Done, Holding, SubmitReply, WorkItem, decoder, encod
 from shared.metrics import StatsCollector, TenantLabels, counter, register, unregister
 from shared.protocol import (
     Error,
+    GenerateRequest,
     ProtocolError,
+    check_nesting,
     decode_generate_request,
     service_error_headers,
 )
@@ -62,6 +69,7 @@ _done = decoder(Done)
 _holding = decoder(Holding)
 DURABLE_FETCH_BATCH = 64
 MAX_IN_FLIGHT = 4096  # generate requests being admitted at once
+TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
 MAX_DELIVERIES = 5  # a durable request that keeps failing inside admission gets an Error
 ADMITTED = counter("admitted_requests", "Requests admitted and queued at priority, by tenant",
                    ("tenant", "durable"))
@@ -86,14 +94,19 @@ class Admission:
         self.buckets = (TokenBuckets(limits.rate_limit_tokens_per_s, limits.rate_limit_burst_tokens)
                         if limits.rate_limit_tokens_per_s else None)
         self.held: dict[tuple[str, str], _Held] = {}  # (tenant, request_id) -> its message
-        self.last_reported: dict[tuple[str, str], float] = {}  # when a holder last reported it
+        # Silence is timed on a clock that a stalled event loop does not advance by more than
+        # two heartbeat intervals: reports queued during the stall are read before anything
+        # they vouch for is declared lost.
+        self.clock = 0.0
+        self.last_reported: dict[tuple[str, str], float] = {}  # clock of a holder's last report
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
-                           durable_delayed=0)
+                           durable_delayed=0, durable_adopted=0)
         self.errors_by_code: dict[str, int] = {}
         self.tasks: list[asyncio.Task] = []
         self.generate_tasks: set[asyncio.Task] = set()
         self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.collector = StatsCollector(self.read_metrics)
         register(self.collector)
         self.tenant_label = TenantLabels()
@@ -106,11 +119,19 @@ class Admission:
                                         handler=self.on_generate)
         await self.nc.subscribe(self.subjects.admission_done, cb=self.on_done)
         await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)
-        self.consumer = await self.js.pull_subscribe(
-            self.subjects.requests(">"), durable=ADMISSION_CONSUMER, stream=REQUESTS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
-                                  ack_wait=self.config.nats.ack_wait_s, max_deliver=-1))
-        self.tasks = [asyncio.create_task(self.durable_loop(), name="durable"),
+        # Created, or brought up to this config (its limits are editable) if it exists.
+        consumer = await self.js.add_consumer(REQUESTS_STREAM, ConsumerConfig(
+            name=ADMISSION_CONSUMER, durable_name=ADMISSION_CONSUMER,
+            filter_subject=self.subjects.requests(">"), ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.config.nats.ack_wait_s, max_deliver=-1,
+            max_ack_pending=self.config.nats.max_ack_pending))
+        self.consumer = await self.js.pull_subscribe_bind(durable=ADMISSION_CONSUMER,
+                                                          stream=REQUESTS_STREAM)
+        # Requests delivered to an earlier admission and not acked may still run: hear the
+        # holding reports before they come again, so they are adopted, not run twice.
+        hear_first = 2 * self.config.distributed.heartbeat_interval_s if consumer.num_ack_pending \
+            else 0.0
+        self.tasks = [asyncio.create_task(self.durable_loop(hear_first), name="durable"),
                       asyncio.create_task(self.keep_alive_loop(), name="keep-alive")]
 
     async def stop(self) -> None:
@@ -122,6 +143,7 @@ class Admission:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
         unregister(self.collector)
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:
         return {**self.counts, "durable_held": len(self.held), "errors": self.errors_by_code,
@@ -129,20 +151,17 @@ class Admission:
 
     # --------------------------------------------------------------------------- validation
 
-    def admit(self, tenant: str, payload: bytes, durable: bool) -> WorkItem:
-        """A valid, tokenized WorkItem, or a ProtocolError that names the field or limit."""
-        if not TENANT_PATTERN.fullmatch(tenant):
-            raise ProtocolError("invalid_request", f"tenant {tenant!r} (the subject's last token) "
-                                f"must match [A-Za-z0-9_-]{{1,64}}")
-        request = decode_generate_request(payload)
-        if request.model is not None and request.model != self.model_name:
-            raise ProtocolError("unknown_model", f"`model` {request.model!r} is not served; "
-                                f"served: {self.model_name!r}")
-        if durable and (request.request_id is None
-                        or not DURABLE_ID_PATTERN.fullmatch(request.request_id)):
-            raise ProtocolError("invalid_request", "`request_id` is required on a durable "
-                                "submission and must match [A-Za-z0-9_-]{1,128}")
-        prompt = prompt_token_ids(self.tokenizer, request, self.vocab_size)
+    async def admit(self, tenant: str, payload: bytes, durable: bool) -> WorkItem:
+        """A valid, tokenized WorkItem, or a ProtocolError that names the field or limit.
+
+        Every check that needs no tokens comes first (a prompt that must be too long is refused
+        by its length); text is tokenized on a small thread pool, never on the event loop."""
+        request = self.check(tenant, payload, durable)
+        if request.prompt_token_ids is not None:
+            prompt = prompt_token_ids(self.tokenizer, request, self.vocab_size)
+        else:
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                self.tokenize_pool, prompt_token_ids, self.tokenizer, request, self.vocab_size)
         check_limits(request, len(prompt), self.max_model_len, self.vocab_size)
         if self.buckets is not None:
             self.check_rate(tenant, len(prompt) + request.max_tokens)
@@ -154,6 +173,22 @@ class Admission:
         return WorkItem(request=request, tenant=tenant, arrival_time=now, durable=durable,
                         deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None,
                         block_hashes=block_hashes(prompt, self.config.kv_cache.block_size))
+
+    def check(self, tenant: str, payload: bytes, durable: bool) -> GenerateRequest:
+        """The decoded request, if everything but its token count is valid."""
+        if not TENANT_PATTERN.fullmatch(tenant):
+            raise ProtocolError("invalid_request", f"tenant {tenant!r} (the subject's last token) "
+                                f"must match [A-Za-z0-9_-]{{1,64}}")
+        request = decode_generate_request(payload)
+        if request.model is not None and request.model != self.model_name:
+            raise ProtocolError("unknown_model", f"`model` {request.model!r} is not served; "
+                                f"served: {self.model_name!r}")
+        if durable and (request.request_id is None
+                        or not DURABLE_ID_PATTERN.fullmatch(request.request_id)):
+            raise ProtocolError("invalid_request", "`request_id` is required on a durable "
+                                "submission and must match [A-Za-z0-9_-]{1,128}")
+        check_prompt_size(self.tokenizer, request, self.max_model_len)
+        return request
 
     def check_rate(self, tenant: str, tokens: int) -> None:
         if tokens > self.buckets.burst:
@@ -212,7 +247,7 @@ class Admission:
                 "admission", context=context_from(msg.headers), kind=SpanKind.SERVER,
                 attributes={"tenant": tenant}) as span:
             try:
-                item = self.admit(tenant, msg.data, durable=False)
+                item = await self.admit(tenant, msg.data, durable=False)
                 span.set_attributes({"request_id": item.request_id,
                                      "prompt_tokens": item.num_prompt_tokens})
                 item.reply_to = msg.reply
@@ -238,7 +273,8 @@ class Admission:
 
     # ------------------------------------------------------------------------ durable path
 
-    async def durable_loop(self) -> None:
+    async def durable_loop(self, delay_s: float = 0.0) -> None:
+        await asyncio.sleep(delay_s)
         while True:
             try:
                 messages = await self.consumer.fetch(DURABLE_FETCH_BATCH, timeout=1.0)
@@ -292,11 +328,17 @@ class Admission:
             self.counts["redelivered_with_result"] += 1
             await msg.ack()
             return
+        if self.clock - self.last_reported.get(key, -math.inf) <= self.lease_s:
+            # A service still reports it (this admission restarted, or handed it back while
+            # stalled): hold it again, do not run it a second time.
+            self.counts["durable_adopted"] += 1
+            self.held[key] = _Held(msg, self.clock)
+            return
         with self.tracer.start_as_current_span(
                 "admission", context=context_from(headers), kind=SpanKind.SERVER,
                 attributes={"tenant": tenant, "request_id": claimed_id, "durable": True}) as span:
             try:
-                item = self.admit(tenant, msg.data, durable=True)
+                item = await self.admit(tenant, msg.data, durable=True)
                 if item.request_id != claimed_id:
                     raise ProtocolError("invalid_request", f"header Nats-Msg-Id {claimed_id!r} "
                                         f"must equal `request_id` {item.request_id!r}")
@@ -312,8 +354,12 @@ class Admission:
                 await msg.ack()
                 return
             item.trace = carrier_of(span)
-            self.held[key] = _Held(msg, time.monotonic())
-            error = await self.to_priority(item)
+            self.held[key] = _Held(msg, self.clock)
+            try:
+                error = await self.to_priority(item)
+            except BaseException:  # not held after all: its redelivery is admitted again
+                del self.held[key]
+                raise
         if error is not None:  # queue full or priority down: durable, so retry later
             del self.held[key]
             await msg.nak(delay=1.0)
@@ -338,32 +384,41 @@ class Admission:
             self.counts["durable_acked"] += 1
 
     async def on_holding(self, msg) -> None:
-        now = time.monotonic()
+        now = self.clock
         for tenant, request_id in _holding.decode(msg.data).requests:
             self.last_reported[(tenant, request_id)] = now
+
+    @property
+    def lease_s(self) -> float:
+        """How long a held request may go unreported before it counts as lost."""
+        return self.config.distributed.heartbeat_timeout_s
 
     async def keep_alive_loop(self) -> None:
         """In-progress acks for every held request, well inside ack_wait; a request no service
         has reported for longer than the heartbeat timeout is handed back for redelivery."""
-        distributed = self.config.distributed
+        interval = self.config.distributed.heartbeat_interval_s
         progress_every = self.config.nats.ack_wait_s / 3
-        last_progress = time.monotonic()
+        last_progress = last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(distributed.heartbeat_interval_s)
-            now = time.monotonic()
+            await asyncio.sleep(interval)
+            tick = time.monotonic()
+            self.clock += min(tick - last_tick, 2 * interval)
+            last_tick = tick
+            now = self.clock
             for key, held in list(self.held.items()):
-                seen = max(held.since, self.last_reported.get(key, 0.0))
-                if now - seen > distributed.heartbeat_timeout_s:
+                seen = max(held.since, self.last_reported.get(key, -math.inf))
+                if now - seen > self.lease_s:
                     log.warning("durable request lost with its holder; redelivering",
                                 tenant=key[0], request_id=key[1])
                     self.counts["durable_redelivered"] += 1
                     del self.held[key]
                     self.last_reported.pop(key, None)
                     await _quietly(held.msg.nak())
-            for key in [k for k in self.last_reported if k not in self.held]:
-                del self.last_reported[key]  # a report that arrived after its Done
-            if now - last_progress >= progress_every:
-                last_progress = now
+            for key in [k for k, seen in self.last_reported.items()
+                        if k not in self.held and now - seen > self.lease_s]:
+                del self.last_reported[key]  # no longer reported (or reported after its Done)
+            if tick - last_progress >= progress_every:
+                last_progress = tick
                 for held in list(self.held.values()):
                     await _quietly(held.msg.in_progress())
 
@@ -371,7 +426,7 @@ class Admission:
 @dataclass
 class _Held:
     msg: object  # the LLM_REQUESTS message, acked once the result is stored
-    since: float  # when it was handed to priority (monotonic)
+    since: float  # when it was handed to priority (Admission.clock)
 
 
 async def _quietly(ack) -> None:
@@ -385,8 +440,9 @@ def _peek(payload: bytes) -> tuple[str | None, bool]:
     """`request_id` and `stream` of a payload that may not validate, so its Error can still
     name the request and end a stream with the sentinel."""
     try:
+        check_nesting(payload)
         value = msgspec.json.decode(payload)
-    except msgspec.DecodeError:
+    except (ProtocolError, msgspec.DecodeError):
         return None, False
     if not isinstance(value, dict):
         return None, False

@@ -4,6 +4,7 @@ Deltas and the final output to the client, heartbeats its load, and obeys cancel
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import socket
 import time
@@ -79,6 +80,9 @@ class _Running:
     # take, or the first token: the wait for that one is TTFT, not TPOT).
     window_from: float | None = None
     window_tokens: int = 0
+    # Streaming generates: the last token of the reply subject its deltas carry, where the
+    # server answers "no responders" once the client's inbox is gone.
+    probe: str | None = None
 
     def delivered(self, now: float, tokens: int) -> None:
         if self.window_from is None:
@@ -116,7 +120,10 @@ class ExecutorService:
         self.assigned_total = 0
         self.kv_seq = 0  # the last KvEvent published
         self.started_at = time.time()
-        self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0)
+        self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0, id_in_use=0,
+                           client_gone=0)
+        self.probes: dict[str, str] = {}  # _Running.probe -> engine key
+        self.probe_ids = itertools.count()
         self.finished: list[Finished] = []  # reported with the next heartbeat
         self.tenant_load: dict[str, int] = {}  # requests each tenant has here
         self.tasks: list[asyncio.Task] = []
@@ -140,6 +147,8 @@ class ExecutorService:
         await self.service.add_endpoint(name="assign", subject=self.subjects.executor_assign(
             self.name), handler=self.on_assign)
         await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
+        self.gone_inbox = self.nc.new_inbox()
+        await self.nc.subscribe(f"{self.gone_inbox}.*", cb=self.on_client_gone)
         await self.nc.subscribe(self.subjects.kv_dump(self.name), cb=self.on_kv_dump)
         self.load_changed.set()  # the first heartbeat goes out at once
         self.tasks = [asyncio.create_task(self.publish_loop(), name="publish"),
@@ -179,11 +188,20 @@ class ExecutorService:
                 "running": len(scheduler.running), "waiting": len(scheduler.waiting),
                 "kv_blocks_free": blocks.num_free_blocks, "kv_blocks_total": blocks.num_blocks,
                 "kv_usage": round(1 - blocks.num_free_blocks / blocks.num_blocks, 4),
+                "kv_pools": [{"dtype": dtype, "blocks": total, "free": free}
+                             for dtype, total, free in self.kv_pools()],
                 "steps": engine.steps, "prompt_tokens": engine.prompt_tokens,
                 "decode_tokens": engine.decode_tokens, "preemptions": scheduler.num_preemptions,
                 "assigned": self.assigned_total, **self.counts,
                 "batch_size": (self.batch_size.stats() if self.batch_size is not None
                                else {"mode": "fixed", "limit": scheduler.max_num_seqs})}
+
+    def kv_pools(self) -> list[tuple[str, int, int]]:
+        """(dtype, blocks, free blocks) of each KV pool: one, or two with
+        kv_cache.compress_below_priority."""
+        engine = self.engine
+        return [(dtype, pool.num_blocks, pool.num_free_blocks)
+                for dtype, pool in zip(engine.kv_pool_dtypes, engine.block_manager.pools)]
 
     @property
     def num_waiting(self) -> int:
@@ -203,6 +221,9 @@ class ExecutorService:
              self.num_waiting),
             ("gauge", "kv_cache_usage_perc", "KV-cache blocks in use (1 = full)", labels,
              1 - blocks.num_free_blocks / blocks.num_blocks),
+            *(("gauge", "kv_pool_usage_perc", "KV-cache blocks in use in one pool (1 = full)",
+               {**labels, "pool": dtype}, 1 - free / total)
+              for dtype, total, free in self.kv_pools()),
             ("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
              labels, blocks.prefix_queries),
             ("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
@@ -230,10 +251,19 @@ class ExecutorService:
             return AssignReply(accepted=False, reason="draining")
         self.assigned_total += 1
         self.load_changed.set()
-        if key in self.running:  # a durable request delivered again while it runs here
+        running = self.running.get(key)
+        if running is not None and item.durable:
+            # Delivered again while it runs here. (Were the id a generate's, admission hands it
+            # back to JetStream once nothing reports it, after that one ends.)
             self.counts["duplicates"] += 1
             return AssignReply(accepted=True)
-        if self.cancels.take(item.tenant, item.request_id):
+        if running is not None:  # a generate reusing the id of one that runs: answer at once
+            self.counts["id_in_use"] += 1
+            await self.outbox.final(item, Error(
+                request_id=item.request_id, code="invalid_request",
+                message=f"`request_id` {item.request_id!r} is already running"))
+            return AssignReply(accepted=True)
+        if self.cancels.take(item.tenant, item.request_id, item.arrival_time):
             await self.outbox.final(item, cancelled_completion(item, self.name))
             return AssignReply(accepted=True)
         span = self.tracer.start_span(
@@ -251,7 +281,10 @@ class ExecutorService:
             span.end()
             await self.outbox.final(item, exc.to_error(item.request_id))
         else:
-            self.running[key] = _Running(item, span)
+            running = self.running[key] = _Running(item, span)
+            if item.request.stream and not item.durable and item.reply_to:
+                running.probe = str(next(self.probe_ids))
+                self.probes[running.probe] = key
             self.tenant_load[item.tenant] = self.tenant_load.get(item.tenant, 0) + 1
         return AssignReply(accepted=True)
 
@@ -266,6 +299,17 @@ class ExecutorService:
             self.engine.abort(key)
         else:
             self.cancels.add(tenant, request_id)  # it may still be on its way here
+
+    async def on_client_gone(self, msg) -> None:
+        """The server's "no responders" to a delta: the streaming client's inbox has no
+        subscriber (it closed, or the server cut it off as a slow consumer). Nobody will read
+        the rest, so the request ends `cancelled` and its slot goes to others."""
+        if (msg.headers or {}).get("Status") != "503":
+            return
+        key = self.probes.get(msg.subject.rsplit(".", 1)[-1])
+        if key is not None and self.engine.abort(key):
+            self.counts["client_gone"] += 1
+            log.info("streaming client gone; request cancelled", request=key)
 
     # ------------------------------------------------------------------------ outputs out
 
@@ -283,17 +327,20 @@ class ExecutorService:
 
     async def publish(self, item: WorkItem, output: Output) -> None:
         if isinstance(output, Delta):
-            timed = self.measuring or self.batch_size is not None
-            running = self.running.get(engine_id(item)) if timed else None
-            if running is not None:
+            running = self.running.get(engine_id(item))
+            if running is not None and (self.measuring or self.batch_size is not None):
                 now = time.monotonic()
                 if self.measuring and running.last_delta is not None:
                     self.metrics[ITL].observe(now - running.last_delta)
                 running.delivered(now, len(output.token_ids))
-            await self.outbox.delta(item, output)
+            probe = running.probe if running is not None else None
+            await self.outbox.delta(item, output,
+                                    reply=f"{self.gone_inbox}.{probe}" if probe else None)
             return
         running = self.running.pop(engine_id(item), None)
         if running is not None:
+            if running.probe is not None:
+                del self.probes[running.probe]
             if self.batch_size is not None and (tpot := running.take_tpot_ms()) is not None:
                 self.finished_tpot_ms.append(tpot)
             left = self.tenant_load.pop(item.tenant, 1) - 1

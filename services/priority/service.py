@@ -177,7 +177,7 @@ class PriorityService:
 
     async def on_submit(self, request: Request) -> None:
         item = _item.decode(request.data)
-        if self.cancels.take(item.tenant, item.request_id):
+        if self.cancels.take(item.tenant, item.request_id, item.arrival_time):
             await self.outbox.final(item, cancelled_completion(item))
             await request.respond(encode(SubmitReply()))
             return

@@ -23,8 +23,8 @@ def payload(**fields) -> bytes:
     return msgspec.json.encode({"type": "generate", **fields})
 
 
-def test_a_request_becomes_a_tokenized_work_item(admission):
-    item = admission.admit("t1", payload(messages=[{"role": "user", "content": "Hi"}],
+async def test_a_request_becomes_a_tokenized_work_item(admission):
+    item = await admission.admit("t1", payload(messages=[{"role": "user", "content": "Hi"}],
                                          max_tokens=4, deadline_ms=2000), durable=False)
     request = item.request
     assert request.messages is None and request.prompt is None
@@ -36,8 +36,8 @@ def test_a_request_becomes_a_tokenized_work_item(admission):
     assert item.deadline == pytest.approx(item.arrival_time + 2.0)
 
 
-def test_a_given_seed_and_id_are_kept(admission):
-    item = admission.admit("t1", payload(prompt="Hi", max_tokens=4, seed=11, request_id="r-1"),
+async def test_a_given_seed_and_id_are_kept(admission):
+    item = await admission.admit("t1", payload(prompt="Hi", max_tokens=4, seed=11, request_id="r-1"),
                            durable=True)
     assert (item.request.seed, item.request_id, item.durable) == (11, "r-1", True)
 
@@ -48,19 +48,23 @@ def test_a_given_seed_and_id_are_kept(admission):
     ("t", dict(prompt="x"), True, "invalid_request", "`request_id` is required"),
     ("t", dict(prompt="x", request_id="has.dot"), True, "invalid_request", "must match"),
     ("t", dict(prompt="x", max_tokens=2048), False, "prompt_too_long", "max_model_len 2048"),
+    # Refused by its length alone: 200,000 characters are more than 81 * 2048.
+    ("t", dict(prompt="x" * 200_000), False, "prompt_too_long", "200000 characters are at least"),
+    ("t", dict(messages=[{"role": "user", "content": "y" * 200_000}]), False, "prompt_too_long",
+     "no token is longer than 81 characters"),
     ("t", dict(prompt_token_ids=[1, 10**6]), False, "invalid_request", "vocab size"),
     ("t", dict(prompt="x", max_tokens=500), False, "rate_limited", "more than the burst 300"),
 ])
-def test_rejections_name_the_cause(admission, tenant, fields, durable, code, needle):
+async def test_rejections_name_the_cause(admission, tenant, fields, durable, code, needle):
     with pytest.raises(ProtocolError) as error:
-        admission.admit(tenant, payload(**fields), durable)
+        await admission.admit(tenant, payload(**fields), durable)
     assert error.value.code == code and needle in error.value.message
 
 
-def test_rate_limit_is_per_tenant(admission):
-    admission.admit("heavy", payload(prompt="x", max_tokens=290), durable=False)
+async def test_rate_limit_is_per_tenant(admission):
+    await admission.admit("heavy", payload(prompt="x", max_tokens=290), durable=False)
     with pytest.raises(ProtocolError) as error:
-        admission.admit("heavy", payload(prompt="x", max_tokens=100), durable=False)
+        await admission.admit("heavy", payload(prompt="x", max_tokens=100), durable=False)
     assert error.value.code == "rate_limited" and "retry in" in error.value.message
     assert 0 < error.value.retry_after_s <= 10  # 90 tokens short at 10 tokens/s
-    admission.admit("light", payload(prompt="x", max_tokens=100), durable=False)
+    await admission.admit("light", payload(prompt="x", max_tokens=100), durable=False)

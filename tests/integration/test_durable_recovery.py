@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 
 import msgspec
 import pytest
 
+from shared.bus import discover
 from shared.client import JetserveClient
-from shared.protocol import Completion, GenerateRequest
+from shared.protocol import Completion, Error, GenerateRequest
 from tests.integration.conftest import running_stack
 
 
@@ -79,3 +82,122 @@ async def test_two_tenants_may_use_the_same_request_id(tmp_path):
                                                  b.generate(same, timeout=60))
     assert isinstance(first, Completion) and isinstance(second, Completion), (first, second)
     assert first.request_id == second.request_id == "shared-id"
+
+
+@pytest.mark.asyncio
+async def test_a_durable_request_that_keeps_failing_in_admission_gets_an_internal_error(tmp_path):
+    """Priority is replaced by a peer that answers every submission with bytes that are not a
+    SubmitReply: admission fails after marking the request held. Each failure must un-hold it,
+    so the redeliveries are admitted again and the fifth stores an `internal` Error (long before
+    the keep-alive's timeout would hand it back)."""
+    settings = {"distributed.heartbeat_timeout_s": 120.0}
+    async with running_stack(tmp_path, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="unlucky") as client:
+            stack.processes["priority"].kill()
+            await stack.processes["priority"].wait()
+            async def garble(msg) -> None:
+                await msg.respond(b"\xff not a reply")
+
+            garbled = await client.nc.subscribe("llm.internal.priority.submit", cb=garble)
+            await client.submit(GenerateRequest(request_id="fails-1", prompt="hi", max_tokens=2))
+            result = await client.result("fails-1", timeout=30)
+            await garbled.unsubscribe()
+            stats = await service_stats(client, "admission")
+    assert isinstance(result, Error) and result.code == "internal", result
+    assert "5 times" in result.message
+    assert stats["durable_held"] == 0
+
+
+@pytest.mark.asyncio
+async def test_the_durable_consumer_takes_max_ack_pending_from_config_and_updates_it(tmp_path):
+    """The server's default (1,000) would cap durable requests in flight; an admission started
+    with another value brings the existing consumer up to it."""
+    async with running_stack(tmp_path, settings={"nats.max_ack_pending": 1234}) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="acks") as client:
+            info = await client.js.consumer_info("LLM_REQUESTS", "admission")
+            assert info.config.max_ack_pending == 1234
+            stack.processes["admission"].kill()
+            await stack.processes["admission"].wait()
+            stack.settings["nats.max_ack_pending"] = 4321
+            await stack._spawn("admission", [sys.executable, "-m", "services.admission"])
+            for _ in range(200):
+                info = await client.js.consumer_info("LLM_REQUESTS", "admission")
+                if info.config.max_ack_pending == 4321:
+                    break
+                await asyncio.sleep(0.1)
+            assert info.config.max_ack_pending == 4321
+            await client.submit(GenerateRequest(request_id="after-update", prompt="hi",
+                                                max_tokens=2))
+            assert isinstance(await client.result("after-update", timeout=60), Completion)
+
+
+async def executor_stats(client) -> list[dict]:
+    """Every executor's $SRV.STATS data."""
+    answers = await discover(client.nc, "STATS", "executor", wait_s=0.3)
+    return [next(ep["data"] for ep in a["endpoints"] if ep.get("data")) for a in answers]
+
+
+async def run_durable_batch(client, prefix: str, count: int, max_tokens: int) -> list[str]:
+    ids = [f"{prefix}-{i}" for i in range(count)]
+    for request_id in ids:
+        await client.submit(GenerateRequest(request_id=request_id, prompt="keep going",
+                                            max_tokens=max_tokens, ignore_eos=True))
+    for _ in range(200):  # until every one runs at an executor
+        running = sum(e["running"] for e in await executor_stats(client))
+        if running == count:
+            return ids
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{running} of {count} running")
+
+
+async def runs_and_duplicates(client) -> tuple[int, int]:
+    """Requests the executors completed, and assignments they refused as already running."""
+    stats = await executor_stats(client)
+    return sum(e["completed"] for e in stats), sum(e["duplicates"] for e in stats)
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_admission_does_not_run_healthy_requests_twice(tmp_path):
+    """SIGSTOP admission for longer than the heartbeat timeout while 16 durable requests run
+    on two (simulated, ~60 ms a step) executors: the holding reports queued meanwhile vouch for
+    them."""
+    settings = {"distributed.heartbeat_timeout_s": 1.5, "model.name": "sim:smollm2-cpu"}
+    async with running_stack(tmp_path, executors=2, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="stall") as client:
+            ids = await run_durable_batch(client, "stall", 16, 120)
+            admission = stack.processes["admission"]
+            admission.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(4.0)
+            admission.send_signal(signal.SIGCONT)
+            results = [await client.result(i, timeout=120) for i in ids]
+            stats = await service_stats(client, "admission")
+            runs = await runs_and_duplicates(client)
+    assert all(isinstance(r, Completion) and len(r.token_ids) == 120 for r in results)
+    assert stats["durable_redelivered"] == 0, stats
+    assert runs == (16, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_admission_adopts_the_requests_that_still_run(tmp_path):
+    """SIGKILL admission while 8 durable requests run on two (simulated) executors; its
+    successor gets them again after ack_wait and must hold them, not run them a second time."""
+    settings = {"distributed.heartbeat_timeout_s": 1.5, "nats.ack_wait_s": 1.0,
+                "model.name": "sim:smollm2-cpu"}
+    async with running_stack(tmp_path, executors=2, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="restart") as client:
+            ids = await run_durable_batch(client, "restart", 8, 200)
+            stack.processes["admission"].kill()
+            await stack.processes["admission"].wait()
+            await stack._spawn("admission", [sys.executable, "-m", "services.admission"])
+            results = [await client.result(i, timeout=120) for i in ids]
+            for _ in range(100):  # the acks follow the stored results
+                stats = await service_stats(client, "admission")
+                if stats["durable_held"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            runs = await runs_and_duplicates(client)
+            info = await client.js.stream_info("LLM_REQUESTS")
+    assert all(isinstance(r, Completion) and len(r.token_ids) == 200 for r in results)
+    assert runs == (8, 0), runs  # none admitted a second time (to run again, or be refused)
+    assert stats.get("durable_adopted") == 8, stats
+    assert stats["durable_held"] == 0 and info.state.messages == 0

@@ -133,6 +133,59 @@ async def test_durable_submit_without_request_id_is_rejected_by_the_server(clien
     assert "request_id" in result.message
 
 
+async def test_a_deeply_nested_durable_request_stores_an_error_and_a_cancel_breaks_nothing(
+        client, stack):
+    payload = b'{"type": "generate", "request_id": "deep-2", "prompt": "hi", "stop": ' + \
+        b"[" * 4000 + b"]" * 4000 + b"}"
+    await client.js.publish("llm.requests.acme", payload, headers={"Nats-Msg-Id": "deep-2"})
+    result = await client.result("deep-2", timeout=30)
+    assert isinstance(result, Error) and result.code == "invalid_request"
+    assert "32 levels" in result.message
+    await client.nc.publish("llm.cancel.acme", b"[" * 5000 + b"]" * 5000)
+    await client.nc.publish("llm.cancel.acme", b'{"a":' * 5000 + b"1" + b"}" * 5000)
+    completion = await client.generate(GenerateRequest(prompt="still here?", max_tokens=3),
+                                       timeout=30)
+    assert isinstance(completion, Completion) and len(completion.token_ids) == 3
+    assert all(p.returncode is None for p in stack.processes.values())
+
+
+async def test_a_generate_reusing_a_running_request_id_is_answered_at_once(client):
+    first = client.stream(long_request("reused-id", 1500), timeout=60)
+    assert isinstance(await anext(first), Delta)  # running at the executor
+    started = time.monotonic()
+    second = await client.generate(long_request("reused-id", 4), timeout=20)
+    assert isinstance(second, Error) and second.code == "invalid_request", second
+    assert "already" in second.message and time.monotonic() - started < 10
+    await client.cancel("reused-id")
+    outputs = [output async for output in first]
+    assert isinstance(outputs[-1], Completion) and outputs[-1].finish_reason == "cancelled"
+
+
+async def test_a_streaming_client_that_goes_away_gets_its_request_cancelled(client, stack):
+    """A raw client streams a long request, reads two deltas and closes its connection without a
+    cancel: the server's "no responders" to the next delta tells the executor."""
+    import nats
+
+    before = await service_stats(client, "executor")
+    gone = await nats.connect(stack.url)
+    inbox = gone.new_inbox()
+    sub = await gone.subscribe(inbox)
+    await gone.publish("llm.generate.acme", msgspec.json.encode(
+        {"type": "generate", "request_id": "walks-away", "prompt": "talk to me",
+         "max_tokens": 1900, "ignore_eos": True, "stream": True}), reply=inbox)
+    for _ in range(2):
+        assert decode_output((await sub.next_msg(timeout=10)).data).request_id == "walks-away"
+    await gone.close()
+    for _ in range(100):
+        after = await service_stats(client, "executor")
+        if after["running"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert after["client_gone"] == before["client_gone"] + 1
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["completed"] == before["completed"]
+
+
 async def test_cancel_a_running_request(client):
     final = None
     count = 0
@@ -209,6 +262,12 @@ BAD_PAYLOADS = {
     "an over-long prompt": (msgspec.json.encode({"type": "generate", "prompt": "hello " * 3000}),
                             "prompt_too_long", "max_model_len 2048"),
     "no prompt": (b'{"type": "generate", "max_tokens": 4}', "invalid_request", "exactly one of"),
+    # Deeper than the decoders' recursion limit: refused before decoding, naming the limit.
+    "arrays nested 5,000 deep": (b"[" * 5000 + b"]" * 5000, "invalid_request", "32 levels"),
+    "objects nested 5,000 deep": (b'{"a":' * 5000 + b"1" + b"}" * 5000, "invalid_request",
+                                  "32 levels"),
+    "a deep field": (b'{"type": "generate", "prompt": "hi", "request_id": "deep-1", "stop": '
+                     + b"[" * 3000 + b"]" * 3000 + b"}", "invalid_request", "32 levels"),
 }
 
 
@@ -225,6 +284,24 @@ async def test_bad_input_gets_a_clear_error(client, case):
     assert needle in error.message, error.message
     assert headers["Nats-Service-Error-Code"] in ("400", "404", "413")
     assert headers["Nats-Service-Error"].startswith(code)
+
+
+async def test_huge_prompts_are_refused_without_holding_up_other_requests(stack):
+    """Eight 1 MB prompts are refused by their length, never encoded; a small request of
+    another tenant sent beside them is served as if they were not there."""
+    async with await JetserveClient.connect(stack.url, tenant="huge") as huge, \
+            await JetserveClient.connect(stack.url, tenant="small") as small:
+        started = time.monotonic()
+        outputs = await asyncio.gather(
+            *(huge.generate(GenerateRequest(prompt="word " * 200_000, max_tokens=2), timeout=30)
+              for _ in range(8)),
+            small.generate(GenerateRequest(prompt="hi", max_tokens=2), timeout=30))
+        elapsed = time.monotonic() - started
+    *refused, served = outputs
+    assert all(isinstance(e, Error) and e.code == "prompt_too_long"
+               and "1000000 characters are at least" in e.message for e in refused), refused
+    assert isinstance(served, Completion) and len(served.token_ids) == 2
+    assert elapsed < 5  # encoding them on the event loop took ~1 s each
 
 
 async def test_an_invalid_tenant_is_rejected(client):

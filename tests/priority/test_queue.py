@@ -81,3 +81,27 @@ def test_expired_takes_out_only_waiting_requests_past_their_deadline():
     assert [i.request_id for i in queue.expired(1.0)] == ["soon"]
     assert pop(queue, 1) == ["later"]  # dispatched before its deadline
     assert queue.expired(10.0) == [] and len(queue) == 1
+
+
+def test_submit_then_cancel_leaves_nothing_behind():
+    """50,000 submit-then-cancel cycles of 2,000-token requests with deadlines: what the queue
+    keeps (rows, the deadline heap) stays bounded by what waits, not by what passed through."""
+    import tracemalloc
+
+    from services.priority.scheduler import RequestScheduler
+
+    scheduler = RequestScheduler(RequestLevel(max_pending_requests=1000))
+    prompt = list(range(2000))
+    tracemalloc.start()
+    try:
+        for i in range(50_000):
+            request = GenerateRequest(request_id=f"c{i}", prompt_token_ids=prompt)
+            scheduler.push(WorkItem(request=request, tenant=f"t{i % 7}", arrival_time=0.0,
+                                    deadline=1e9 + i))
+            assert scheduler.remove(f"c{i}", f"t{i % 7}") is not None
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(scheduler.queue) == 0
+    assert len(scheduler.queue._deadlines) <= 1024 + 1
+    assert held < 5e6, held  # one request's prompt alone is ~70 KB as Python ints

@@ -1,6 +1,6 @@
 import pytest
 
-from shared.protocol import ProtocolError, decode_generate_request
+from shared.protocol import MAX_NESTING, ProtocolError, decode_cancel, decode_generate_request
 
 
 @pytest.mark.parametrize("payload, needle", [
@@ -30,3 +30,27 @@ def test_defaults():
     request = decode_generate_request('{"type": "generate", "prompt": "hi"}')
     assert (request.max_tokens, request.temperature, request.top_p, request.top_k) == (256, 1.0, 1.0, -1)
     assert (request.priority, request.stream, request.seed, request.stop) == (5, False, None, [])
+
+
+@pytest.mark.parametrize("payload", [
+    "[" * 33 + "]" * 33,
+    '{"a":' * 5000 + "1" + "}" * 5000,
+    '{"prompt": "hi", "stop": ' + "[" * 3000 + "]" * 3000 + "}",
+])
+def test_payloads_nested_past_the_limit_are_refused_naming_it(payload):
+    with pytest.raises(ProtocolError) as info:
+        decode_generate_request(payload)
+    assert info.value.code == "invalid_request"
+    assert f"more than {MAX_NESTING} levels" in info.value.message
+    with pytest.raises(ProtocolError):
+        decode_cancel(payload)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    prompt = '[{' * 5000 + '\\"]' + '[' * 100
+    request = decode_generate_request('{"prompt": "' + prompt + '", "stop": ["x"]}')
+    assert request.prompt == prompt.replace('\\"', '"')
+    # 32 levels are fine (a ProtocolError from the fields' types, not from the nesting)
+    with pytest.raises(ProtocolError) as info:
+        decode_generate_request('{"prompt": "hi", "stop": ' + "[" * 31 + "]" * 31 + "}")
+    assert "levels" not in info.value.message
