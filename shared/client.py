@@ -24,6 +24,41 @@ _decode_output = msgspec.json.Decoder(Output).decode
 _encode = msgspec.json.Encoder().encode
 
 
+class StreamAssembler:
+    """A request's output rebuilt from its deltas, each token once (docs/protocol.md).
+
+    Deltas follow on from each other: a delta's tokens start at its `index`, its text where the
+    previous delta's text ended. A stream that restarts (a durable request resumed on another
+    executor) restates the output from index 0, text and all; of a delta, only what lies beyond
+    what is already here is new."""
+
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._text_at = 0  # where the incoming stream's next text starts
+        self.restarts = 0
+
+    def add(self, delta: Delta) -> Delta | None:
+        """The new part of `delta` (index = tokens already here), or None if it had none."""
+        if delta.index == 0 and self.token_ids:
+            self._text_at = 0
+            self.restarts += 1
+        skip = len(self.token_ids) - delta.index
+        if skip < 0:
+            raise ValueError(f"delta at index {delta.index}, after {len(self.token_ids)} tokens: "
+                             f"a gap")
+        tokens = delta.token_ids[skip:]
+        text = delta.text[max(0, len(self.text) - self._text_at):]
+        self._text_at += len(delta.text)
+        if not tokens and not text:
+            return None
+        new = Delta(request_id=delta.request_id, index=len(self.token_ids), token_ids=tokens,
+                    text=text)
+        self.token_ids += tokens
+        self.text += text
+        return new
+
+
 class JetserveClient:
     def __init__(self, nc: Client, tenant: str = "default", prefix: str = "llm"):
         self.nc = nc

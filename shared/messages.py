@@ -32,6 +32,11 @@ class WorkItem(msgspec.Struct, kw_only=True):
     # The chained hashes of the prompt's full KV blocks (shared/block_hash.py), computed once by
     # admission: the batcher routes by cached prefix without tokenizing.
     block_hashes: list[bytes] = []
+    # A durable request handed on from an executor that died: the outputs its checkpoints had
+    # reported (generation continues after them), and which hand-off this is (0: the first
+    # run). An executor still running an earlier attempt is told to drop it (Revoke).
+    resume_token_ids: list[int] = []
+    attempt: int = 0
 
     @property
     def request_id(self) -> str:
@@ -124,13 +129,34 @@ class KvDump(msgspec.Struct, kw_only=True):
     blocks: list[bytes]
 
 
+class Progress(msgspec.Struct, array_like=True):
+    """A checkpoint: the outputs a running durable request generated since the last report."""
+
+    tenant: str
+    request_id: str
+    attempt: int  # the WorkItem's
+    index: int  # the output position of token_ids[0]
+    token_ids: list[int]
+
+
 class Holding(msgspec.Struct):
     """The durable requests a service holds right now (priority: waiting; an executor: running),
     published every heartbeat interval. Admission keeps a durable request alive only while some
-    service reports it, so a request lost with a dead service is redelivered and run again."""
+    service reports it; one lost with a dead executor goes back to the queue with the outputs
+    its checkpoints (`progress`, executors only) reported, and continues from there."""
 
     holder: str
     requests: list[tuple[str, str]]  # (tenant, request_id)
+    progress: list[Progress] = []
+
+
+class Revoke(msgspec.Struct, array_like=True):
+    """To every executor: drop this attempt (or an earlier one) of a durable request, without a
+    result; admission handed the request on after taking its holder for dead."""
+
+    tenant: str
+    request_id: str
+    attempt: int
 
 
 class Done(msgspec.Struct):

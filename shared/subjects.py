@@ -65,6 +65,11 @@ class Subjects:
         return f"{self.prefix}.internal.holding"
 
     @property
+    def revoke(self) -> str:
+        """Admission to every executor: drop an attempt of a durable request handed on."""
+        return f"{self.prefix}.internal.revoke"
+
+    @property
     def admission_done(self) -> str:
         return f"{self.prefix}.internal.admission.done"
 

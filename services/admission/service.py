@@ -6,10 +6,11 @@ rate limit, given an id, a seed and an arrival time, and handed to priority. A d
 message is held here (kept alive with in-progress acks) and acknowledged only once its final
 result is stored in LLM_RESULTS; a redelivered one whose result exists is only acknowledged. A
 held request that no service reports holding (priority's queue, an executor) for longer than the
-heartbeat timeout was lost with a dead service: it is handed back to JetStream to run again.
-That silence is timed on a clock a stalled event loop barely advances, so a stall is not taken
-for deaths; and a redelivered request that a service still reports (this admission restarted) is
-held again, not admitted a second time.
+heartbeat timeout was lost with a dead service: it goes back to priority's queue, still held, with
+the outputs its executor's checkpoints reported, and the next executor continues from there (a
+copy of the admitted request is kept for this). That silence is timed on a clock a stalled event
+loop barely advances, so a stall is not taken for deaths; and a redelivered request that a
+service still reports (this admission restarted) is held again, not admitted a second time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -42,7 +43,7 @@ from shared.bus import (
     serve_forever,
 )
 from shared.config import JetserveConfig
-from shared.messages import Done, Holding, SubmitReply, WorkItem, decoder, encode
+from shared.messages import Done, Holding, Revoke, SubmitReply, WorkItem, decoder, encode
 from shared.metrics import StatsCollector, TenantLabels, counter, register, unregister
 from shared.protocol import (
     Error,
@@ -67,6 +68,7 @@ log = structlog.get_logger()
 _submit_reply = decoder(SubmitReply)
 _done = decoder(Done)
 _holding = decoder(Holding)
+_item = decoder(WorkItem)
 DURABLE_FETCH_BATCH = 64
 MAX_IN_FLIGHT = 4096  # generate requests being admitted at once
 TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
@@ -101,7 +103,8 @@ class Admission:
         self.last_reported: dict[tuple[str, str], float] = {}  # clock of a holder's last report
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
-                           durable_delayed=0, durable_adopted=0)
+                           durable_delayed=0, durable_adopted=0, durable_handed_on=0,
+                           durable_resumed_tokens=0)
         self.errors_by_code: dict[str, int] = {}
         self.tasks: list[asyncio.Task] = []
         self.generate_tasks: set[asyncio.Task] = set()
@@ -354,7 +357,7 @@ class Admission:
                 await msg.ack()
                 return
             item.trace = carrier_of(span)
-            self.held[key] = _Held(msg, self.clock)
+            self.held[key] = _Held(msg, self.clock, encode(item))
             try:
                 error = await self.to_priority(item)
             except BaseException:  # not held after all: its redelivery is admitted again
@@ -385,8 +388,44 @@ class Admission:
 
     async def on_holding(self, msg) -> None:
         now = self.clock
-        for tenant, request_id in _holding.decode(msg.data).requests:
+        holding = _holding.decode(msg.data)
+        for tenant, request_id in holding.requests:
             self.last_reported[(tenant, request_id)] = now
+        for progress in holding.progress:
+            held = self.held.get((progress.tenant, progress.request_id))
+            if held is None:
+                continue
+            if progress.attempt < held.attempt:  # a holder taken for dead is still at it
+                await self.revoke(progress.tenant, progress.request_id, progress.attempt)
+            elif progress.attempt == held.attempt and progress.index <= len(held.tokens):
+                del held.tokens[progress.index:]  # (a repeat restates what it holds)
+                held.tokens.extend(progress.token_ids)
+
+    async def revoke(self, tenant: str, request_id: str, attempt: int) -> None:
+        await _quietly(self.nc.publish(self.subjects.revoke,
+                                       encode(Revoke(tenant, request_id, attempt))))
+
+    async def hand_on(self, key: tuple[str, str], held: _Held) -> bool:
+        """A held request whose holder is gone goes back to priority's queue with the outputs
+        its checkpoints reported, as the next attempt (the JetStream message stays held). False
+        when priority did not take it."""
+        item = msgspec.structs.replace(_item.decode(held.item), attempt=held.attempt + 1,
+                                       resume_token_ids=list(held.tokens))
+        try:
+            error = await self.to_priority(item)
+        except Exception as exc:
+            log.warning("could not hand a durable request on", request_id=key[1],
+                        error=repr(exc))
+            return False
+        if error is not None:
+            return False
+        held.attempt += 1
+        self.counts["durable_handed_on"] += 1
+        self.counts["durable_resumed_tokens"] += len(item.resume_token_ids)
+        log.warning("durable request handed on from a lost holder", tenant=key[0],
+                    request_id=key[1], attempt=held.attempt, resume_from=len(held.tokens))
+        await self.revoke(key[0], key[1], held.attempt - 1)
+        return True
 
     @property
     def lease_s(self) -> float:
@@ -395,7 +434,9 @@ class Admission:
 
     async def keep_alive_loop(self) -> None:
         """In-progress acks for every held request, well inside ack_wait; a request no service
-        has reported for longer than the heartbeat timeout is handed back for redelivery."""
+        has reported for longer than the heartbeat timeout is handed on from its checkpoint
+        (hand_on), or, when this admission has no copy of it (it adopted it after a restart),
+        handed back to JetStream for redelivery."""
         interval = self.config.distributed.heartbeat_interval_s
         progress_every = self.config.nats.ack_wait_s / 3
         last_progress = last_tick = time.monotonic()
@@ -405,15 +446,21 @@ class Admission:
             self.clock += min(tick - last_tick, 2 * interval)
             last_tick = tick
             now = self.clock
-            for key, held in list(self.held.items()):
-                seen = max(held.since, self.last_reported.get(key, -math.inf))
-                if now - seen > self.lease_s:
-                    log.warning("durable request lost with its holder; redelivering",
-                                tenant=key[0], request_id=key[1])
-                    self.counts["durable_redelivered"] += 1
-                    del self.held[key]
-                    self.last_reported.pop(key, None)
-                    await _quietly(held.msg.nak())
+            lost = [(key, held) for key, held in self.held.items()
+                    if now - max(held.since, self.last_reported.get(key, -math.inf))
+                    > self.lease_s]
+            for key, held in lost:
+                held.since = now  # not lost again before another lease has passed
+            # One that priority does not take is tried again after another lease.
+            await asyncio.gather(*(self.hand_on(key, held) for key, held in lost
+                                   if held.item is not None))
+            for key, held in [(k, h) for k, h in lost if h.item is None]:
+                log.warning("durable request lost with its holder; redelivering",
+                            tenant=key[0], request_id=key[1])
+                self.counts["durable_redelivered"] += 1
+                del self.held[key]
+                self.last_reported.pop(key, None)
+                await _quietly(held.msg.nak())
             for key in [k for k, seen in self.last_reported.items()
                         if k not in self.held and now - seen > self.lease_s]:
                 del self.last_reported[key]  # no longer reported (or reported after its Done)
@@ -427,6 +474,11 @@ class Admission:
 class _Held:
     msg: object  # the LLM_REQUESTS message, acked once the result is stored
     since: float  # when it was handed to priority (Admission.clock)
+    # The admitted WorkItem, msgpack-encoded (compact: admission may hold many), to hand the
+    # request on if its holder dies; None for one adopted after a restart (redelivered then).
+    item: bytes | None = None
+    tokens: list[int] = field(default_factory=list)  # outputs its checkpoints reported
+    attempt: int = 0
 
 
 async def _quietly(ack) -> None:

@@ -191,8 +191,15 @@ class Engine:
 
     def add_request(self, request: GenerateRequest, sink: OutputSink,
                     arrival_time: float | None = None, score: float | None = None,
-                    aging_start: float | None = None) -> str:
+                    aging_start: float | None = None,
+                    resume_token_ids: list[int] | None = None) -> str:
         """Validate and queue a request; its outputs go to `sink`. Raises ProtocolError.
+
+        `resume_token_ids`: the outputs an earlier run of this request had generated (a
+        checkpoint from an executor that died). They are taken as this run's first outputs,
+        computed as part of the prompt, and generation continues after them; per-token seeds
+        make every later token the one an undisturbed run draws. The first delta restates
+        them from index 0 (docs/protocol.md: a client keeps only what it does not have).
 
         `score` orders it against the others (default: its base priority); with `max_wait_s`
         configured, it goes ahead of all others once it has waited that long since
@@ -242,7 +249,16 @@ class Engine:
             else:
                 state.timers.append(asyncio.get_running_loop().call_later(
                     left, self._aged, state))
+        for token in resume_token_ids or ():
+            seq.num_pending += 1
+            state.append_token(token)
+            if state.finish_reason is not None:
+                break
+        state.first_token_time = None  # this run's first token is the next one it samples
         self.scheduler.add(seq)
+        if state.finish_reason is not None:  # the checkpoint had ended it: nothing to run
+            self._finish(state)
+            return request_id
         self._wakeup.set()
         return request_id
 
@@ -286,6 +302,11 @@ class Engine:
         finally:
             if request_id in self._requests:  # the consumer went away early
                 self.abort(request_id)
+
+    def output_token_ids(self, request_id: str) -> list[int] | None:
+        """The outputs a running request has generated so far (None: not running here)."""
+        state = self._requests.get(request_id)
+        return None if state is None else state.seq.output_token_ids
 
     @property
     def num_unfinished(self) -> int:

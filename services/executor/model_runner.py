@@ -14,7 +14,7 @@ import torch
 from kernels import kv_int8
 from services.executor.attention import SeqSlice, TorchBackend
 from services.executor.model import KvSegment, LlamaModel
-from services.executor.sampler import SamplingBatch, make_generator, sample
+from services.executor.sampler import SamplingBatch, sample, token_seed
 from services.executor.scheduler import ScheduledSeq
 from services.executor.sequence import SamplingParams
 from shared.model_files import ModelConfig
@@ -64,7 +64,6 @@ class ModelRunner:
             self.kv_pools.append(pool(int8_blocks, torch.int8))
         self.kv_caches = self.kv_pools[0]
         self.block_size = block_size
-        self._generators: dict[str, torch.Generator] = {}
         self._last_sampled: torch.Tensor | None = None
 
     def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
@@ -76,7 +75,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         pending_dst: list[int] = []
         pending_src: list[int] = []
-        params, generators = [], []
+        params, seeds = [], []
         segments: list[KvSegment] = []
         segment_start = 0  # the current segment's first row (a pool's sequences are consecutive)
         for index, item in enumerate(batch):
@@ -101,7 +100,10 @@ class ModelRunner:
                 seq.sample_row = len(logits_indices)
                 logits_indices.append(len(input_ids) - 1)
                 params.append(seq.sampling)
-                generators.append(None if seq.sampling.greedy else self._generator(seq))
+                # The token this row samples is output number num_output_tokens - 1 (the
+                # scheduler counted it as pending).
+                seeds.append(None if seq.sampling.greedy
+                             else token_seed(seq.sampling.seed, seq.num_output_tokens - 1))
         segments.append(self._segment(batch[-1].seq.pool, slices, slots, segment_start, None))
         device = self.device
         return StepInputs(
@@ -111,7 +113,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             pending_dst=torch.tensor(pending_dst, device=device) if pending_dst else None,
             pending_src=torch.tensor(pending_src, device=device) if pending_src else None,
-            sampling=SamplingBatch(params, generators),
+            sampling=SamplingBatch(params, seeds),
             num_tokens=len(input_ids),
         )
 
@@ -151,16 +153,9 @@ class ModelRunner:
                     pending_dst=None, pending_src=None, sampling=greedy, num_tokens=n))
         self._last_sampled = None
 
-    def _generator(self, seq) -> torch.Generator:
-        generator = self._generators.get(seq.request_id)
-        if generator is None:
-            generator = self._generators[seq.request_id] = make_generator(seq.sampling.seed)
-        return generator
-
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        """Nothing is kept per request (sampling is seeded per token)."""
 
     def reset(self) -> None:
-        """Forget per-request state after a failed step (every request has been ended)."""
-        self._generators.clear()
+        """Forget the state of a failed step (every request has been ended)."""
         self._last_sampled = None

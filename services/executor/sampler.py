@@ -1,7 +1,9 @@
-"""Token sampling for a batch: greedy, temperature, top-k, top-p and min-p, seeded per request.
+"""Token sampling for a batch: greedy, temperature, top-k, top-p and min-p, seeded per token.
 
-Each request owns a torch.Generator seeded from its `seed`, and draws exactly one number stream per
-sampled token, so its tokens do not depend on what else is in the batch.
+Output token i of a request seeded s is drawn from a generator seeded with token_seed(s, i), so
+its tokens depend neither on what else is in the batch nor on the history of its generator: a
+request resumed from a checkpoint on another executor draws every later token as an
+undisturbed run does.
 """
 
 from __future__ import annotations
@@ -13,20 +15,28 @@ import torch
 from services.executor.sequence import SamplingParams
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The seed that draws output token `index` of a request seeded `seed` (splitmix64 of the
+    pair: nearby seeds and indices give unrelated streams)."""
+    x = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # 63 bits
+
+
 @dataclass
 class SamplingBatch:
     """Per-row parameters of the rows that sample, built on the scheduler's thread."""
 
     params: list[SamplingParams]
-    generators: list[torch.Generator | None]  # None for greedy rows
+    seeds: list[int | None]  # each row's token_seed; None for greedy rows
 
     @property
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
-
-
-def make_generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -41,8 +51,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     probs = _filtered_probs(logits[index] / temperature[:, None], params)
     probs = probs.cpu()
     tokens = greedy_tokens.cpu()
-    for row, generator, p in zip(rows, (batch.generators[i] for i in rows), probs):
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, with one stream per row.
+    generator = torch.Generator()
+    for row, p in zip(rows, probs):
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one stream per token.
+        generator.manual_seed(batch.seeds[row])
         noise = torch.empty_like(p).exponential_(generator=generator)
         tokens[row] = torch.argmax(p / noise)
     return tokens

@@ -26,6 +26,8 @@ from shared.messages import (
     Holding,
     KvDump,
     KvEvent,
+    Progress,
+    Revoke,
     WorkItem,
     decoder,
     encode,
@@ -47,6 +49,7 @@ from shared.telemetry import Span, carrier_of, context_from, context_of
 log = structlog.get_logger()
 
 _item = decoder(WorkItem)
+_revoke = decoder(Revoke)
 HEARTBEAT_MIN_GAP_S = 0.005  # load changes are reported at once, but not more often than this
 
 # vLLM's names (`vllm:` there, `jetserve:` here), labelled by model and executor.
@@ -83,6 +86,7 @@ class _Running:
     # Streaming generates: the last token of the reply subject its deltas carry, where the
     # server answers "no responders" once the client's inbox is gone.
     probe: str | None = None
+    reported: int = 0  # outputs a checkpoint has reported (durable requests)
 
     def delivered(self, now: float, tokens: int) -> None:
         if self.window_from is None:
@@ -121,7 +125,7 @@ class ExecutorService:
         self.kv_seq = 0  # the last KvEvent published
         self.started_at = time.time()
         self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0, id_in_use=0,
-                           client_gone=0)
+                           client_gone=0, resumed=0, revoked=0)
         self.probes: dict[str, str] = {}  # _Running.probe -> engine key
         self.probe_ids = itertools.count()
         self.finished: list[Finished] = []  # reported with the next heartbeat
@@ -150,6 +154,7 @@ class ExecutorService:
         self.gone_inbox = self.nc.new_inbox()
         await self.nc.subscribe(f"{self.gone_inbox}.*", cb=self.on_client_gone)
         await self.nc.subscribe(self.subjects.kv_dump(self.name), cb=self.on_kv_dump)
+        await self.nc.subscribe(self.subjects.revoke, cb=self.on_revoke)
         self.load_changed.set()  # the first heartbeat goes out at once
         self.tasks = [asyncio.create_task(self.publish_loop(), name="publish"),
                       asyncio.create_task(self.heartbeat_loop(), name="heartbeat")]
@@ -252,6 +257,9 @@ class ExecutorService:
         self.assigned_total += 1
         self.load_changed.set()
         running = self.running.get(key)
+        if running is not None and item.durable and item.attempt > running.item.attempt:
+            self.drop(key)  # handed on while this executor ran an earlier attempt: run this one
+            running = None
         if running is not None and item.durable:
             # Delivered again while it runs here. (Were the id a generate's, admission hands it
             # back to JetStream once nothing reports it, after that one ends.)
@@ -276,12 +284,17 @@ class ExecutorService:
         try:
             self.engine.add_request(request, lambda out, item=item: self.outputs.put_nowait(
                 (item, out)), arrival_time=arrival, score=item.standing,
-                aging_start=time.monotonic() if item.age_from_dispatch else None)
+                aging_start=time.monotonic() if item.age_from_dispatch else None,
+                resume_token_ids=item.resume_token_ids)
         except ProtocolError as exc:
             span.end()
             await self.outbox.final(item, exc.to_error(item.request_id))
         else:
-            running = self.running[key] = _Running(item, span)
+            running = self.running[key] = _Running(item, span,
+                                                   reported=len(item.resume_token_ids))
+            if item.resume_token_ids:
+                self.counts["resumed"] += 1
+                span.set_attribute("resumed_from_token", len(item.resume_token_ids))
             if item.request.stream and not item.durable and item.reply_to:
                 running.probe = str(next(self.probe_ids))
                 self.probes[running.probe] = key
@@ -299,6 +312,34 @@ class ExecutorService:
             self.engine.abort(key)
         else:
             self.cancels.add(tenant, request_id)  # it may still be on its way here
+
+    async def on_revoke(self, msg) -> None:
+        """Admission handed a durable request on after taking this executor for dead (it was
+        stalled or cut off): drop the attempt it still runs, without a result."""
+        revoke = _revoke.decode(msg.data)
+        key = f"{revoke.tenant}/{revoke.request_id}"
+        running = self.running.get(key)
+        if running is not None and running.item.durable and running.item.attempt <= revoke.attempt:
+            self.drop(key)
+            log.warning("dropped a request handed on to another executor", request=key,
+                        attempt=running.item.attempt)
+
+    def drop(self, key: str) -> None:
+        """End a running request here without any output: another attempt owns it now. What the
+        engine still sends for it finds no running entry and is discarded (`publish`)."""
+        running = self.running.pop(key)
+        if running.probe is not None:
+            del self.probes[running.probe]
+        left = self.tenant_load.pop(running.item.tenant, 1) - 1
+        if left:
+            self.tenant_load[running.item.tenant] = left
+        running.span.set_attribute("revoked", True)
+        running.span.end()
+        self.engine.abort(key)
+        self.counts["revoked"] += 1
+        if not self.running:
+            self.idle.set()
+        self.load_changed.set()
 
     async def on_client_gone(self, msg) -> None:
         """The server's "no responders" to a delta: the streaming client's inbox has no
@@ -326,26 +367,27 @@ class ExecutorService:
                 self.outputs.task_done()
 
     async def publish(self, item: WorkItem, output: Output) -> None:
+        running = self.running.get(engine_id(item))
+        if running is None or running.item is not item:
+            return  # an attempt dropped for another (drop): its outputs go nowhere
         if isinstance(output, Delta):
-            running = self.running.get(engine_id(item))
-            if running is not None and (self.measuring or self.batch_size is not None):
+            if self.measuring or self.batch_size is not None:
                 now = time.monotonic()
                 if self.measuring and running.last_delta is not None:
                     self.metrics[ITL].observe(now - running.last_delta)
                 running.delivered(now, len(output.token_ids))
-            probe = running.probe if running is not None else None
+            probe = running.probe
             await self.outbox.delta(item, output,
                                     reply=f"{self.gone_inbox}.{probe}" if probe else None)
             return
-        running = self.running.pop(engine_id(item), None)
-        if running is not None:
-            if running.probe is not None:
-                del self.probes[running.probe]
-            if self.batch_size is not None and (tpot := running.take_tpot_ms()) is not None:
-                self.finished_tpot_ms.append(tpot)
-            left = self.tenant_load.pop(item.tenant, 1) - 1
-            if left:
-                self.tenant_load[item.tenant] = left
+        del self.running[engine_id(item)]
+        if running.probe is not None:
+            del self.probes[running.probe]
+        if self.batch_size is not None and (tpot := running.take_tpot_ms()) is not None:
+            self.finished_tpot_ms.append(tpot)
+        left = self.tenant_load.pop(item.tenant, 1) - 1
+        if left:
+            self.tenant_load[item.tenant] = left
         if isinstance(output, Completion):
             output = msgspec.structs.replace(output, scheduling=msgspec.structs.replace(
                 output.scheduling, priority_score=item.priority_score,
@@ -361,12 +403,11 @@ class ExecutorService:
         if not self.running:
             self.idle.set()
         self.load_changed.set()
-        if running is not None:
-            self._end_span(running.span, item, output)
+        self._end_span(running.span, item, output)
         if self.draining and item.durable and isinstance(output, Completion) \
                 and output.finish_reason == "cancelled":
             return  # cut short by shutdown, not by its client: it will run again elsewhere
-        await self.outbox.final(item, output, carrier_of(running.span) if running else None)
+        await self.outbox.final(item, output, carrier_of(running.span))
 
     def observe(self, completion: Completion) -> None:
         REQUEST_SUCCESS.labels(*self.labels, completion.finish_reason).inc()
@@ -418,10 +459,7 @@ class ExecutorService:
                 await self.publish_kv_changes()
                 if time.monotonic() - holding_at >= interval:
                     holding_at = time.monotonic()
-                    durable = [(r.item.tenant, r.item.request_id) for r in self.running.values()
-                               if r.item.durable]
-                    await self.nc.publish(self.subjects.holding,
-                                          encode(Holding(holder=self.name, requests=durable)))
+                    await self.nc.publish(self.subjects.holding, encode(self.holding()))
             except Exception:  # a missed beat is survivable; a dead loop looks like a dead executor
                 log.exception("heartbeat failed")
             await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
@@ -480,6 +518,22 @@ class ExecutorService:
             total_kv_blocks=blocks.num_blocks, step_ms=step_ms, started_at=self.started_at,
             finished=self.take_finished(), tenants=dict(self.tenant_load),
             overtake_above=None if self.draining else scheduler.overtake_above())
+
+    def holding(self) -> Holding:
+        """The durable requests running here, with a checkpoint of each: the outputs generated
+        since the previous report."""
+        durable, progress = [], []
+        for key, running in self.running.items():
+            item = running.item
+            if not item.durable:
+                continue
+            durable.append((item.tenant, item.request_id))
+            outputs = self.engine.output_token_ids(key)
+            if outputs is not None and len(outputs) > running.reported:
+                progress.append(Progress(item.tenant, item.request_id, item.attempt,
+                                         running.reported, outputs[running.reported:]))
+                running.reported = len(outputs)
+        return Holding(holder=self.name, requests=durable, progress=progress)
 
     def take_finished(self) -> list[Finished]:
         finished, self.finished = self.finished, []

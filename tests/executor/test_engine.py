@@ -6,6 +6,7 @@ import asyncio
 import random
 import time
 
+import msgspec
 import pytest
 
 from services.executor.engine import Engine
@@ -341,3 +342,33 @@ async def test_warm_up_leaves_no_trace():
         await warmed.stop()
         await zeroed.stop()
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_a_request_resumed_from_a_checkpoint_ends_as_an_undisturbed_run(temperature):
+    """Greedy and seeded sampling alike: given the first 15 outputs of a run, the engine
+    computes them as context and draws every later token as the undisturbed run did."""
+    engine = Engine(tiny_config())
+    try:
+        request = GenerateRequest(prompt_token_ids=list(range(30, 70)), max_tokens=40,
+                                  temperature=temperature, seed=1234, ignore_eos=True, stream=True)
+        [undisturbed] = await generate_all(engine, [request])
+        outputs: list = []
+        engine.add_request(msgspec.structs.replace(request, request_id="resumed"), outputs.append,
+                           resume_token_ids=undisturbed.token_ids[:15])
+        while not outputs or isinstance(outputs[-1], Delta):
+            await asyncio.sleep(0.01)
+        *deltas, resumed = outputs
+        # Ended at once when the checkpoint already holds every output.
+        done: list = []
+        engine.add_request(msgspec.structs.replace(request, request_id="finished"), done.append,
+                           resume_token_ids=undisturbed.token_ids)
+    finally:
+        await engine.stop()
+    assert resumed.token_ids == undisturbed.token_ids and resumed.text == undisturbed.text
+    assert resumed.finish_reason == "length"
+    # The first delta restates the checkpoint from index 0; the rest follow on without a gap.
+    assert deltas[0].index == 0 and len(deltas[0].token_ids) >= 15
+    assert [t for d in deltas for t in d.token_ids] == undisturbed.token_ids
+    assert "".join(d.text for d in deltas) == undisturbed.text
+    assert isinstance(done[-1], Completion) and done[-1].token_ids == undisturbed.token_ids

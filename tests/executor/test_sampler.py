@@ -2,12 +2,12 @@ import math
 
 import torch
 
-from services.executor.sampler import SamplingBatch, make_generator, sample
+from services.executor.sampler import SamplingBatch, sample, token_seed
 from services.executor.sequence import SamplingParams
 
 
 def batch_of(*params, seed=0):
-    return SamplingBatch(list(params), [None if p.greedy else make_generator(seed + i)
+    return SamplingBatch(list(params), [None if p.greedy else token_seed(seed, i)
                                         for i, p in enumerate(params)])
 
 
@@ -28,18 +28,17 @@ def test_filters_that_keep_one_token_equal_greedy():
 def test_top_k_never_leaves_the_top_k():
     logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(2))
     top5 = set(logits[0].topk(5).indices.tolist())
-    generator = make_generator(3)
     params = SamplingParams(max_tokens=1, temperature=2.0, top_k=5)
-    for _ in range(200):
-        token = sample(logits, SamplingBatch([params], [generator])).item()
+    for i in range(200):
+        token = sample(logits, SamplingBatch([params], [token_seed(3, i)])).item()
         assert token in top5
 
 
 def test_temperature_sampling_follows_the_distribution():
     logits = torch.tensor([[0.0, math.log(3.0)]])  # p = [0.25, 0.75]
-    generator = make_generator(4)
     params = SamplingParams(max_tokens=1, temperature=1.0)
-    draws = [sample(logits, SamplingBatch([params], [generator])).item() for _ in range(4000)]
+    draws = [sample(logits, SamplingBatch([params], [token_seed(4, i)])).item()
+             for i in range(4000)]
     share = sum(draws) / len(draws)
     assert 0.72 < share < 0.78
 
@@ -47,8 +46,13 @@ def test_temperature_sampling_follows_the_distribution():
 def test_same_seed_same_tokens_regardless_of_neighbours():
     logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(5))
     p = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)
-    alone = [sample(logits[1:2], SamplingBatch([p], [make_generator(42)])).item()]
+    alone = [sample(logits[1:2], SamplingBatch([p], [token_seed(42, 3)])).item()]
     mixed = sample(logits, SamplingBatch([SamplingParams(max_tokens=1, temperature=0.0), p,
                                           SamplingParams(max_tokens=1, temperature=0.5)],
-                                         [None, make_generator(42), make_generator(7)]))
+                                         [None, token_seed(42, 3), token_seed(7, 3)]))
     assert mixed[1].item() == alone[0]
+
+
+def test_token_seeds_differ_by_request_and_by_index():
+    seeds = {token_seed(s, i) for s in range(50) for i in range(50)}
+    assert len(seeds) == 2500 and all(0 <= x < 2**63 for x in seeds)
