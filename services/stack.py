@@ -92,6 +92,22 @@ class Stack:
             await self.stop()
             raise
 
+    async def restart(self, name: str) -> None:
+        """Start `name` (a service, an executor, or the nats-server on the same store) again,
+        as `start` did; the one before must have exited."""
+        assert self.processes[name].returncode is not None, f"{name} is still running"
+        config = ["--config", self.config_path] if self.config_path else []
+        if name == "nats-server":
+            await self._spawn(name, [nats_server_binary(), "-a", "127.0.0.1", "-p",
+                                     str(self.nats_port), "-js", "-sd",
+                                     str(self.state_dir / "nats")],
+                              log_dir=self.log_dir or self.state_dir)
+        elif name.startswith("executor-"):
+            await self._spawn(name, [sys.executable, "-m", "services.executor", *config,
+                                     "--name", name, "--metrics-port", "0"])
+        else:
+            await self._spawn(name, [sys.executable, "-m", f"services.{name}", *config])
+
     async def wait_ready(self) -> None:
         """Until every service answers $SRV.PING (a child that exits is an error)."""
         want = Counter({**{s: 1 for s in SERVICES}, "executor": self.num_executors})

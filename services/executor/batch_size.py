@@ -9,7 +9,7 @@ free KV blocks and preemptions. The controller answers with a new limit or none.
 - **SLO broken** (TPOT p99 over `tpot_slo_ms`): shrink;
 - **demand with headroom** (requests wait, the batch fills `high_load_threshold` of the limit,
   TPOT p99 at most `GROW_HEADROOM` of the SLO, or no TPOT samples in the interval and the latest
-  ones within the SLO): grow;
+  ones within the SLO; never before any interval had samples): grow;
 - **low load** (the batch under `low_load_threshold` of the limit, nothing waiting): shrink, so a
   burst starts at a latency-safe size and grows while TPOT allows;
 - otherwise hold.
@@ -60,9 +60,10 @@ class BatchSizeController:
         self.config = config
         self.limit = config.initial_batch_size
         self.decisions: deque[Decision] = deque(maxlen=20)  # the latest, for $SRV.STATS
-        # Whether the latest interval with TPOT samples broke the SLO. Steps longer than the
-        # interval leave some intervals without samples, and those must not grow past a breach.
-        self.breached = False
+        # Whether the latest interval with TPOT samples met the SLO (None: none had samples
+        # yet). Steps longer than the interval leave some intervals without samples: those
+        # grow only on the evidence of the latest one that had them, never on none.
+        self.met: bool | None = None
 
     def update(self, seen: Interval, now: float | None = None) -> Decision | None:
         """The limit for the next interval; a Decision when it changed."""
@@ -70,7 +71,7 @@ class BatchSizeController:
         full = seen.running >= c.high_load_threshold * self.limit
         p99 = seen.tpot_p99_ms
         if p99 is not None:
-            self.breached = p99 > c.tpot_slo_ms
+            self.met = p99 <= c.tpot_slo_ms
         if seen.preemptions or seen.free_kv_fraction < c.kv_free_threshold:
             new, reason = self.limit - c.step_size, (
                 f"kv memory tight: {seen.preemptions} preemptions, "
@@ -78,7 +79,7 @@ class BatchSizeController:
         elif p99 is not None and p99 > c.tpot_slo_ms:
             new, reason = self.limit - c.step_size, f"tpot p99 {p99:.1f} ms > slo {c.tpot_slo_ms:g}"
         elif seen.waiting and full and (p99 <= GROW_HEADROOM * c.tpot_slo_ms if p99 is not None
-                                        else not self.breached):
+                                        else self.met is True):
             new, reason = self.limit + c.step_size, (
                 f"{seen.waiting} waiting, tpot p99 "
                 f"{'-' if p99 is None else f'{p99:.1f}'} ms within slo {c.tpot_slo_ms:g}")

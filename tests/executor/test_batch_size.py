@@ -36,7 +36,16 @@ def test_does_not_grow_without_demand_a_full_batch_or_headroom():
     assert c.update(seen(waiting=3, running=12)) is None  # the batch is not full (KV-bound?)
     assert c.update(seen(waiting=3, tpot=47.0)) is None  # within the SLO, but no headroom
     assert c.limit == 16
-    assert c.update(seen(waiting=3, tpot=None)).new == 20  # no samples yet: nothing against
+    # No samples this interval: the latest (47 ms) met the SLO, so nothing speaks against.
+    assert c.update(seen(waiting=3, tpot=None)).new == 20
+
+
+def test_no_growth_before_any_interval_had_tpot_samples():
+    """At the start, while the first requests prefill, nothing says the SLO can be met (the
+    full suite on a loaded machine once saw an unmeetable SLO's limit grow here)."""
+    c = BatchSizeController(CONFIG)
+    assert c.update(seen(waiting=9, tpot=None)) is None and c.limit == 16
+    assert c.update(seen(waiting=9, tpot=20.0)).new == 20
 
 
 def test_shrinks_when_tpot_p99_breaks_the_slo_down_to_the_minimum():

@@ -119,7 +119,7 @@ async def test_the_durable_consumer_takes_max_ack_pending_from_config_and_update
             stack.processes["admission"].kill()
             await stack.processes["admission"].wait()
             stack.settings["nats.max_ack_pending"] = 4321
-            await stack._spawn("admission", [sys.executable, "-m", "services.admission"])
+            await stack.restart("admission")
             for _ in range(200):
                 info = await client.js.consumer_info("LLM_REQUESTS", "admission")
                 if info.config.max_ack_pending == 4321:
@@ -188,7 +188,7 @@ async def test_a_restarted_admission_adopts_the_requests_that_still_run(tmp_path
             ids = await run_durable_batch(client, "restart", 8, 200)
             stack.processes["admission"].kill()
             await stack.processes["admission"].wait()
-            await stack._spawn("admission", [sys.executable, "-m", "services.admission"])
+            await stack.restart("admission")
             results = [await client.result(i, timeout=120) for i in ids]
             for _ in range(100):  # the acks follow the stored results
                 stats = await service_stats(client, "admission")
