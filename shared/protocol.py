@@ -12,7 +12,9 @@ from typing import Annotated, Literal
 import msgspec
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-TokenId = Annotated[int, msgspec.Meta(ge=0)]
+# Integers are bounded so every accepted value fits the internal (msgpack) messages.
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]
 ErrorCode = Literal[
@@ -40,10 +42,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", forbid_u
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[TokenId] | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 256
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)] = 256
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] = -1
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     stop: list[Annotated[str, msgspec.Meta(min_length=1)]] = []
