@@ -218,6 +218,9 @@ class DistributedSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     heartbeat_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # then an executor is dead
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # SIGTERM: let running finish
+    # A durable request whose executor died continues from the outputs its checkpoints
+    # reported (false: it runs again from the start, the baseline for loadtest.migration_bench).
+    resume_from_checkpoints: bool = True
 
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]

@@ -409,8 +409,9 @@ class Admission:
         """A held request whose holder is gone goes back to priority's queue with the outputs
         its checkpoints reported, as the next attempt (the JetStream message stays held). False
         when priority did not take it."""
+        tokens = held.tokens if self.config.distributed.resume_from_checkpoints else []
         item = msgspec.structs.replace(_item.decode(held.item), attempt=held.attempt + 1,
-                                       resume_token_ids=list(held.tokens))
+                                       resume_token_ids=list(tokens))
         try:
             error = await self.to_priority(item)
         except Exception as exc:
@@ -423,7 +424,7 @@ class Admission:
         self.counts["durable_handed_on"] += 1
         self.counts["durable_resumed_tokens"] += len(item.resume_token_ids)
         log.warning("durable request handed on from a lost holder", tenant=key[0],
-                    request_id=key[1], attempt=held.attempt, resume_from=len(held.tokens))
+                    request_id=key[1], attempt=held.attempt, resume_from=len(tokens))
         await self.revoke(key[0], key[1], held.attempt - 1)
         return True
 
