@@ -146,6 +146,8 @@ class Outbox:
             await self.nc.publish(item.reply_to, json_encode(output), headers=headers)
             if item.request.stream:
                 await self.nc.publish(item.reply_to, b"")  # end of a request-many stream
+            await self.nc.publish(self.subjects.admission_done, encode(Done(
+                request_id=item.request_id, tenant=item.tenant, durable=False)))
 
 
 async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]],

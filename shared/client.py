@@ -93,11 +93,14 @@ class JetserveClient:
     async def stream(self, request: GenerateRequest, timeout: float = 600.0,
                      idle_timeout: float = 120.0) -> AsyncIterator[Output]:
         """Deltas as they come, then the Completion or Error (the sentinel after it is not
-        awaited). `idle_timeout` bounds the wait for each message, `timeout` the whole request."""
+        awaited). `idle_timeout` bounds the wait for each message, `timeout` the whole request.
+        A stream that restarts (the request continued on another executor) is assembled: each
+        delta yielded holds only tokens and text not yielded before."""
         request = msgspec.structs.replace(request, stream=True)
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         request_id, finished = request.request_id, False
+        assembled = StreamAssembler()
         try:
             await self.nc.publish(self.subjects.generate(self.tenant), _encode(request), reply=inbox)
             loop = asyncio.get_running_loop()
@@ -110,6 +113,10 @@ class JetserveClient:
                 output = _decode_output(msg.data)
                 request_id = request_id or output.request_id
                 finished = not isinstance(output, Delta)
+                if not finished:
+                    output = assembled.add(output)
+                    if output is None:
+                        continue
                 yield output
                 if finished:
                     return

@@ -140,10 +140,11 @@ class Progress(msgspec.Struct, array_like=True):
 
 
 class Holding(msgspec.Struct):
-    """The durable requests a service holds right now (priority: waiting; an executor: running),
-    published every heartbeat interval. Admission keeps a durable request alive only while some
-    service reports it; one lost with a dead executor goes back to the queue with the outputs
-    its checkpoints (`progress`, executors only) reported, and continues from there."""
+    """The requests a service holds right now (priority: waiting; an executor: running), durable
+    and generates alike, published every heartbeat interval. Admission watches over every
+    request until its Done: one that no service reports (lost with a dead service) goes back to
+    the queue with the outputs its checkpoints (`progress`, executors only) reported, and
+    continues from there."""
 
     holder: str
     requests: list[tuple[str, str]]  # (tenant, request_id)
@@ -160,10 +161,12 @@ class Revoke(msgspec.Struct, array_like=True):
 
 
 class Done(msgspec.Struct):
-    """A durable request's result is stored in LLM_RESULTS: its holder acks the request."""
+    """A request has its final output: a durable one's is stored in LLM_RESULTS (its holder acks
+    the request), a generate's sent to its client (admission stops watching over it)."""
 
     request_id: str
     tenant: str
+    durable: bool = True
 
 
 encode = msgspec.msgpack.Encoder().encode

@@ -96,6 +96,9 @@ class Admission:
         self.buckets = (TokenBuckets(limits.rate_limit_tokens_per_s, limits.rate_limit_burst_tokens)
                         if limits.rate_limit_tokens_per_s else None)
         self.held: dict[tuple[str, str], _Held] = {}  # (tenant, request_id) -> its message
+        # Generates handed to priority and not yet answered (their Done not seen), each with a
+        # copy to hand on, as durable requests are, if the service holding it dies.
+        self.generates: dict[tuple[str, str], _Held] = {}
         # Silence is timed on a clock that a stalled event loop does not advance by more than
         # two heartbeat intervals: reports queued during the stall are read before anything
         # they vouch for is declared lost.
@@ -104,7 +107,7 @@ class Admission:
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
-                           durable_resumed_tokens=0)
+                           durable_resumed_tokens=0, generates_handed_on=0)
         self.errors_by_code: dict[str, int] = {}
         self.tasks: list[asyncio.Task] = []
         self.generate_tasks: set[asyncio.Task] = set()
@@ -149,7 +152,8 @@ class Admission:
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:
-        return {**self.counts, "durable_held": len(self.held), "errors": self.errors_by_code,
+        return {**self.counts, "durable_held": len(self.held),
+                "generates_in_flight": len(self.generates), "errors": self.errors_by_code,
                 "model": self.model_name}
 
     # --------------------------------------------------------------------------- validation
@@ -255,7 +259,18 @@ class Admission:
                                      "prompt_tokens": item.num_prompt_tokens})
                 item.reply_to = msg.reply
                 item.trace = carrier_of(span)
-                error = await self.to_priority(item)
+                key = (tenant, item.request_id)
+                if msg.reply and key not in self.generates:
+                    # Watched over like a durable request, from before priority has it (its Done
+                    # may come back before priority's reply does).
+                    self.generates[key] = _Held(None, self.clock, encode(item))
+                try:
+                    error = await self.to_priority(item)
+                except BaseException:
+                    self.generates.pop(key, None)
+                    raise
+                if error is not None:
+                    self.generates.pop(key, None)
             except ProtocolError as exc:
                 error = exc.to_error(_peek(msg.data)[0])
             except Exception as exc:  # a bug, not bad input: still an answer, never a hang
@@ -380,6 +395,9 @@ class Admission:
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)
         key = (done.tenant, done.request_id)
+        if not done.durable:
+            self.generates.pop(key, None)
+            return
         held = self.held.pop(key, None)
         self.last_reported.pop(key, None)
         if held is not None:  # another admission instance may hold it
@@ -392,7 +410,8 @@ class Admission:
         for tenant, request_id in holding.requests:
             self.last_reported[(tenant, request_id)] = now
         for progress in holding.progress:
-            held = self.held.get((progress.tenant, progress.request_id))
+            key = (progress.tenant, progress.request_id)
+            held = self.held.get(key) or self.generates.get(key)
             if held is None:
                 continue
             if progress.attempt < held.attempt:  # a holder taken for dead is still at it
@@ -421,9 +440,10 @@ class Admission:
         if error is not None:
             return False
         held.attempt += 1
-        self.counts["durable_handed_on"] += 1
+        self.counts["durable_handed_on" if item.durable else "generates_handed_on"] += 1
         self.counts["durable_resumed_tokens"] += len(item.resume_token_ids)
-        log.warning("durable request handed on from a lost holder", tenant=key[0],
+        log.warning(f"{'durable request' if item.durable else 'generate'} handed on from a "
+                    f"lost holder", tenant=key[0],
                     request_id=key[1], attempt=held.attempt, resume_from=len(tokens))
         await self.revoke(key[0], key[1], held.attempt - 1)
         return True
@@ -447,7 +467,8 @@ class Admission:
             self.clock += min(tick - last_tick, 2 * interval)
             last_tick = tick
             now = self.clock
-            lost = [(key, held) for key, held in self.held.items()
+            lost = [(key, held) for watched in (self.held, self.generates)
+                    for key, held in watched.items()
                     if now - max(held.since, self.last_reported.get(key, -math.inf))
                     > self.lease_s]
             for key, held in lost:
@@ -463,17 +484,19 @@ class Admission:
                 self.last_reported.pop(key, None)
                 await _quietly(held.msg.nak())
             for key in [k for k, seen in self.last_reported.items()
-                        if k not in self.held and now - seen > self.lease_s]:
+                        if k not in self.held and k not in self.generates
+                        and now - seen > self.lease_s]:
                 del self.last_reported[key]  # no longer reported (or reported after its Done)
             if tick - last_progress >= progress_every:
                 last_progress = tick
                 for held in list(self.held.values()):
-                    await _quietly(held.msg.in_progress())
+                    if held.msg is not None:
+                        await _quietly(held.msg.in_progress())
 
 
 @dataclass
 class _Held:
-    msg: object  # the LLM_REQUESTS message, acked once the result is stored
+    msg: object  # the LLM_REQUESTS message, acked once the result is stored (None: a generate)
     since: float  # when it was handed to priority (Admission.clock)
     # The admitted WorkItem, msgpack-encoded (compact: admission may hold many), to hand the
     # request on if its holder dies; None for one adopted after a restart (redelivered then).

@@ -257,7 +257,7 @@ class ExecutorService:
         self.assigned_total += 1
         self.load_changed.set()
         running = self.running.get(key)
-        if running is not None and item.durable and item.attempt > running.item.attempt:
+        if running is not None and item.attempt > running.item.attempt:
             self.drop(key)  # handed on while this executor ran an earlier attempt: run this one
             running = None
         if running is not None and item.durable:
@@ -319,7 +319,7 @@ class ExecutorService:
         revoke = _revoke.decode(msg.data)
         key = f"{revoke.tenant}/{revoke.request_id}"
         running = self.running.get(key)
-        if running is not None and running.item.durable and running.item.attempt <= revoke.attempt:
+        if running is not None and running.item.attempt <= revoke.attempt:
             self.drop(key)
             log.warning("dropped a request handed on to another executor", request=key,
                         attempt=running.item.attempt)
@@ -520,20 +520,18 @@ class ExecutorService:
             overtake_above=None if self.draining else scheduler.overtake_above())
 
     def holding(self) -> Holding:
-        """The durable requests running here, with a checkpoint of each: the outputs generated
-        since the previous report."""
-        durable, progress = [], []
+        """The requests running here, with a checkpoint of each: the outputs generated since the
+        previous report."""
+        held, progress = [], []
         for key, running in self.running.items():
             item = running.item
-            if not item.durable:
-                continue
-            durable.append((item.tenant, item.request_id))
+            held.append((item.tenant, item.request_id))
             outputs = self.engine.output_token_ids(key)
             if outputs is not None and len(outputs) > running.reported:
                 progress.append(Progress(item.tenant, item.request_id, item.attempt,
                                          running.reported, outputs[running.reported:]))
                 running.reported = len(outputs)
-        return Holding(holder=self.name, requests=durable, progress=progress)
+        return Holding(holder=self.name, requests=held, progress=progress)
 
     def take_finished(self) -> list[Finished]:
         finished, self.finished = self.finished, []

@@ -99,13 +99,13 @@ class PriorityService:
                     message="the priority service is shutting down; retry"))
 
     async def report_holding(self) -> None:
-        """Tell admission which durable requests wait here (it redelivers ones nobody holds)."""
+        """Tell admission which requests wait here (it hands on the ones nobody holds)."""
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
-            durable = [(i.tenant, i.request_id) for i in self.queue.items() if i.durable]
+            waiting = [(i.tenant, i.request_id) for i in self.queue.items()]
             try:
                 await self.nc.publish(self.subjects.holding,
-                                      encode(Holding(holder="priority", requests=durable)))
+                                      encode(Holding(holder="priority", requests=waiting)))
             except Exception:  # missing one report is survivable; a dead loop is not
                 log.exception("holding report failed")
 

@@ -201,3 +201,44 @@ async def test_a_restarted_admission_adopts_the_requests_that_still_run(tmp_path
     assert runs == (8, 0), runs  # none admitted a second time (to run again, or be refused)
     assert stats.get("durable_adopted") == 8, stats
     assert stats["durable_held"] == 0 and info.state.messages == 0
+
+
+@pytest.mark.asyncio
+async def test_generates_survive_their_executor_and_the_priority_service(tmp_path):
+    """Not durable, yet not lost: admission watches over every generate until its answer. A
+    streaming generate whose executor is SIGKILLed continues on the other from its checkpoint
+    (the client's stream restarts and is assembled); generates waiting at a SIGKILLed priority
+    are handed on to its successor."""
+    settings = {"distributed.heartbeat_timeout_s": 1.5, "model.name": "sim:smollm2-cpu",
+                "scheduler.batch_level.max_num_seqs": 2,
+                "scheduler.batch_level.executor_queue_depth": 0}
+    async with running_stack(tmp_path, executors=2, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="gen") as client:
+            def request(i: int, stream: bool = False) -> GenerateRequest:
+                return GenerateRequest(request_id=f"gen-{i}", prompt=f"go on {i}", seed=i,
+                                       max_tokens=60, ignore_eos=True, stream=stream)
+
+            streamed = client.stream(request(0, stream=True), timeout=120)
+            deltas = [await anext(streamed)]
+            # The only request running so far: its executor is the one busy.
+            reply = await client.nc.request("llm.internal.batcher.executors", b"", timeout=2)
+            [victim] = [n for n, e in msgspec.json.decode(reply.data).items() if e["running"]]
+            # Three more fill the slots; four wait at priority.
+            others = [asyncio.create_task(client.generate(request(i), timeout=120))
+                      for i in range(1, 8)]
+            while sum(len(d.token_ids) for d in deltas) < 10:
+                deltas.append(await anext(streamed))
+            stack.processes[victim].kill()
+            stack.processes["priority"].kill()
+            await stack.processes[victim].wait()
+            await stack.processes["priority"].wait()
+            await stack.restart("priority")
+            outputs = [o async for o in streamed]
+            results = await asyncio.gather(*others)
+            stats = await service_stats(client, "admission")
+    final = outputs[-1]
+    assert isinstance(final, Completion) and len(final.token_ids) == 60, final
+    streamed_tokens = [t for d in deltas + outputs[:-1] for t in d.token_ids]
+    assert streamed_tokens == final.token_ids  # each index once, no gap
+    assert all(isinstance(r, Completion) and len(r.token_ids) == 60 for r in results), results
+    assert stats["generates_handed_on"] >= 2, stats
