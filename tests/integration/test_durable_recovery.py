@@ -242,3 +242,38 @@ async def test_generates_survive_their_executor_and_the_priority_service(tmp_pat
     assert streamed_tokens == final.token_ids  # each index once, no gap
     assert all(isinstance(r, Completion) and len(r.token_ids) == 60 for r in results), results
     assert stats["generates_handed_on"] >= 2, stats
+
+
+@pytest.mark.asyncio
+async def test_an_executor_back_from_a_stall_drops_the_requests_handed_on(tmp_path):
+    """SIGSTOP the executor running a durable request past the lease: the request is handed on
+    to the other executor; when the first wakes up it is told to drop its attempt, and does
+    (no second result, its count of revoked requests says so)."""
+    settings = {"distributed.heartbeat_timeout_s": 1.5, "model.name": "sim:smollm2-cpu"}
+    async with running_stack(tmp_path, executors=2, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="stall") as client:
+            await client.submit(GenerateRequest(request_id="napper", prompt="wake me",
+                                                max_tokens=150, ignore_eos=True, seed=1))
+            victim = None
+            for _ in range(200):
+                reply = await client.nc.request("llm.internal.batcher.executors", b"", timeout=2)
+                busy = [n for n, e in msgspec.json.decode(reply.data).items() if e["running"]]
+                if busy:
+                    victim = busy[0]
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # a checkpoint or two
+            stack.processes[victim].send_signal(signal.SIGSTOP)
+            await asyncio.sleep(3.0)  # past the lease: handed on
+            stack.processes[victim].send_signal(signal.SIGCONT)
+            result = await client.result("napper", timeout=120)
+            for _ in range(100):
+                stats = {s["executor"]: s for s in await executor_stats(client)}
+                if stats[victim]["revoked"]:
+                    break
+                await asyncio.sleep(0.1)
+            info = await client.js.stream_info("LLM_RESULTS")
+    assert isinstance(result, Completion) and len(result.token_ids) == 150
+    assert result.scheduling.executor != victim
+    assert stats[victim]["revoked"] == 1 and stats[victim]["completed"] == 0
+    assert info.state.messages == 1
