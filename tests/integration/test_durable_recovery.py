@@ -12,7 +12,7 @@ import pytest
 from shared.bus import discover
 from shared.client import JetserveClient
 from shared.protocol import Completion, Error, GenerateRequest
-from tests.integration.conftest import running_stack
+from tests.integration.conftest import SMALL_EXECUTOR, running_stack
 
 
 @pytest.mark.asyncio
@@ -277,3 +277,25 @@ async def test_an_executor_back_from_a_stall_drops_the_requests_handed_on(tmp_pa
     assert result.scheduling.executor != victim
     assert stats[victim]["revoked"] == 1 and stats[victim]["completed"] == 0
     assert info.state.messages == 1
+
+
+@pytest.mark.asyncio
+async def test_a_thousand_long_durable_requests_of_one_tenant_do_not_starve_another(tmp_path):
+    """With the server's default max_ack_pending (1,000) the 1,001st durable request was not
+    even fetched while the first thousand ran; now all are held and priority orders them, so
+    another tenant's priority-10 request goes ahead of the backlog."""
+    async with running_stack(tmp_path, settings=SMALL_EXECUTOR) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="heavy") as heavy, \
+                await JetserveClient.connect(stack.url, tenant="light") as light:
+            for i in range(1100):
+                await heavy.js.publish("llm.requests.heavy", msgspec.json.encode(
+                    {"type": "generate", "request_id": f"h-{i}", "prompt_token_ids": [5, 6],
+                     "max_tokens": 1000, "ignore_eos": True}),
+                    headers={"Nats-Msg-Id": f"h-{i}"})
+            await light.submit(GenerateRequest(request_id="urgent", prompt="me first",
+                                               max_tokens=4, priority=10))
+            result = await light.result("urgent", timeout=60)
+            done = (await heavy.js.stream_info(
+                "LLM_RESULTS", subjects_filter="llm.results.heavy.>")).state.messages
+    assert isinstance(result, Completion) and len(result.token_ids) == 4
+    assert done < 100, done  # it did not wait for the backlog
