@@ -31,6 +31,17 @@ async def service_stats(client, name: str) -> dict:
     return next(ep["data"] for ep in msgspec.json.decode(msg.data)["endpoints"] if ep.get("data"))
 
 
+async def busy_executor(client, tries: int = 200) -> str:
+    """The name of the first executor the batcher hears running something."""
+    for _ in range(tries):
+        reply = await client.nc.request("llm.internal.batcher.executors", b"", timeout=2)
+        busy = [n for n, e in msgspec.json.decode(reply.data).items() if e["running"]]
+        if busy:
+            return busy[0]
+        await asyncio.sleep(0.05)
+    raise AssertionError("no executor ran anything")
+
+
 async def wait_for_stat(client, name: str, key: str, value: int, timeout_s: float = 5) -> None:
     """Poll until the `name` service reports `key` == `value` (the tiny model runs 1,000 tokens
     in about half a second here: a test that slept instead would race it)."""

@@ -12,7 +12,7 @@ import pytest
 from shared.bus import discover
 from shared.client import JetserveClient
 from shared.protocol import Completion, Error, GenerateRequest
-from tests.integration.conftest import SMALL_EXECUTOR, running_stack
+from tests.integration.conftest import SMALL_EXECUTOR, busy_executor, running_stack
 
 
 @pytest.mark.asyncio
@@ -23,15 +23,7 @@ async def test_a_durable_request_survives_its_executor(tmp_path):
             request = GenerateRequest(request_id="survivor-1", prompt="long job", max_tokens=1500,
                                       ignore_eos=True, temperature=0.0)
             await client.submit(request)
-            victim = None
-            for _ in range(100):  # until one executor reports it running
-                reply = await client.nc.request("llm.internal.batcher.executors", b"", timeout=2)
-                busy = [n for n, e in msgspec.json.decode(reply.data).items() if e["running"]]
-                if busy:
-                    victim = busy[0]
-                    break
-                await asyncio.sleep(0.05)
-            assert victim is not None
+            victim = await busy_executor(client)
             stack.processes[victim].kill()  # SIGKILL: no drain, no goodbye
             result = await client.result("survivor-1", timeout=90)
     assert isinstance(result, Completion), result
@@ -220,9 +212,7 @@ async def test_generates_survive_their_executor_and_the_priority_service(tmp_pat
 
             streamed = client.stream(request(0, stream=True), timeout=120)
             deltas = [await anext(streamed)]
-            # The only request running so far: its executor is the one busy.
-            reply = await client.nc.request("llm.internal.batcher.executors", b"", timeout=2)
-            [victim] = [n for n, e in msgspec.json.decode(reply.data).items() if e["running"]]
+            victim = await busy_executor(client)  # the only request running so far
             # Three more fill the slots; four wait at priority.
             others = [asyncio.create_task(client.generate(request(i), timeout=120))
                       for i in range(1, 8)]
@@ -254,14 +244,7 @@ async def test_an_executor_back_from_a_stall_drops_the_requests_handed_on(tmp_pa
         async with await JetserveClient.connect(stack.url, tenant="stall") as client:
             await client.submit(GenerateRequest(request_id="napper", prompt="wake me",
                                                 max_tokens=150, ignore_eos=True, seed=1))
-            victim = None
-            for _ in range(200):
-                reply = await client.nc.request("llm.internal.batcher.executors", b"", timeout=2)
-                busy = [n for n, e in msgspec.json.decode(reply.data).items() if e["running"]]
-                if busy:
-                    victim = busy[0]
-                    break
-                await asyncio.sleep(0.05)
+            victim = await busy_executor(client)
             await asyncio.sleep(1.0)  # a checkpoint or two
             stack.processes[victim].send_signal(signal.SIGSTOP)
             await asyncio.sleep(3.0)  # past the lease: handed on

@@ -12,24 +12,13 @@ import pytest
 
 from shared.client import JetserveClient, StreamAssembler
 from shared.protocol import Completion, Delta, GenerateRequest
-from tests.integration.conftest import running_stack
+from tests.integration.conftest import busy_executor, running_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
 SMOLLM2 = {"model.name": "SmolLM2-135M-Instruct", "kv_cache.num_blocks": 1024,
            "distributed.heartbeat_timeout_s": 1.5}
 decode_delta = msgspec.json.Decoder(Delta).decode
-
-
-async def running_on(client, request_id: str) -> str:
-    """The executor whose heartbeat reports the one running request."""
-    for _ in range(400):
-        reply = await client.nc.request("llm.internal.batcher.executors", b"", timeout=2)
-        busy = [name for name, e in msgspec.json.decode(reply.data).items() if e["running"]]
-        if len(busy) == 1:
-            return busy[0]
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{request_id} never ran on exactly one executor")
 
 
 async def migrate(stack, client, request: GenerateRequest, kill_after: int):
@@ -46,7 +35,7 @@ async def migrate(stack, client, request: GenerateRequest, kill_after: int):
             continue
         assembled.add(decode_delta(msg.data))
         if victim is None and len(assembled.token_ids) >= kill_after:
-            victim = await running_on(client, request.request_id)
+            victim = await busy_executor(client)  # the one request running
             stack.processes[victim].kill()
             await stack.processes[victim].wait()
     # Deltas still in flight when the result was stored.
