@@ -135,7 +135,9 @@ class Outbox:
             log.info("a second result was not stored", tenant=tenant, request_id=request_id)
 
     async def final(self, item: WorkItem, output: Completion | Error,
-                    headers: dict[str, str] | None = None) -> None:
+                    headers: dict[str, str] | None = None, done: bool = True) -> None:
+        """`done`: tell admission the request has its answer (False for an Error to a second
+        request that reused a running one's id: admission watches over the first)."""
         if item.durable:
             await self.store_result(item.tenant, item.request_id, output, headers)
             await self.nc.publish(self.subjects.admission_done,
@@ -146,8 +148,9 @@ class Outbox:
             await self.nc.publish(item.reply_to, json_encode(output), headers=headers)
             if item.request.stream:
                 await self.nc.publish(item.reply_to, b"")  # end of a request-many stream
-            await self.nc.publish(self.subjects.admission_done, encode(Done(
-                request_id=item.request_id, tenant=item.tenant, durable=False)))
+            if done:
+                await self.nc.publish(self.subjects.admission_done, encode(Done(
+                    request_id=item.request_id, tenant=item.tenant, durable=False)))
 
 
 async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]],

@@ -260,17 +260,20 @@ class Admission:
                 item.reply_to = msg.reply
                 item.trace = carrier_of(span)
                 key = (tenant, item.request_id)
-                if msg.reply and key not in self.generates:
-                    # Watched over like a durable request, from before priority has it (its Done
-                    # may come back before priority's reply does).
+                # Watched over like a durable request, from before priority has it (its Done may
+                # come back before priority's reply does). One reusing the id of a generate
+                # still watched is not: priority or the executor refuses it.
+                watched = bool(msg.reply) and key not in self.generates
+                if watched:
                     self.generates[key] = _Held(None, self.clock, encode(item))
                 try:
                     error = await self.to_priority(item)
                 except BaseException:
-                    self.generates.pop(key, None)
+                    if watched:
+                        del self.generates[key]
                     raise
-                if error is not None:
-                    self.generates.pop(key, None)
+                if error is not None and watched:
+                    del self.generates[key]
             except ProtocolError as exc:
                 error = exc.to_error(_peek(msg.data)[0])
             except Exception as exc:  # a bug, not bad input: still an answer, never a hang

@@ -269,7 +269,7 @@ class ExecutorService:
             self.counts["id_in_use"] += 1
             await self.outbox.final(item, Error(
                 request_id=item.request_id, code="invalid_request",
-                message=f"`request_id` {item.request_id!r} is already running"))
+                message=f"`request_id` {item.request_id!r} is already running"), done=False)
             return AssignReply(accepted=True)
         if self.cancels.take(item.tenant, item.request_id, item.arrival_time):
             await self.outbox.final(item, cancelled_completion(item, self.name))
