@@ -220,8 +220,11 @@ class Admission:
 
     def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
         return [("counter", "durable_redeliveries",
-                 "Durable requests handed back for redelivery after their holder went silent",
-                 {}, self.counts["durable_redelivered"]),
+                 "Durable requests handed back to JetStream (to run from the start) after their "
+                 "holder went silent", {}, self.counts["durable_redelivered"]),
+                ("counter", "handed_on", "Requests handed on to another executor (from their "
+                 "checkpoints) after their holder went silent", {},
+                 self.counts["durable_handed_on"] + self.counts["generates_handed_on"]),
                 ("gauge", "durable_held", "Durable requests admitted and not yet finished", {},
                  len(self.held))]
 
