@@ -39,6 +39,7 @@ def settings(args, checkpoints: bool = True) -> dict:
 
 
 def log_events(log_dir: Path, service: str, event: str) -> list[dict]:
+    """The JSON log records of `event` in a service's log (every instance: restarts append)."""
     records = []
     for line in (log_dir / f"{service}.log").read_text(errors="replace").splitlines():
         if line.startswith("{") and (record := json.loads(line)).get("event") == event:

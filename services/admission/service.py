@@ -107,7 +107,7 @@ class Admission:
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
-                           durable_resumed_tokens=0, generates_handed_on=0)
+                           resumed_tokens=0, generates_handed_on=0)
         self.errors_by_code: dict[str, int] = {}
         self.tasks: list[asyncio.Task] = []
         self.generate_tasks: set[asyncio.Task] = set()
@@ -447,7 +447,7 @@ class Admission:
             return False
         held.attempt += 1
         self.counts["durable_handed_on" if item.durable else "generates_handed_on"] += 1
-        self.counts["durable_resumed_tokens"] += len(item.resume_token_ids)
+        self.counts["resumed_tokens"] += len(item.resume_token_ids)
         log.warning(f"{'durable request' if item.durable else 'generate'} handed on from a "
                     f"lost holder", tenant=key[0],
                     request_id=key[1], attempt=held.attempt, resume_from=len(tokens))

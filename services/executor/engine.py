@@ -428,7 +428,6 @@ class Engine:
     def _retire(self, state: RequestState) -> None:
         """Free everything the engine holds for a request that is ending."""
         self.scheduler.finish(state.seq)
-        self.runner.release(state.seq.request_id)
         del self._requests[state.seq.request_id]
         for timer in state.timers:
             timer.cancel()

@@ -153,9 +153,6 @@ class ModelRunner:
                     pending_dst=None, pending_src=None, sampling=greedy, num_tokens=n))
         self._last_sampled = None
 
-    def release(self, request_id: str) -> None:
-        """Nothing is kept per request (sampling is seeded per token)."""
-
     def reset(self) -> None:
         """Forget the state of a failed step (every request has been ended)."""
         self._last_sampled = None

@@ -87,8 +87,5 @@ class SimRunner:
         time.sleep(step.sleep_s)
         return step.tokens
 
-    def release(self, request_id: str) -> None:
-        pass  # no per-request state
-
     def reset(self) -> None:
         pass

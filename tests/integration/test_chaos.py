@@ -8,13 +8,12 @@ checkpoint, is printed (the services' logs say)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import signal
 
-import msgspec
 import pytest
 
+from loadtest.migration_bench import log_events
 from shared.client import JetserveClient
 from shared.protocol import Completion, Error, GenerateRequest
 from shared.subjects import RESULTS_STREAM
@@ -34,17 +33,6 @@ async def results_by_id(client, ids: list[str], timeout: float) -> dict[str, obj
     async def one(request_id):
         return request_id, await client.result(request_id, timeout=timeout)
     return dict(await asyncio.gather(*(one(i) for i in ids)))
-
-
-def log_events(stack, service: str, event: str) -> list[dict]:
-    """The JSON log records of `event` in a service's log (every instance: restarts append)."""
-    records = []
-    for line in (stack.log_dir / f"{service}.log").read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            if record.get("event") == event:
-                records.append(record)
-    return records
 
 
 async def chaos_loop(stack, rng: random.Random, victims: list[str], done: asyncio.Event) -> list:
@@ -96,9 +84,10 @@ async def test_killing_every_service_in_turn_loses_and_duplicates_nothing(tmp_pa
         done.set()
         killed = await chaos
         await check_exactly_once(client, ids, results)
-        redelivered = log_events(stack, "admission",
+        redelivered = log_events(stack.log_dir, "admission",
                                  "durable request lost with its holder; redelivering")
-        handed_on = log_events(stack, "admission", "durable request handed on from a lost holder")
+        handed_on = log_events(stack.log_dir, "admission",
+                               "durable request handed on from a lost holder")
     assert killed == VICTIMS, killed
     from_checkpoint = sum(1 for r in handed_on if r["resume_from"] > 0)
     print(f"\nchaos: 200 durable requests, killed {killed}: 0 lost, 0 duplicated; "
