@@ -31,6 +31,14 @@ class RequestRecord:
     scheduled_ms: float | None = None  # the Completion's: from admission to its first step
     cached_tokens: int = 0  # the Completion's: prompt tokens found in the prefix cache
     preemptions: int = 0  # the Completion's: times the executor preempted it
+    recomputed_tokens: int = 0  # the Completion's: KV computed again after preemptions
+
+    @property
+    def executor_queue_ms(self) -> float | None:
+        """From dispatch at priority to the first step at the executor (server clock)."""
+        if self.scheduled_ms is None or self.queue_wait_ms is None:
+            return None
+        return max(0.0, self.scheduled_ms - self.queue_wait_ms)
 
     @property
     def ok(self) -> bool:
@@ -136,8 +144,14 @@ def latency_figures(records: list[RequestRecord], duration_s: float,
         "tpot_ms": distribution([r.tpot for r in done if r.tpot is not None]),
         "itl_ms": distribution([gap for r in done for gap in r.itls]),
         "e2e_ms": distribution([r.e2e for r in done]),
+        # Where a request waited before its first step: priority's global queue, then the
+        # executor (dispatch, transit and its local queue).
         "queue_wait_ms": distribution([r.queue_wait_ms / 1e3 for r in done
                                        if r.queue_wait_ms is not None]),
+        "executor_queue_ms": distribution([r.executor_queue_ms / 1e3 for r in done
+                                           if r.executor_queue_ms is not None]),
+        "preemptions": sum(r.preemptions for r in done),
+        "recomputed_tokens": sum(r.recomputed_tokens for r in done),
     }
     prompt_tokens = sum(r.prompt_tokens for r in done)
     figures["prefix_cache_hit_rate"] = (sum(r.cached_tokens for r in done) / prompt_tokens

@@ -29,13 +29,18 @@ def print_summary(result: dict) -> None:
                                         f"({_fmt(100 * s['goodput_fraction'])} % of requests)"))
     if len(s["per_tenant"]) > 1:
         rows.append(("Jain fairness, tenants' served tokens", _fmt(s["jain_fairness"], 3)))
+    rows.append(("preemptions / tokens recomputed",
+                 f"{s.get('preemptions', 0):,} / {s.get('recomputed_tokens', 0):,}"))
     for label, value in rows:
         print(f"{label:<40}{value!s:>32}")
     print(f"{'latency (ms)':<16}{'mean':>12}{'p50':>12}{'p90':>12}{'p99':>12}{'n':>8}")
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        d = s[f"{name}_ms"]
-        print(f"{name.upper():<16}" + "".join(f"{_fmt(d[k]):>12}" for k in ("mean", "p50", "p90",
-                                                                             "p99"))
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"),
+                        ("queue_wait", "queue: global"), ("executor_queue", "queue: executor")):
+        d = s.get(f"{name}_ms")
+        if not d or not d["count"]:
+            continue
+        print(f"{title:<16}" + "".join(f"{_fmt(d[k]):>12}" for k in ("mean", "p50", "p90",
+                                                                      "p99"))
               + f"{d['count']:>8}")
     for group, title in (("per_priority", "priority"), ("per_tenant", "tenant")):
         if len(s[group]) < 2:
@@ -73,7 +78,13 @@ def print_runset(runs: list[dict]) -> None:
     labels = [r.get("label") or str(i) for i, r in enumerate(runs)]
     width = max(14, *(len(label) + 2 for label in labels))
     print(f"{'run set':<24}" + "".join(f"{label:>{width}}" for label in labels))
-    for label, path in COMPARED + [("queue wait max ms", ("queue_wait_ms", "max"))]:
+    for label, path in COMPARED + [("queue wait max ms", ("queue_wait_ms", "max")),
+                                   ("global queue p50 ms", ("queue_wait_ms", "p50")),
+                                   ("global queue p99 ms", ("queue_wait_ms", "p99")),
+                                   ("executor queue p50 ms", ("executor_queue_ms", "p50")),
+                                   ("executor queue p99 ms", ("executor_queue_ms", "p99")),
+                                   ("preemptions", ("preemptions",)),
+                                   ("recomputed tokens", ("recomputed_tokens",))]:
         print(f"{label:<24}" + "".join(f"{_fmt(_get(r['summary'], path), 2):>{width}}"
                                        for r in runs))
     for group in ("per_priority", "per_tenant"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import platform
@@ -39,11 +40,13 @@ from loadtest.metrics import RequestRecord, Slo, summarize
 from loadtest.report import print_comparison, print_runset, print_summary
 from shared.client import JetserveClient
 from shared.messages import Heartbeat, decoder
-from shared.protocol import Delta, Error, GenerateRequest
+from shared.protocol import Cancel, Completion, Delta, Error, GenerateRequest
 from shared.subjects import Subjects
 
 SAMPLE_EVERY_S = 0.25  # queue depth and progress
 _heartbeat = decoder(Heartbeat)
+_decode_output = msgspec.json.Decoder(Delta | Completion | Error).decode
+_encode = msgspec.json.Encoder().encode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -183,32 +186,101 @@ def per_class(text: str | None) -> dict[int, float]:
         raise SystemExit(f"--deadline-ms {text!r}: expected PRIORITY:MS,...") from None
 
 
-async def one_request(client: JetserveClient, request: GenerateRequest, record: RequestRecord,
-                      clock) -> None:
-    try:
-        async with contextlib.aclosing(client.stream(request, timeout=3600)) as outputs:
-            async for output in outputs:
-                now = clock()
-                if isinstance(output, Delta):
-                    record.delta_times.append(now)
-                    record.delta_tokens.append(len(output.token_ids))
-                    continue
-                record.end_time = now
-                if isinstance(output, Error):
-                    record.error = output.code
-                else:
-                    record.output_tokens = output.usage.completion_tokens
-                    record.prompt_tokens = output.usage.prompt_tokens
-                    record.finish_reason = output.finish_reason
-                    record.queue_wait_ms = output.scheduling.queue_wait_ms
-                    record.scheduled_ms = output.metrics.queue_ms
-                    record.cached_tokens = output.usage.cached_tokens
-                    record.preemptions = output.scheduling.preemptions
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # a timeout or a lost connection is this request's error
-        record.end_time = clock()
-        record.error = f"client:{type(exc).__name__}"
+class StreamReceiver:
+    """Every request's stream on one subscription (`<inbox>.<n>`), each message handled by one
+    callback: what a client needs at thousands of deltas a second, where a subscription, an
+    async generator and a timed wait per request would make the load generator the bottleneck
+    (DESIGN's public protocol, streaming generate: deltas, then the Completion or Error, then
+    an empty sentinel). A stream that restarts (the request continued on another executor)
+    counts each token once (docs/protocol.md)."""
+
+    def __init__(self, nc, clock, idle_timeout_s: float = 120.0):
+        self.nc, self.clock, self.idle_timeout_s = nc, clock, idle_timeout_s
+        self.prefix = nc.new_inbox()
+        self.open: dict[str, tuple[RequestRecord, asyncio.Future, list[int]]] = {}
+        self.ids = itertools.count()
+        self.last_seen: dict[str, float] = {}
+
+    async def start(self) -> None:
+        self.sub = await self.nc.subscribe(f"{self.prefix}.*", cb=self.on_msg)
+        self.watchdog = asyncio.create_task(self.watch())
+
+    async def stop(self) -> None:
+        self.watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.watchdog
+        await self.sub.unsubscribe()
+
+    async def send(self, subject: str, request: GenerateRequest, record: RequestRecord) -> None:
+        """Publish one streaming request; returns when its final output (or the idle timeout)
+        ends it."""
+        key = str(next(self.ids))
+        done = asyncio.get_running_loop().create_future()
+        self.open[key] = (record, done, [0])
+        self.last_seen[key] = self.clock()
+        await self.nc.publish(subject, _encode(msgspec.structs.replace(request, stream=True)),
+                              reply=f"{self.prefix}.{key}")
+        await done
+
+    async def on_msg(self, msg) -> None:
+        key = msg.subject[len(self.prefix) + 1:]
+        entry = self.open.get(key)
+        if entry is None or not msg.data:  # the sentinel, after the final output
+            return
+        record, done, have = entry
+        now = self.clock()
+        self.last_seen[key] = now
+        try:
+            output = _decode_output(msg.data)
+        except msgspec.DecodeError:
+            output = Error(request_id=record.request_id, code="client:bad_message",
+                           message=repr(msg.data[:80]))
+        if isinstance(output, Delta):
+            new = output.index + len(output.token_ids) - have[0]
+            if new > 0:  # a restarted stream restates what is already here
+                have[0] += new
+                record.delta_times.append(now)
+                record.delta_tokens.append(new)
+            return
+        record.end_time = now
+        if isinstance(output, Error):
+            record.error = output.code
+        else:
+            record.output_tokens = output.usage.completion_tokens
+            record.prompt_tokens = output.usage.prompt_tokens
+            record.finish_reason = output.finish_reason
+            record.queue_wait_ms = output.scheduling.queue_wait_ms
+            record.scheduled_ms = output.metrics.queue_ms
+            record.cached_tokens = output.usage.cached_tokens
+            record.preemptions = output.scheduling.preemptions
+            record.recomputed_tokens = output.scheduling.recomputed_tokens
+        self._close(key)
+
+    def _close(self, key: str) -> None:
+        _, done, _ = self.open.pop(key)
+        self.last_seen.pop(key, None)
+        if not done.done():
+            done.set_result(None)
+
+    async def watch(self) -> None:
+        """A request with no message for `idle_timeout_s` is this client's error (and is
+        cancelled, so it does not hold a slot)."""
+        while True:
+            await asyncio.sleep(1.0)
+            limit = self.clock() - self.idle_timeout_s
+            for key in [k for k, seen in self.last_seen.items() if seen < limit]:
+                record = self.open[key][0]
+                record.end_time, record.error = self.clock(), "client:TimeoutError"
+                self._close(key)
+
+    async def cancel_open(self, cancel) -> None:
+        """The run is over: what is still open is reported outstanding and cancelled."""
+        for key in list(self.open):
+            record = self.open[key][0]
+            with contextlib.suppress(Exception):
+                await cancel(record)
+            _, done, _ = self.open.pop(key)
+            done.cancel()
 
 
 async def sample_queue(nc, clock, records, timeline: list[dict], stop: asyncio.Event,
@@ -241,12 +313,15 @@ async def run(args, url: str) -> dict:
     rng = random.Random(args.seed)
     offsets, planned = plan(args, rng)
     nc_client = await JetserveClient.connect(url)
-    clients = {t: JetserveClient(nc_client.nc, tenant=t) for t in {t for _, t in planned}}
+    nc = nc_client.nc
+    subjects = Subjects()
     records: list[RequestRecord] = []
     timeline: list[dict] = []
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     stop = asyncio.Event()
+    receiver = StreamReceiver(nc, clock)
+    await receiver.start()
     # Each executor's batch limit and batch, from its heartbeats (default subject prefix).
     executors: dict[str, dict] = {}
 
@@ -255,15 +330,15 @@ async def run(args, url: str) -> dict:
             beat = _heartbeat.decode(msg.data)
             executors[beat.executor] = {"limit": beat.max_num_seqs, "running": beat.running}
 
-    beats = await nc_client.nc.subscribe(Subjects().heartbeat, cb=on_heartbeat)
-    sampler = asyncio.create_task(sample_queue(nc_client.nc, clock, records, timeline, stop,
+    beats = await nc.subscribe(subjects.heartbeat, cb=on_heartbeat)
+    sampler = asyncio.create_task(sample_queue(nc, clock, records, timeline, stop,
                                                not args.no_progress, len(planned), executors))
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     tasks = []
 
-    async def limited(request, record, client):
+    async def send(request, record, tenant):
         try:
-            await one_request(client, request, record, clock)
+            await receiver.send(subjects.generate(tenant), request, record)
         finally:
             if limit:
                 limit.release()
@@ -279,15 +354,17 @@ async def run(args, url: str) -> dict:
                                prompt_tokens=len(request.prompt_token_ids or []),
                                deadline_ms=request.deadline_ms)
         records.append(record)
-        tasks.append(asyncio.create_task(limited(request, record, clients[tenant])))
+        tasks.append(asyncio.create_task(send(request, record, tenant)))
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=args.drain_timeout)
-        for task in pending:  # reported as outstanding, not dropped
-            task.cancel()
+        # Reported as outstanding, not dropped; cancelled so they do not hold slots.
+        await receiver.cancel_open(lambda r: nc.publish(subjects.cancel(r.tenant),
+                                                        _encode(Cancel(r.request_id))))
         await asyncio.gather(*pending, return_exceptions=True)
     stop.set()
     await sampler
     await beats.unsubscribe()
+    await receiver.stop()
     await nc_client.close()
     ends = [r.end_time for r in records if r.end_time is not None]
     duration = max(ends) if ends else clock()

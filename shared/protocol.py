@@ -101,6 +101,9 @@ class Scheduling(msgspec.Struct):
     executor: str
     preemptions: int
     queue_wait_ms: float = 0.0  # waiting in priority's queue, from admission to dispatch
+    # Tokens whose KV a preemption discarded and the model had to compute again (what the
+    # prefix cache still held when the request came back is not counted).
+    recomputed_tokens: int = 0
 
 
 class Completion(msgspec.Struct, tag="completion", tag_field="type"):

@@ -103,5 +103,6 @@ class RequestState:
                 tpot_ms=1e3 * (e2e - ttft) / (num_out - 1) if num_out > 1 else 0.0,
             ),
             scheduling=Scheduling(priority_score=seq.score, executor=self.executor,
-                                  preemptions=seq.preemptions),
+                                  preemptions=seq.preemptions,
+                                  recomputed_tokens=seq.recomputed_tokens),
         )

@@ -39,6 +39,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # discarded by preemptions and computed again
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -120,6 +121,11 @@ class Scheduler:
                 cached = bm.take_cached_prefix(seq)
                 if not seq.admitted_once:
                     seq.num_cached_tokens = cached
+                elif seq.discarded_tokens:  # back from a preemption: what must run again
+                    lost = max(0, min(seq.discarded_tokens, seq.num_tokens - 1) - cached)
+                    seq.recomputed_tokens += lost
+                    self.num_recomputed_tokens += lost
+                    seq.discarded_tokens = 0
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.can_allocate(seq, num_new, reserve=self.watermark_blocks):
                 victim = self._preempt_lower(seq, same_pool=True)
@@ -194,6 +200,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.discarded_tokens = seq.num_computed_tokens
         self.block_manager.free_seq(seq)
         seq.preemptions += 1
         self.num_preemptions += 1

@@ -50,6 +50,8 @@ class Sequence:
     num_hashed_blocks: int = 0  # how many of block_table are registered in the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     preemptions: int = 0
+    discarded_tokens: int = 0  # KV computed, then freed by the latest preemption
+    recomputed_tokens: int = 0  # of all discarded, what the prefix cache did not give back
     sample_row: int = -1  # this sequence's row in the sampled tokens of the step in flight
     admitted_once: bool = False
 
