@@ -154,6 +154,12 @@ class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
     # Requests an executor may hold beyond max_num_seqs, so a finished slot refills at once.
     executor_queue_depth: Annotated[int, msgspec.Meta(ge=0)] = 4
+    # Late binding: an executor takes a request only while the prompt tokens it has yet to
+    # prefill (and the KV blocks they need) fit in this many steps' token budget, so what it
+    # accepts starts within about that many steps and the rest waits at priority, in the
+    # policy's order. Larger keeps executors busier across dispatch delays; smaller decides
+    # later.
+    intake_horizon_steps: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     # Which executor with room gets a request: kv_aware scores each by the share of the prompt's
     # blocks it caches (its KV events say which) times kv_overlap_weight, minus its load (over
     # max_num_seqs) times kv_load_weight; least_loaded takes the least loaded (then the most

@@ -106,6 +106,9 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     # of every waiting request and, with every slot taken, to preempt the weakest running one
     # (see Scheduler.overtake_above); None when nothing is in the way or it was aged.
     overtake_above: float | None = None
+    # Prompt tokens it can take on now and start within its intake horizon
+    # (Scheduler.intake_room); at most 0: none until what it has is under way. None: no limit.
+    room_tokens: int | None = None
 
 
 class KvEvent(msgspec.Struct, kw_only=True):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
+from dataclasses import dataclass, field
 
 from services.batcher.kv_index import KvIndex
 from shared.messages import Heartbeat
 
 PROMISE_S = 2.0  # how long a routed prompt's blocks count as cached before its events confirm
+CHARGE_ALPHA = 0.05  # weight of the newest assignment in the mean prompt size
 
 
 @dataclass
@@ -16,11 +19,24 @@ class ExecutorState:
     last_seen: float  # monotonic
     sent_total: int  # assignments sent to this executor since it started
     suspended_until: float = 0.0  # monotonic; after a failed assignment, skip it for a moment
+    # (sent_total when sent, prompt tokens to prefill) of assignments its heartbeat may not count
+    sent_tokens: deque = field(default_factory=deque)
 
     @property
     def in_transit(self) -> int:
         """Assignments sent but not yet counted by the executor's latest heartbeat."""
         return max(0, self.sent_total - self.heartbeat.assigned_total)
+
+    @property
+    def free_tokens(self) -> float:
+        """Prompt tokens it can still take on within its intake horizon: its heartbeat's room
+        less what was sent since (inf from an executor that sets no such limit)."""
+        if self.heartbeat.room_tokens is None:
+            return float("inf")
+        counted = self.heartbeat.assigned_total
+        while self.sent_tokens and self.sent_tokens[0][0] <= counted:
+            self.sent_tokens.popleft()
+        return self.heartbeat.room_tokens - sum(tokens for _, tokens in self.sent_tokens)
 
     @property
     def load(self) -> int:
@@ -38,7 +54,15 @@ class ExecutorState:
 
     @property
     def free_slots(self) -> int:
+        """Requests it takes now: a slot (running, waiting or in transit under max_num_seqs +
+        queue_depth) and prefill room within its intake horizon."""
+        if self.free_tokens <= 0:
+            return 0
         return max(0, self.room - self.load)
+
+    def send(self, tokens: int) -> None:
+        self.sent_total += 1
+        self.sent_tokens.append((self.sent_total, tokens))
 
 
 def route_score(cached_blocks: int, prompt_blocks: int, load: float, overlap_weight: float,
@@ -58,6 +82,7 @@ class ExecutorRegistry:
         self.kv_index = KvIndex()
         self.overlap_weight, self.load_weight = overlap_weight, load_weight
         self.last_route: dict[str, int] = {}  # kv_aware: each candidate's cached blocks, last pick
+        self.mean_charge = 0.0  # moving average of the prompt tokens an assignment brings
 
     def update(self, heartbeat: Heartbeat, now: float) -> bool:
         """Record a heartbeat; True when the executor is new (or restarted)."""
@@ -83,12 +108,23 @@ class ExecutorRegistry:
         return sum(state.free_slots for state in self.executors.values()
                    if now is None or state.suspended_until <= now)
 
-    def pick(self, model: str | None, now: float, block_hashes: list[bytes] = ()) -> str | None:
+    def pull_size(self, now: float) -> int:
+        """How many requests to pull from priority now: each executor's free slots, as far as
+        its intake room holds requests of the recent mean size (at least one where it has
+        room: the room is a target, not a wall)."""
+        size = max(1.0, self.mean_charge)
+        return sum(min(s.free_slots, max(1, math.ceil(s.free_tokens / size)))
+                   for s in self.executors.values()
+                   if s.suspended_until <= now and s.free_slots > 0)
+
+    def pick(self, model: str | None, now: float, block_hashes: list[bytes] = (),
+             prompt_tokens: int = 0, block_size: int = 16) -> str | None:
         """An executor of `model` with room: the least loaded (relative to its size), then the
         one with the most free KV blocks; or, routing round robin, the next by name after the
         one picked last; or, routing kv_aware, the best `route_score` of the prompt's cached
         blocks against load (ties: the least loaded). A saturated executor is no candidate, so
-        a hot prefix spreads to a second one."""
+        a hot prefix spreads to a second one. The pick is charged `prompt_tokens` (less what it
+        caches) against its intake room."""
         self.last_route = {}
         candidates = [s for s in self.executors.values()
                       if s.free_slots > 0 and s.suspended_until <= now
@@ -109,9 +145,13 @@ class ExecutorRegistry:
                 -s.utilization, s.heartbeat.free_kv_blocks))
             self.last_route = cached
             self.kv_index.promise(best.heartbeat.executor, block_hashes, now + PROMISE_S)
+            prompt_tokens -= cached[best.heartbeat.executor] * block_size
         else:
             best = min(candidates, key=lambda s: (s.utilization, -s.heartbeat.free_kv_blocks))
-        best.sent_total += 1
+        charge = max(1, prompt_tokens)
+        self.mean_charge += CHARGE_ALPHA * (charge - self.mean_charge) if self.mean_charge \
+            else charge
+        best.send(charge)
         return best.heartbeat.executor
 
     def overtake_threshold(self, now: float) -> float | None:
@@ -128,7 +168,7 @@ class ExecutorRegistry:
         if not candidates:
             return None
         best = min(candidates, key=lambda s: (s.heartbeat.overtake_above, s.load))
-        best.sent_total += 1
+        best.send(0)  # beyond its room by design: charged nothing against the room it has not
         return best.heartbeat.executor
 
     def _overtakable(self, model: str | None, now: float) -> list[ExecutorState]:
@@ -144,5 +184,7 @@ class ExecutorRegistry:
         """An assignment that did not reach the executor (which is then skipped for a while)."""
         state = self.executors.get(name)
         if state is not None:
+            if state.sent_tokens and state.sent_tokens[-1][0] == state.sent_total:
+                state.sent_tokens.pop()
             state.sent_total -= 1
             state.suspended_until = max(state.suspended_until, suspend_until)

@@ -50,6 +50,7 @@ class BatcherService:
         self.subjects = Subjects(config.nats.prefix)
         self.outbox = Outbox(nc, js, self.subjects)
         self.timeout = config.nats.request_timeout_s
+        self.block_size = config.kv_cache.block_size
         batch = config.scheduler.batch_level
         self.registry = ExecutorRegistry(batch.overtake_extra, batch.routing,
                                          overlap_weight=batch.kv_overlap_weight,
@@ -168,7 +169,7 @@ class BatcherService:
                 await asyncio.sleep(0.2)
 
     async def dispatch_once(self) -> None:
-        free = self.registry.free_slots(time.monotonic())
+        free = self.registry.pull_size(time.monotonic())
         if free == 0:
             self.room.clear()
             try:
@@ -225,7 +226,10 @@ class BatcherService:
         """Send `item` to an executor (beyond its room, if `overtaking` and it outranks what is
         there); back to priority's queue if none takes it. Whether one took it."""
         now = time.monotonic()
-        executor = self.registry.pick(item.request.model, now, item.block_hashes)
+        executor = self.registry.pick(item.request.model, now, item.block_hashes,
+                                      prompt_tokens=item.num_prompt_tokens
+                                      + len(item.resume_token_ids),
+                                      block_size=self.block_size)
         route = dict(self.registry.last_route) if item.block_hashes else {}
         overtakes = False  # sent beyond an executor's room, to go ahead of what is there
         if executor is None and overtaking:

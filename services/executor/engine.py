@@ -142,6 +142,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self.after_step: Callable[[], None] | None = None  # called once each step is scheduled
 
     def on_model_thread(self, fn, *args):
         """fn(*args) on the model thread: start-up work, and anything else (a benchmark's direct
@@ -377,6 +378,8 @@ class Engine:
                 self.stats.prompt_tokens += item.num_new_tokens
         inputs = self.runner.prepare(batch)
         future = asyncio.wrap_future(self._worker.submit(self._execute, inputs))
+        if self.after_step is not None:
+            self.after_step()
         sampling = [item.seq for item in batch if item.samples]
         self.stats.generated_tokens += len(sampling)
         return _Step(sampling, future)

@@ -72,6 +72,29 @@ class Scheduler:
             return None
         return max(s.score for s in rivals) + self.preemption_margin
 
+    def intake_room(self, horizon_steps: float) -> int:
+        """Prompt tokens this executor can take on now and still start them within about
+        `horizon_steps` steps: the prefill its steps can do in that time (the token budget after
+        one token per decoding sequence) less what running prefills and waiting sequences still
+        need, and no more than its free KV blocks (above the watermark) hold once those have
+        theirs. At most 0: what it already has keeps it busy for the horizon."""
+        bm, bs = self.block_manager, self.block_manager.block_size
+        backlog = blocks = decodes = 0
+        for seq in self.running:
+            left = seq.num_tokens - seq.num_computed_tokens
+            if left > 1:
+                backlog += left
+                blocks += max(0, -(-seq.num_tokens // bs) - len(seq.block_table))
+            else:
+                decodes += 1
+        for seq in self.waiting:
+            left = seq.num_tokens - seq.num_computed_tokens
+            backlog += left
+            blocks += -(-left // bs)
+        per_step = max(self.max_num_batched_tokens - decodes, self.max_num_batched_tokens // 4)
+        kv_tokens = (bm.num_free_blocks - self.watermark_blocks - blocks) * bs
+        return min(int(horizon_steps * per_step) - backlog, kv_tokens)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -136,6 +136,9 @@ class ExecutorService:
             self.batch_size = BatchSizeController(config.scheduler.load_aware)
             self.engine.scheduler.max_num_seqs = self.batch_size.limit
         self.finished_tpot_ms: list[float] = []  # last windows of requests ended this interval
+        self.intake_horizon = config.scheduler.batch_level.intake_horizon_steps
+        self.advertised_room = 0  # room_tokens of the latest heartbeat
+        self.engine.after_step = self.after_step
         self.measuring = config.monitoring.metrics  # off: not even the observations
         labels = (self.engine.model_name, name)
         self.metrics = {m: m.labels(*labels)
@@ -505,9 +508,19 @@ class ExecutorService:
         except Exception:
             log.exception("kv dump failed")
 
+    def after_step(self) -> None:
+        """Each step, once scheduled: when the latest heartbeat said there was no room and now
+        there is (prefill got under way), say so at once — the next requests then arrive
+        while this executor still has work, not after it ran dry."""
+        if self.advertised_room <= 0 and not self.draining \
+                and self.engine.scheduler.intake_room(self.intake_horizon) > 0:
+            self.advertised_room = 1  # until the heartbeat says how much
+            self.load_changed.set()
+
     def heartbeat(self, step_ms: float) -> Heartbeat:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         batch = self.config.scheduler.batch_level
+        self.advertised_room = 0 if self.draining else scheduler.intake_room(self.intake_horizon)
         return Heartbeat(
             executor=self.name, model=self.engine.model_name,
             max_num_seqs=0 if self.draining else scheduler.max_num_seqs,  # adaptive: the limit
@@ -517,7 +530,8 @@ class ExecutorService:
             assigned_total=self.assigned_total, free_kv_blocks=blocks.num_free_blocks,
             total_kv_blocks=blocks.num_blocks, step_ms=step_ms, started_at=self.started_at,
             finished=self.take_finished(), tenants=dict(self.tenant_load),
-            overtake_above=None if self.draining else scheduler.overtake_above())
+            overtake_above=None if self.draining else scheduler.overtake_above(),
+            room_tokens=self.advertised_room)
 
     def holding(self) -> Holding:
         """The requests running here, with a checkpoint of each: the outputs generated since the

@@ -95,3 +95,25 @@ def test_round_robin_takes_each_executor_with_room_in_turn():
     assert [registry.pick("m", 0.0) for _ in range(7)] == \
         ["e0", "e1", "e0", "e1", "e0", "e0", "e0"]
     assert registry.pick("m", 0.0) is None
+
+
+def test_intake_room_in_tokens_limits_the_pull_and_counts_what_is_in_transit():
+    registry = ExecutorRegistry()
+    beat = heartbeat("e0", running=0, max_num_seqs=8)
+    beat.room_tokens = 1000
+    registry.update(beat, 0.0)
+    assert registry.free_slots() == 9 and registry.pull_size(0.0) == 9  # no sizes seen yet
+    assert registry.pick("m", 0.0, prompt_tokens=600) == "e0"
+    assert registry.executors["e0"].free_tokens == 400
+    assert registry.pull_size(0.0) == 1  # 400 tokens of room: one more request of ~600
+    assert registry.pick("m", 0.0, prompt_tokens=600) == "e0"  # the room is a target
+    assert registry.free_slots() == 0 and registry.pick("m", 0.0) is None
+    registry.unsend("e0")  # that one did not arrive
+    assert registry.executors["e0"].free_tokens == 400
+    beat = heartbeat("e0", running=1, max_num_seqs=8, assigned=1)
+    beat.room_tokens = 50  # the first is counted: its prompt is in the executor's own room
+    registry.update(beat, 0.1)
+    assert registry.executors["e0"].free_tokens == 50 and registry.free_slots() == 8
+    beat.room_tokens = 0
+    registry.update(beat, 0.2)
+    assert registry.free_slots() == 0 and registry.pull_size(0.2) == 0

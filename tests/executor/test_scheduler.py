@@ -253,3 +253,57 @@ def test_overtake_threshold_covers_what_would_go_before_a_newcomer():
     low.aged = True
     decoding.aged = True
     assert sched.overtake_above() is None  # aged runners may not be preempted
+
+
+def test_intake_room_is_the_prefill_a_horizon_of_steps_does_less_the_backlog():
+    sched = make(num_blocks=64, block_size=4, budget=32)
+    assert sched.intake_room(2) == 64  # idle: two steps of 32 prompt tokens
+    decoding = seq(4)
+    sched.add(decoding)
+    resolve(sched.schedule())  # now one token a step goes to its decode
+    assert sched.intake_room(2) == 2 * 31
+    long = seq(80)
+    sched.add(long)
+    assert sched.intake_room(2) == 62 - 80  # its prompt keeps the executor busy past two steps
+    resolve(sched.schedule())  # 31 of its 80 prompt tokens run
+    assert sched.intake_room(2) == 62 - 49
+    assert sched.intake_room(4) == 124 - 49
+
+
+def test_intake_room_stops_at_the_kv_blocks_left():
+    sched = make(num_blocks=8, block_size=4, budget=64)
+    big = seq(20)  # 5 blocks of the 8
+    sched.add(big)
+    assert sched.intake_room(2) == (8 - 5) * 4  # the prefill budget would take 128
+    resolve(sched.schedule())
+    assert sched.intake_room(2) == (8 - 5) * 4  # decoding now: its blocks are its own
+    sched.add(seq(6))  # waiting: its 2 blocks are spoken for
+    assert sched.intake_room(2) == (8 - 5 - 2) * 4
+
+
+def preempted_and_back(prefix_caching: bool) -> tuple[Sequence, Scheduler]:
+    """`low` (8 prompt tokens, 2 full blocks) is preempted by `high`, which needs 4 of the 6
+    blocks, and comes back once `high` is done."""
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=prefix_caching)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, admission_watermark=0.0)
+    low, high = seq(8, priority=1, max_tokens=4), seq(14, priority=9, max_tokens=2)
+    sched.add(low)
+    resolve(sched.schedule())
+    sched.add(high)
+    resolve(sched.schedule())
+    assert low.status is SeqStatus.WAITING and low.preemptions == 1
+    while low.status is not SeqStatus.RUNNING:
+        for item in sched.schedule():
+            resolve([item])
+            if item.seq is high and high.num_output_tokens >= 2:
+                sched.finish(high)
+    return low, sched
+
+
+def test_recomputed_tokens_count_what_the_prefix_cache_did_not_give_back():
+    low, sched = preempted_and_back(prefix_caching=False)
+    assert low.recomputed_tokens == sched.num_recomputed_tokens == 8  # its whole prompt again
+    low, sched = preempted_and_back(prefix_caching=True)
+    # Its two full prompt blocks were freed tail first and outlived high's allocation.
+    assert low.num_computed_tokens > 8 and low.recomputed_tokens == 0
+    assert sched.num_recomputed_tokens == 0
