@@ -49,6 +49,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Aging bound: a request waiting this long since its arrival goes ahead of every request
     # that has not, and no such request may preempt it (None: off; the adaptive policy sets it).
     max_wait_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Shrink steps' prefill while a running request with a deadline needs faster steps.
+    deadline_pacing: bool = True
 
 
 # ------------------------------------------------------------------------ jetserve.yaml (services)
@@ -211,6 +213,9 @@ class TokenLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pipeline: bool = True
     # A waiting request preempts a running one only if its score is at least this much higher.
     preemption_margin: NonNegative = 1.0
+    # While a running request with a deadline needs faster steps to finish in time (its time
+    # left over its tokens left), steps give up prefill tokens until they are that fast.
+    deadline_pacing: bool = True
 
 
 class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -278,6 +283,7 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             pipeline=self.scheduler.token_level.pipeline, num_threads=model.num_threads,
             weights_cache_dir=model.weights_cache_dir, executor_name=executor_name,
             preemption_margin=self.scheduler.token_level.preemption_margin,
+            deadline_pacing=self.scheduler.token_level.deadline_pacing,
             max_wait_s=(self.scheduler.request_level.max_wait_s
                         if self.scheduler.request_level.policy == "adaptive" else None))
 

@@ -56,7 +56,9 @@ class EngineStats:
 @dataclass
 class _Step:
     sampling_seqs: list[Sequence]  # in row order of the sampled tokens
-    future: asyncio.Future
+    pace_target: float | None  # the step time deadline pacing aimed at (None: unpaced)
+    future: asyncio.Future | None = None
+    seconds: float = 0.0  # how long the model took (set on the model thread)
 
 
 def _pick_device(config: EngineConfig) -> torch.device:
@@ -136,7 +138,8 @@ class Engine:
                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
-                                   preemption_margin=config.preemption_margin)
+                                   preemption_margin=config.preemption_margin,
+                                   deadline_pacing=config.deadline_pacing)
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
@@ -239,7 +242,8 @@ class Engine:
             max_model_len=self.max_model_len, stream=request.stream, sink=sink)
         # Timers, not checks in the step loop: they cost nothing per step.
         if request.deadline_ms is not None:
-            left = seq.arrival_time + request.deadline_ms / 1e3 - time.monotonic()
+            seq.deadline = seq.arrival_time + request.deadline_ms / 1e3
+            left = seq.deadline - time.monotonic()
             state.timers.append(asyncio.get_running_loop().call_later(
                 max(0.0, left), self._deadline_passed, state, request.deadline_ms))
         if self.config.max_wait_s is not None:
@@ -349,6 +353,7 @@ class Engine:
                     self._fail_all(f"model step failed: {exc!r}")
                     in_flight = None
                     continue
+                self.scheduler.step_done(in_flight.seconds, in_flight.pace_target)
                 started = time.perf_counter()
                 self._process(in_flight, sampled)
                 self.stats.loop_cpu_s += time.perf_counter() - started
@@ -364,10 +369,11 @@ class Engine:
     def _submit_step(self) -> _Step | None:
         if not self.scheduler.has_work():
             return None
-        batch = self.scheduler.schedule()
+        now = time.monotonic()
+        target = self.scheduler.pace_target(now) if self.scheduler.deadline_pacing else None
+        batch = self.scheduler.schedule(target)
         if not batch:
             return None
-        now = time.monotonic()
         for item in batch:
             state = self._requests[item.seq.request_id]
             if state.first_scheduled_time is None:
@@ -377,18 +383,20 @@ class Engine:
             else:
                 self.stats.prompt_tokens += item.num_new_tokens
         inputs = self.runner.prepare(batch)
-        future = asyncio.wrap_future(self._worker.submit(self._execute, inputs))
+        sampling = [item.seq for item in batch if item.samples]
+        step = _Step(sampling, target)
+        step.future = asyncio.wrap_future(self._worker.submit(self._execute, inputs, step))
         if self.after_step is not None:
             self.after_step()
-        sampling = [item.seq for item in batch if item.samples]
         self.stats.generated_tokens += len(sampling)
-        return _Step(sampling, future)
+        return step
 
-    def _execute(self, inputs) -> list[int]:
+    def _execute(self, inputs, step: _Step) -> list[int]:
         """Model thread."""
         start = time.perf_counter()
         sampled = self.runner.execute(inputs)
         end = time.perf_counter()
+        step.seconds = end - start
         stats = self.stats
         if stats._last_step_end is not None:
             stats.model_idle_s += max(0.0, start - stats._last_step_end)

@@ -7,15 +7,28 @@ gives its blocks back and returns to the waiting queue at its original place. A 
 whose score beats a running one's by `preemption_margin` may preempt it, unless that one was
 aged past the aging bound (then it sorts first and is never displaced by others). With two KV
 pools (block_manager.KvPools) a sequence short of blocks preempts only within its own pool.
+
+Deadline pacing: a request with a deadline must produce its remaining tokens one a step, so the
+step time must stay under (time left) / (tokens left). While a running request needs that and
+the steps are slower, the step's token budget shrinks (prefill chunks give way; decodes always
+run), multiplicatively while steps are too slow and back additively while they are fast enough:
+a controller on the measured step time, with no model of what a step costs. A request that could
+not keep pace even at the fastest recent step is not paced for (it would only cost the others).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from services.executor.block_manager import BlockManager
 from services.executor.sequence import SeqStatus, Sequence
+
+PACE_DECREASE = 0.8  # the paced budget's factor after a step slower than the pace
+PACE_INCREASE = 16  # tokens it regains after a step comfortably within the pace
+MIN_PREFILL = 16  # prompt tokens a paced step still runs besides its decodes
+FASTEST_DECAY = 1.002  # per step: how fast the fastest recent step time is forgotten
 
 
 @dataclass
@@ -29,8 +42,12 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, admission_watermark: float = 0.01,
-                 preemption_margin: float = 1.0):
+                 preemption_margin: float = 1.0, deadline_pacing: bool = True):
         self.block_manager = block_manager
+        self.deadline_pacing = deadline_pacing
+        self.pace_tokens = max_num_batched_tokens  # the paced step's budget (controller state)
+        self.fastest_step_s: float | None = None  # the fastest recent step
+        self.paced_steps = 0
         self.preemption_margin = preemption_margin
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -107,11 +124,50 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         self.block_manager.free_seq(seq)
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def pace_target(self, now: float) -> float | None:
+        """The step time (s) the most pressed running request with a deadline needs: its time
+        left over the steps it still needs (its outputs up to max_tokens, and its prefill at a
+        full budget a step). Those that could not keep up even at the fastest recent step are
+        left out. None: nobody needs a pace."""
+        target = math.inf
+        floor = 0.0 if self.fastest_step_s is None else self.fastest_step_s
+        for seq in self.running:
+            if seq.deadline is None:
+                continue
+            steps = max(1, seq.sampling.max_tokens - seq.num_output_tokens)
+            prefill = seq.num_tokens - seq.num_computed_tokens
+            if prefill > 1:
+                steps += -(-prefill // self.max_num_batched_tokens)
+            need = (seq.deadline - now) / steps
+            if floor <= need < target:
+                target = need
+        return None if target == math.inf else target
+
+    def step_done(self, seconds: float, target: float | None) -> None:
+        """A step ran in `seconds`; it was scheduled for a pace of `target` (None: unpaced)."""
+        fastest = self.fastest_step_s
+        self.fastest_step_s = seconds if fastest is None else min(seconds,
+                                                                   fastest * FASTEST_DECAY)
+        ceiling = self.max_num_batched_tokens
+        if target is not None and seconds > target:
+            self.pace_tokens = max(MIN_PREFILL, int(self.pace_tokens * PACE_DECREASE))
+        elif target is None or seconds < 0.9 * target:
+            self.pace_tokens = min(ceiling, self.pace_tokens + PACE_INCREASE)
+
+    def schedule(self, target: float | None = None) -> list[ScheduledSeq]:
+        """One step's sequences and tokens. `target`: the step time deadline pacing aims at
+        (`pace_target`); the budget is then the controller's, never less than every decode
+        plus MIN_PREFILL."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
         self.running.sort(key=Sequence.sort_key)
+        if target is not None:
+            decoding = sum(1 for s in self.running if self._tokens_to_run(s) <= 1)
+            paced = max(self.pace_tokens, decoding + MIN_PREFILL)
+            if paced < budget:
+                budget = paced
+                self.paced_steps += 1
 
         # Budget order: running decodes (a long prefill never stalls them: stall-free batching),
         # then the prefill chunks of running sequences that outrank the best waiting one, then

@@ -40,6 +40,7 @@ class Sequence:
     arrival_index: int = 0  # admission order; ties in score go to the earlier one
     arrival_time: float = 0.0
     pool: int = 0  # the KV pool its blocks come from (block_manager.KvPools; 1: int8)
+    deadline: float | None = None  # monotonic: when it must be complete (deadline_ms)
 
     token_ids: list[int] = field(default_factory=list)  # prompt + the outputs known so far
     num_pending: int = 0  # tokens sampled by a step still in flight, not yet known here

@@ -8,16 +8,24 @@ the executors' load. Each term works on scalars too, which is how the unit tests
           + urgency_weight * urgency * load_adjustment
           + resource_weight * resource
           + fairness
-    urgency         = 1 / (1 + exp(slack / time_window))     slack = deadline - now
+    urgency         = 1 / (1 + exp(margin / time_window))    margin = deadline - now - service
+                      fading once margin < -time_window (it can no longer make its deadline)
+    service         = (predicted output + prompt / prefill per step) * executor step time
     resource        = ln(prompt + predicted output) / resource_scale
     load_adjustment = clamp(1 + (load - load_threshold) * load_weight)
     fairness        = -min(fairness_max, fairness_factor * (counter - least active counter) / scale)
 
 The aging bound sits above the score: a request that has waited `max_wait_s` goes ahead of every
-request that has not, the longest waiting first — unless its tenant is over its share (more than
+request that has not, the longest waiting first — except requests whose deadline is at stake now
+(`critical`: a margin within one time window of zero), which go first, in score order; and
+unless its tenant is over its share (more than
 `fairness_scale_tokens` ahead of the least-served active tenant, i.e. its fairness term is below
 -fairness_factor). Then it goes to the head of its own tenant's line only: a tenant that sends more
 than it is given cannot turn its backlog's age into the share of a tenant that sends less.
+
+A request that would miss its deadline by more than a time window even if it started now
+(`hopeless`, by the same estimate of the time it needs) goes behind every other: it waits for
+idle capacity or for its deadline, instead of taking a slot to be cut at the deadline.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import numpy as np
 from shared.config import RequestLevel
 
 AGED = 1e9  # added to the key of a request past the aging bound: above any score
+CRITICAL = 2e9  # while aged requests wait: above them, for requests whose deadline is at stake
+HOPELESS = 1e6  # taken from the key of a request that can no longer make its deadline
 HEAD_STEP = 1e-6  # per second waited: an aged request held to its own line sits just above its head
 SEQ_SPAN = 2.0**32  # strict priority keys: priority * SEQ_SPAN - arrival sequence, exact in float64
 
@@ -39,6 +49,34 @@ def urgency(slack_s, time_window: float):
     slack = np.asarray(slack_s, dtype=float)
     return np.where(slack == np.inf, 0.0,
                     1.0 / (1.0 + np.exp(np.clip(slack / time_window, -50.0, 50.0))))
+
+
+def deadline_urgency(slack_s, service_s, time_window: float):
+    """Urgency of a request that needs about `service_s` to complete and has `slack_s` left:
+    the urgency of its margin (slack - service), rising to 0.73 when it is one time window
+    late by that estimate, and fading beyond: a request that can no longer make its deadline
+    stops taking the place of one that still can. 0 without a deadline."""
+    slack = np.asarray(slack_s, dtype=float)
+    margin = slack - np.asarray(service_s, dtype=float)
+    late = np.minimum(0.0, margin / time_window + 1.0)  # < 0 past one window late
+    rising = urgency(np.maximum(margin, -time_window), time_window)
+    return np.where(slack == np.inf, 0.0, rising * np.exp(np.maximum(late, -50.0)))
+
+
+def hopeless(slack_s, service_s, time_window: float):
+    """Whether a request would finish more than one time window after its deadline even if it
+    started now (by the estimate of the time it needs). These go behind every other request:
+    run, they would be cut at their deadline, in the place of requests that can still finish."""
+    slack = np.asarray(slack_s, dtype=float)
+    return (slack != np.inf) & (slack - np.asarray(service_s, dtype=float) < -time_window)
+
+
+def critical(slack_s, service_s, time_window: float):
+    """Whether a request's deadline is at stake now: its margin (slack - service) within one
+    time window of zero. These go ahead of requests aged past the bound."""
+    slack = np.asarray(slack_s, dtype=float)
+    margin = slack - np.asarray(service_s, dtype=float)
+    return (slack != np.inf) & (np.abs(margin) <= time_window)
 
 
 def resource(total_tokens, scale: float):
@@ -68,6 +106,7 @@ class Waiting:
     demand: np.ndarray  # prompt + predicted output tokens
     fairness: np.ndarray  # the tenant's fairness term
     tenant: np.ndarray  # the tenant's index (int)
+    prompt: np.ndarray | None = None  # prompt tokens (None: all of the demand is output)
 
 
 @dataclass
@@ -78,9 +117,19 @@ class Scores:
     terms: dict[str, np.ndarray]  # each term, for the trace
 
 
+def service_time(waiting: Waiting, step_s: float, prefill_per_step: int) -> np.ndarray:
+    """How long each request would take to complete if it started now: its predicted output at
+    one token a step, and its prompt at `prefill_per_step` tokens a step, at the executors'
+    recent step time (0 before any executor reported one)."""
+    prompt = waiting.prompt if waiting.prompt is not None else np.zeros_like(waiting.demand)
+    return (waiting.demand - prompt + prompt / max(1, prefill_per_step)) * step_s
+
+
 def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
-           cfg: RequestLevel) -> Scores:
-    """Every waiting request's sort key under the configured policy."""
+           cfg: RequestLevel, step_s: float = 0.0, prefill_per_step: int = 512) -> Scores:
+    """Every waiting request's sort key under the configured policy. `step_s`: the executors'
+    recent step time, which turns a request's predicted size into the time it needs (its
+    deadline urgency counts the margin beyond that)."""
     if cfg.policy == "fcfs":
         zero = np.zeros_like(waiting.seq)
         return Scores(key=-waiting.seq, score=zero, standing=zero, terms={})
@@ -89,10 +138,13 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
         return Scores(key=priority * SEQ_SPAN - waiting.seq, score=priority, standing=priority,
                       terms={})
     adjust = load_adjustment(load, cfg)
+    slack = waiting.deadline - now
+    service = service_time(waiting, step_s, prefill_per_step)
     terms = {
         "base": base(waiting.priority, class_weights[np.minimum(waiting.priority,
                                                                 len(class_weights) - 1)], cfg),
-        "urgency": cfg.urgency_weight * urgency(waiting.deadline - now, cfg.time_window) * adjust,
+        "urgency": cfg.urgency_weight * deadline_urgency(slack, service, cfg.time_window)
+        * adjust,
         "resource": cfg.resource_weight * resource(waiting.demand, cfg.resource_scale),
         "fairness": waiting.fairness,
     }
@@ -103,7 +155,13 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     over_share = over_share_of(waiting.fairness, cfg)
     first = aged & ~over_share
     terms["aged"] = first.astype(float)
-    key = np.where(first, AGED + waited, score)
+    late = hopeless(slack, service, cfg.time_window)
+    terms["hopeless"] = late.astype(float)
+    key = np.where(first, AGED + waited, np.where(late, score - HOPELESS, score))
+    if first.any():  # deadlines at stake go ahead of the aged (DESIGN: classes' promises first)
+        at_stake = critical(slack, service, cfg.time_window)
+        terms["critical"] = at_stake.astype(float)
+        key = np.where(at_stake, CRITICAL + score, key)
     held = aged & over_share
     if held.any():  # aged, but its tenant is over its share: the head of its own line only,
         # here and at the executor (there by standing, which leaves out every urgency)

@@ -19,7 +19,8 @@ from services.priority import policy
 from shared.messages import WorkItem
 
 _COLUMNS = {"priority": np.int64, "seq": np.float64, "arrival": np.float64,
-            "deadline": np.float64, "demand": np.float64, "tenant": np.int64}
+            "deadline": np.float64, "demand": np.float64, "prompt": np.float64,
+            "tenant": np.int64}
 
 
 class WaitingQueue:
@@ -67,6 +68,7 @@ class WaitingQueue:
         cols["arrival"][row] = item.arrival_time
         cols["deadline"][row] = deadline
         cols["demand"][row] = demand_tokens
+        cols["prompt"][row] = item.num_prompt_tokens
         cols["tenant"][row] = self.tenant_index(item.tenant)
         self._items.append(item)
         self._row_of[key] = row
@@ -105,7 +107,7 @@ class WaitingQueue:
                               arrival=cols["arrival"][:n], deadline=cols["deadline"][:n],
                               demand=cols["demand"][:n],
                               fairness=fairness_by_tenant[cols["tenant"][:n]],
-                              tenant=cols["tenant"][:n])
+                              tenant=cols["tenant"][:n], prompt=cols["prompt"][:n])
 
     def item(self, row: int) -> WorkItem:
         return self._items[row]

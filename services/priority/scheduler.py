@@ -27,14 +27,16 @@ class Dispatch:
 
 
 class RequestScheduler:
-    def __init__(self, cfg: RequestLevel):
+    def __init__(self, cfg: RequestLevel, prefill_per_step: int = 512):
         self.cfg = cfg
+        self.prefill_per_step = prefill_per_step  # an executor step's token budget
         self.queue = WaitingQueue(cfg.max_pending_requests)
         self.counters = TenantCounters(cfg.tenant_weights)
         self.predictor = OutputPredictor(cfg.predictor_alpha, cfg.predictor_prior)
         self.class_weights = ClassWeights(cfg)
         self.executor_load: dict[str, tuple[int, int]] = {}  # name -> (busy, slots)
         self.executor_tenants: dict[str, dict[str, int]] = {}  # name -> requests per tenant
+        self.executor_step_s: dict[str, float] = {}  # name -> its recent mean step time
         self.served: dict[str, dict[str, int]] = {}  # tenant -> prompt and output tokens
 
     def __len__(self) -> int:
@@ -71,9 +73,16 @@ class RequestScheduler:
             self.class_weights.observe(item.request.priority, MISSED_MS, now)
         return items
 
+    @property
+    def step_s(self) -> float:
+        """The executors' recent step time (the mean of those that ran steps; 0: none did)."""
+        steps = [s for s in self.executor_step_s.values() if s > 0]
+        return sum(steps) / len(steps) if steps else 0.0
+
     def scores(self, now: float, waiting: policy.Waiting | None = None) -> policy.Scores:
         waiting = waiting or self.queue.waiting(self.fairness_terms())
-        return policy.scores(waiting, now, self.load, self.class_weights.weights, self.cfg)
+        return policy.scores(waiting, now, self.load, self.class_weights.weights, self.cfg,
+                             self.step_s, self.prefill_per_step)
 
     def fairness_terms(self) -> np.ndarray:
         """The fairness term of every tenant the queue has seen, by tenant index."""
@@ -149,7 +158,9 @@ class RequestScheduler:
             candidates.append(mine[policy.best(scored.key[mine], seq[mine], k)])
         rows_of = np.concatenate(candidates)
         key, tenant = scored.key[rows_of].copy(), tenants[rows_of]
-        not_aged = scored.terms["aged"][rows_of] == 0
+        # Rows ordered by their score move with it; aged ones (not at stake) by their wait.
+        not_aged = (scored.terms["aged"][rows_of] == 0) | (
+            scored.terms.get("critical", scored.terms["aged"])[rows_of] == 1)
         fairness = start = self.fairness_terms()
         picked: list[int] = []
         shifts: list[float] = []
@@ -174,15 +185,19 @@ class RequestScheduler:
         self.counters.charge(item.tenant, item.charged)
 
     def executor_report(self, name: str, busy: int, slots: int,
-                        tenants: dict[str, int]) -> None:
-        """An executor's heartbeat: its load, and how many requests each tenant has there."""
+                        tenants: dict[str, int], step_ms: float = 0.0) -> None:
+        """An executor's heartbeat: its load, how many requests each tenant has there, and its
+        mean step time since its previous beat (0: it ran none; the last one stands)."""
         self.executor_load[name] = (busy, slots)
+        if step_ms > 0 or name not in self.executor_step_s:
+            self.executor_step_s[name] = step_ms / 1e3
         self.executor_tenants[name] = tenants
         self._update_running()
 
     def executor_gone(self, name: str) -> None:
         self.executor_load.pop(name, None)
         self.executor_tenants.pop(name, None)
+        self.executor_step_s.pop(name, None)
         self._update_running()
 
     def _update_running(self) -> None:
@@ -219,4 +234,6 @@ def _overtakers(scored: policy.Scores, min_standing: float) -> np.ndarray:
     aged = scored.terms.get("aged")
     if aged is not None and aged.any():
         return np.zeros(len(scored.score), dtype=bool)
-    return scored.standing >= min_standing
+    hopeless = scored.terms.get("hopeless")
+    reaches = scored.standing >= min_standing
+    return reaches if hopeless is None else reaches & (hopeless == 0)

@@ -54,7 +54,8 @@ class PriorityService:
         self.subjects = Subjects(config.nats.prefix)
         self.nc, self.tracer = nc, tracer
         self.outbox = Outbox(nc, js, self.subjects)
-        self.scheduler = RequestScheduler(config.scheduler.request_level)
+        self.scheduler = RequestScheduler(config.scheduler.request_level,
+                                          config.scheduler.batch_level.max_num_batched_tokens)
         self.queue = self.scheduler.queue
         self.cancels = RecentCancels()
         self.arrived = asyncio.Event()
@@ -135,7 +136,7 @@ class PriorityService:
         now = time.time()
         self.scheduler.executor_report(heartbeat.executor, heartbeat.running + heartbeat.waiting,
                                        heartbeat.max_num_seqs + heartbeat.queue_depth,
-                                       heartbeat.tenants)
+                                       heartbeat.tenants, heartbeat.step_ms)
         self.executor_seen[heartbeat.executor] = time.monotonic()
         for report in heartbeat.finished:
             self.scheduler.finished(report, now)

@@ -1,5 +1,7 @@
+import pytest
+
 from services.executor.block_manager import BlockManager
-from services.executor.scheduler import Scheduler
+from services.executor.scheduler import MIN_PREFILL, PACE_INCREASE, Scheduler
 from services.executor.sequence import SamplingParams, SeqStatus, Sequence
 
 _count = iter(range(10**6))
@@ -307,3 +309,44 @@ def test_recomputed_tokens_count_what_the_prefix_cache_did_not_give_back():
     # Its two full prompt blocks were freed tail first and outlived high's allocation.
     assert low.num_computed_tokens > 8 and low.recomputed_tokens == 0
     assert sched.num_recomputed_tokens == 0
+
+
+def test_deadline_pacing_shrinks_prefill_while_a_deadline_needs_faster_steps():
+    sched = make(num_blocks=256, block_size=4, max_num_seqs=8, budget=64)
+    urgent = seq(4, max_tokens=11)
+    sched.add(urgent)
+    resolve(sched.schedule())  # prefilled; 10 outputs to go
+    assert sched.pace_target(now=0.0) is None  # no deadline
+    urgent.deadline = 1.0
+    assert sched.pace_target(now=0.0) == pytest.approx(0.1)  # 1 s over 10 steps
+    long = seq(200)
+    sched.add(long)
+    batch = sched.schedule(target=0.1)  # the controller has not slowed anything yet
+    assert {i.seq: i.num_new_tokens for i in batch} == {urgent: 1, long: 63}
+    resolve(batch)
+    sched.step_done(0.2, target=0.1)  # twice too slow: the budget shrinks
+    assert sched.pace_tokens == int(64 * 0.8)
+    batch = sched.schedule(target=0.1)
+    assert {i.seq: i.num_new_tokens for i in batch} == {urgent: 1, long: 50}
+    resolve(batch)
+    for _ in range(20):
+        sched.step_done(0.2, target=0.1)
+    batch = sched.schedule(target=0.1)  # never below every decode plus MIN_PREFILL
+    assert {i.seq: i.num_new_tokens for i in batch} == {urgent: 1, long: MIN_PREFILL}
+    resolve(batch)
+    assert sched.paced_steps == 2
+    sched.step_done(0.05, target=0.1)  # fast enough: it grows back, and unpaced steps are full
+    assert sched.pace_tokens == MIN_PREFILL + PACE_INCREASE
+    assert {i.seq: i.num_new_tokens for i in sched.schedule()} == {urgent: 1, long: 63}
+
+
+def test_a_request_that_cannot_keep_up_even_at_the_fastest_step_is_not_paced_for():
+    sched = make(budget=64)
+    hopeless = seq(4, max_tokens=101)
+    sched.add(hopeless)
+    resolve(sched.schedule())
+    hopeless.deadline = 1.0
+    sched.step_done(0.02, target=None)
+    assert sched.fastest_step_s == 0.02
+    assert sched.pace_target(now=0.0) is None  # it needs 10 ms steps; the fastest took 20
+    assert sched.pace_target(now=-2.0) == pytest.approx(0.03)

@@ -128,3 +128,59 @@ def test_aging_holds_an_over_share_tenant_to_the_head_of_its_own_line():
     # Within its share the same requests go before everything.
     w.fairness[:] = 0.0
     assert order(w, now=12.0, config=config) == [0, 1, 2, 3]
+
+
+def test_deadline_urgency_counts_the_time_a_request_needs_and_fades_once_it_cannot_make_it():
+    # 10 s of slack; the request needs 9 s (service): its margin is 1 s, as urgent as a request
+    # with 1 s of slack that needs nothing.
+    assert policy.deadline_urgency(10.0, 9.0, 1.0) == pytest.approx(policy.urgency(1.0, 1.0))
+    on_time, one_late, far_late = policy.deadline_urgency(np.array([5.0, 5.0, 5.0]),
+                                                          np.array([5.0, 6.0, 9.0]), 1.0)
+    assert on_time == pytest.approx(0.5) and one_late == pytest.approx(policy.urgency(-1.0, 1.0))
+    assert far_late == pytest.approx(one_late * math.exp(-3.0))  # 4 s late: fading
+    assert policy.deadline_urgency(math.inf, 3.0, 1.0) == 0.0
+
+
+def test_service_time_is_output_steps_plus_prompt_chunks_at_the_step_time():
+    w = waiting([5, 5], demand=[1100.0, 300.0])
+    w.prompt = np.array([1024.0, 100.0])
+    assert policy.service_time(w, 0.02, 512).tolist() == pytest.approx([(76 + 2) * 0.02,
+                                                                         (200 + 100 / 512) * 0.02])
+
+
+def test_a_request_that_cannot_make_its_deadline_stops_outranking_one_that_can():
+    """Both priority 5 with 3 s left; #0 needs 20 s at the executors' step time, #1 needs 2.5 s.
+    With no step time known (0) their urgencies are equal and arrival decides (the size term
+    is off here)."""
+    config = cfg(resource_weight=0.0)
+    w = waiting([5, 5], deadline=[4.0, 4.0], demand=[1000.0, 125.0])
+    w.prompt = np.zeros(2)
+    assert order(w, now=1.0, load=1.0, config=config) == [0, 1]
+    scored = policy.scores(w, 1.0, 1.0, np.ones(11), config, step_s=0.02)
+    assert scored.terms["urgency"][1] > 2.0 > 0.1 > scored.terms["urgency"][0]
+    assert list(policy.best(scored.key, w.seq, 2)) == [1, 0]
+
+
+def test_a_deadline_at_stake_goes_ahead_of_aged_requests_the_rest_behind_them():
+    config = cfg(max_wait_s=10.0)
+    # #0 aged priority 1; #1 priority 9 with 1.5 s left that needs 1 s (a margin of 0.5 s, within
+    # a window of zero: at stake); #2 priority 9 with a far deadline; #3 none.
+    w = waiting([1, 9, 9, 7], arrival=[0.0, 10.0, 10.0, 10.0],
+                deadline=[math.inf, 12.5, 60.0, math.inf], demand=[50.0] * 4)
+    w.prompt = np.zeros(4)
+    scored = policy.scores(w, 11.0, 0.0, np.ones(11), config, step_s=0.02)
+    assert scored.terms["critical"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert list(policy.best(scored.key, w.seq, 4)) == [1, 0, 2, 3]
+
+
+def test_a_request_that_would_miss_its_deadline_even_now_goes_behind_every_other():
+    # #0 priority 9 with 2 s left that needs 4 s (200 tokens at 20 ms): more than a window late.
+    w = waiting([9, 1], deadline=[3.0, math.inf], demand=[200.0, 200.0])
+    w.prompt = np.zeros(2)
+    scored = policy.scores(w, 1.0, 0.0, np.ones(11), cfg(), step_s=0.02)
+    assert scored.terms["hopeless"].tolist() == [1.0, 0.0]
+    assert list(policy.best(scored.key, w.seq, 2)) == [1, 0]
+    # With time enough (or no step time reported yet) it goes first again.
+    assert order(w, now=1.0) == [0, 1]
+    scored = policy.scores(w, 1.0, 0.0, np.ones(11), cfg(), step_s=0.01)
+    assert scored.terms["hopeless"].tolist() == [0.0, 0.0]

@@ -29,7 +29,7 @@ def test_dispatch_records_score_wait_and_charges_the_tenant_in_advance():
     assert dispatch.item.predicted_output_tokens == 100  # the prior: all of max_tokens
     assert sched.counters.counters["t"] == 100 + 2 * 100
     assert set(dispatch.terms) == {"base", "urgency", "resource", "fairness", "aged", "over_share",
-                                   "held"}
+                                   "held", "hopeless"}
 
 
 def test_completions_correct_the_charge_and_teach_the_predictor():
