@@ -118,7 +118,7 @@ class RequestLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # + urgency_weight * urgency * load_adjustment + resource_weight * resource + fairness.
     priority_levels: Annotated[int, msgspec.Meta(ge=2)] = 11
     base_weight: NonNegative = 10.0
-    urgency_weight: NonNegative = 6.0
+    urgency_weight: NonNegative = 3.0
     time_window: Positive = 1.0  # s: urgency is 1/(1 + exp(slack / time_window))
     resource_weight: float = -1.0  # < 0 favours short jobs
     resource_scale: Positive = 8.0  # resource = ln(prompt + predicted output tokens) / scale

@@ -122,6 +122,18 @@ class WaitingQueue:
             items[row] = self._take(row)
         return [items[row] for row in rows]
 
+    def latest_of(self, tenant: str, eligible) -> WorkItem | None:
+        """The most recently arrived waiting request of `tenant` for which `eligible(item)`."""
+        index = self._tenant_ids.get(tenant)
+        if index is None:
+            return None
+        n = len(self._items)
+        rows = np.flatnonzero(self._cols["tenant"][:n] == index)
+        for row in rows[np.argsort(-self._cols["seq"][:n][rows])]:
+            if eligible(self._items[row]):
+                return self._items[row]
+        return None
+
     def pop_all(self) -> list[WorkItem]:
         items = list(self._items)
         for item in items:

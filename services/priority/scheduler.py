@@ -59,6 +59,20 @@ class RequestScheduler:
         self.queue.push(item, item.num_prompt_tokens + item.predicted_output_tokens)
         self.counters.enqueued(item.tenant)
 
+    def push_out_for(self, tenant: str) -> WorkItem | None:
+        """The queue is full and `tenant` submits: the latest non-durable request of the tenant
+        holding the most of the queue, taken out to make room, when that tenant holds more than
+        `tenant` will (longest-queue drop: one tenant's flood cannot lock the others out).
+        None: the newcomer is the one refused."""
+        backlog = self.counters.backlog
+        if not backlog:
+            return None
+        largest = max(backlog, key=backlog.get)
+        if backlog[largest] <= backlog.get(tenant, 0) + 1:
+            return None
+        item = self.queue.latest_of(largest, lambda i: not i.durable)
+        return None if item is None else self.remove(item.request_id, item.tenant)
+
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         item = self.queue.remove(request_id, tenant)
         if item is not None:

@@ -191,9 +191,20 @@ class PriorityService:
                           message=f"`request_id` {item.request_id!r} is already waiting")
         elif self.queue.full:
             self.counts["overloaded"] += 1
-            error = Error(request_id=item.request_id, code="overloaded",
-                          message=f"the waiting queue is full (max_pending_requests "
-                                  f"{self.queue.capacity})")
+            pushed = self.scheduler.push_out_for(item.tenant)
+            if pushed is None:
+                error = Error(request_id=item.request_id, code="overloaded",
+                              message=f"the waiting queue is full (max_pending_requests "
+                                      f"{self.queue.capacity})")
+            else:
+                span = self.wait_spans.pop((pushed.tenant, pushed.request_id))
+                span.set_attribute("pushed_out", True)
+                span.end()
+                await self.outbox.final(pushed, Error(
+                    request_id=pushed.request_id, code="overloaded",
+                    message=f"the waiting queue is full (max_pending_requests "
+                            f"{self.queue.capacity}) and tenant {pushed.tenant!r} holds the "
+                            f"most of it: its latest request made room for another tenant's"))
         if error is not None:
             await request.respond(encode(SubmitReply(error=error)))
             return

@@ -74,7 +74,7 @@ def test_adaptive_score_is_the_sum_of_its_terms():
     scored = policy.scores(w, now=1.0, load=1.3, class_weights=np.ones(11), cfg=config)
     t = scored.terms
     adjust = policy.load_adjustment(1.3, config)
-    assert t["urgency"][0] == pytest.approx(6.0 * policy.urgency(2.0, 1.0) * adjust)
+    assert t["urgency"][0] == pytest.approx(3.0 * policy.urgency(2.0, 1.0) * adjust)
     assert t["urgency"][1] == 0.0
     assert t["resource"][1] == pytest.approx(-math.log(20) / 8)
     for i in range(2):
@@ -84,7 +84,7 @@ def test_adaptive_score_is_the_sum_of_its_terms():
 
 def test_a_near_deadline_overtakes_a_higher_base_priority_only_when_close():
     config = cfg()
-    w = waiting([7, 5], deadline=[math.inf, 10.0])
+    w = waiting([6, 5], deadline=[math.inf, 10.0])
     assert order(w, now=0.0, config=config) == [0, 1]  # 10 s of slack: no urgency yet
     assert order(w, now=9.9, load=1.0, config=config) == [1, 0]  # at its deadline it goes first
 
@@ -157,7 +157,7 @@ def test_a_request_that_cannot_make_its_deadline_stops_outranking_one_that_can()
     w.prompt = np.zeros(2)
     assert order(w, now=1.0, load=1.0, config=config) == [0, 1]
     scored = policy.scores(w, 1.0, 1.0, np.ones(11), config, step_s=0.02)
-    assert scored.terms["urgency"][1] > 2.0 > 0.1 > scored.terms["urgency"][0]
+    assert scored.terms["urgency"][1] > 1.0 > 0.1 > scored.terms["urgency"][0]
     assert list(policy.best(scored.key, w.seq, 2)) == [1, 0]
 
 

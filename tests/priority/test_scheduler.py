@@ -117,7 +117,7 @@ def test_the_executor_gets_the_score_without_the_clock_dependent_urgency():
     sched = RequestScheduler(RequestLevel())
     sched.push(item("soon", priority=5, deadline=1.2))
     [dispatch] = sched.pop(1, now=1.0)
-    assert dispatch.terms["urgency"] > 1.0
+    assert dispatch.terms["urgency"] > 0.5
     assert dispatch.item.standing == pytest.approx(dispatch.score - dispatch.terms["urgency"])
 
 
@@ -222,3 +222,21 @@ def test_an_overtaking_long_poll_can_look_at_new_arrivals_only():
     assert not sched.can_overtake(5.0, now=0.0, after_seq=seen)  # the newcomer does not
     sched.push(item("p9-new", priority=9))
     assert sched.can_overtake(5.0, now=0.0, after_seq=seen)
+
+
+def test_a_full_queue_pushes_out_the_latest_request_of_the_tenant_holding_the_most():
+    sched = RequestScheduler(RequestLevel(max_pending_requests=4))
+    for i in range(3):
+        sched.push(item(f"h{i}", tenant="heavy"))
+    durable = item("h3", tenant="heavy")
+    durable.durable = True
+    sched.push(durable)
+    assert sched.queue.full
+    pushed = sched.push_out_for("light")  # the latest non-durable one: durable ones stay
+    assert pushed.request_id == "h2" and len(sched.queue) == 3
+    assert sched.counters.backlog == {"heavy": 3}
+    sched.push(item("l0", tenant="light"))
+    assert sched.push_out_for("light").request_id == "h1"  # heavy 3, light would hold 2
+    sched.push(item("l1", tenant="light"))
+    assert sched.push_out_for("light") is None  # heavy holds 2, light would hold 3: refused
+    assert sched.push_out_for("heavy") is None
