@@ -118,8 +118,21 @@ def calm(options, shape: str, cap: float) -> dict:
             "deadlines_ms": {p: round(f * e2e_p99) for p, f in DEADLINE_FACTORS.items()}}
 
 
-def class_figures(summary: dict) -> dict:
+def sustained(run: dict, start: float, end: float) -> dict:
+    """What the cluster delivered while the arrivals lasted (after `start` s of warm-up): output
+    tokens a second, and requests completed a second (a run's overall request rate also counts
+    its drain, which differs between policies that shed and policies that serve)."""
+    tokens = sum(n for r in run["requests"] for t, n in zip(r["delta_times"], r["delta_tokens"])
+                 if start <= t < end)
+    done = sum(1 for r in run["requests"] if r["end_time"] is not None and r["error"] is None
+               and start <= r["end_time"] < end)
+    return {"output_tok_per_s": tokens / (end - start), "request_per_s": done / (end - start)}
+
+
+def class_figures(run: dict, duration: float) -> dict:
+    summary = run["summary"]
     out = {"request_per_s": summary["request_throughput"], "goodput": summary.get("goodput"),
+           "sustained": sustained(run, min(5.0, duration / 4), duration),
            "global_queue_ms": _dist(summary["queue_wait_ms"]),
            "executor_queue_ms": _dist(summary.get("executor_queue_ms")),
            "preemptions": summary.get("preemptions"),
@@ -145,7 +158,7 @@ def priority(options, shape: str, cap: float, deadlines: dict[int, int]) -> dict
                        ["--request-rate", f"{factor * cap:.2f}", "--duration",
                         str(options.duration), "--priority-mix", PRIORITY_MIX,
                         "--deadline-ms", deadline_arg, "--goodput", "deadline"], policies())
-        figures[f"{factor:g}x"] = {r["label"]: class_figures(r["summary"]) for r in runs}
+        figures[f"{factor:g}x"] = {r["label"]: class_figures(r, options.duration) for r in runs}
     return figures
 
 
@@ -180,6 +193,7 @@ def fairness(options, shape: str, cap: float) -> dict:
             figures[f"{ratio}x"][r["label"]] = {
                 "light": light, "heavy": tenant_figures(r["summary"], "heavy"),
                 "request_per_s": r["summary"]["request_throughput"],
+                "sustained": sustained(r, min(5.0, options.duration / 4), options.duration),
                 "errors": r["summary"]["errors"]}
     return figures
 
@@ -300,9 +314,11 @@ def print_summary(summary: dict) -> None:
                 p1 = c.get("1", {})
                 print(f"  priority {load:>4} {policy:<9} p9 met {_pct(met.get('9'))} p5 met "
                       f"{_pct(met.get('5'))} p1 done {p1.get('completed')}/{p1.get('sent')}  "
-                      f"{f['request_per_s']:.1f} req/s goodput {f['goodput'] or 0:.1f}  queue "
-                      f"global p50/p99 {_ms(f['global_queue_ms'])} executor "
-                      f"{_ms(f['executor_queue_ms'])}  recomputed {f['recomputed_tokens']}")
+                      f"sustained {f['sustained']['output_tok_per_s']:,.0f} tok/s "
+                      f"{f['sustained']['request_per_s']:.1f} req/s, goodput "
+                      f"{f['goodput'] or 0:.1f}  queue global p50/p99 "
+                      f"{_ms(f['global_queue_ms'])} executor {_ms(f['executor_queue_ms'])}  "
+                      f"recomputed {f['recomputed_tokens']}  errors {f['errors']}")
         fair = s.get("fairness")
         if fair:
             alone = fair["light_alone"]

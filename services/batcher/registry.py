@@ -58,6 +58,11 @@ class ExecutorState:
         queue_depth) and prefill room within its intake horizon."""
         if self.free_tokens <= 0:
             return 0
+        return self.free_seats
+
+    @property
+    def free_seats(self) -> int:
+        """Slots alone (running, waiting or in transit under max_num_seqs + queue_depth)."""
         return max(0, self.room - self.load)
 
     def send(self, tokens: int) -> None:
@@ -118,17 +123,20 @@ class ExecutorRegistry:
                    if s.suspended_until <= now and s.free_slots > 0)
 
     def pick(self, model: str | None, now: float, block_hashes: list[bytes] = (),
-             prompt_tokens: int = 0, block_size: int = 16) -> str | None:
+             prompt_tokens: int = 0, block_size: int = 16, overshoot: bool = False) -> str | None:
         """An executor of `model` with room: the least loaded (relative to its size), then the
         one with the most free KV blocks; or, routing round robin, the next by name after the
         one picked last; or, routing kv_aware, the best `route_score` of the prompt's cached
         blocks against load (ties: the least loaded). A saturated executor is no candidate, so
         a hot prefix spreads to a second one. The pick is charged `prompt_tokens` (less what it
-        caches) against its intake room."""
+        caches) against its intake room. A request already pulled for the room that then ran
+        out (requests larger than the mean) still goes to one with a free slot: `overshoot`."""
         self.last_route = {}
-        candidates = [s for s in self.executors.values()
-                      if s.free_slots > 0 and s.suspended_until <= now
-                      and (model is None or s.heartbeat.model == model)]
+        usable = [s for s in self.executors.values() if s.suspended_until <= now
+                  and (model is None or s.heartbeat.model == model)]
+        candidates = [s for s in usable if s.free_slots > 0]
+        if not candidates and overshoot:
+            candidates = [s for s in usable if s.free_seats > 0]
         if not candidates:
             return None
         if self.routing == "round_robin":

@@ -229,7 +229,7 @@ class BatcherService:
         executor = self.registry.pick(item.request.model, now, item.block_hashes,
                                       prompt_tokens=item.num_prompt_tokens
                                       + len(item.resume_token_ids),
-                                      block_size=self.block_size)
+                                      block_size=self.block_size, overshoot=not overtaking)
         route = dict(self.registry.last_route) if item.block_hashes else {}
         overtakes = False  # sent beyond an executor's room, to go ahead of what is there
         if executor is None and overtaking:

@@ -54,9 +54,11 @@ class WaitingQueue:
             self.tenants.append(tenant)
         return index
 
-    def push(self, item: WorkItem, demand_tokens: float) -> None:
+    def push(self, item: WorkItem, demand_tokens: float, past_bound: bool = False) -> None:
+        """`past_bound`: a request that was here before (an assignment failed), taken back even
+        when the queue is full."""
         key = (item.tenant, item.request_id)
-        assert not self.full and key not in self._row_of
+        assert (past_bound or not self.full) and key not in self._row_of
         row = len(self._items)
         if row == self._rows:
             self._grow()
@@ -80,7 +82,8 @@ class WaitingQueue:
                 heapq.heapify(self._deadlines)
 
     def _grow(self) -> None:
-        self._rows = min(self.capacity, 2 * self._rows)
+        self._rows = 2 * self._rows if self._rows >= self.capacity else min(self.capacity,
+                                                                             2 * self._rows)
         for name, column in self._cols.items():
             wider = np.zeros(self._rows, dtype=column.dtype)
             wider[:len(column)] = column
@@ -122,14 +125,15 @@ class WaitingQueue:
             items[row] = self._take(row)
         return [items[row] for row in rows]
 
-    def latest_of(self, tenant: str, eligible) -> WorkItem | None:
-        """The most recently arrived waiting request of `tenant` for which `eligible(item)`."""
-        index = self._tenant_ids.get(tenant)
-        if index is None:
-            return None
+    def lowest(self, tenants: list[str], below_priority: int, eligible) -> WorkItem | None:
+        """Of the waiting requests of `tenants` with a priority under `below_priority`, the
+        lowest priority, latest arrived, for which `eligible(item)`."""
+        indexes = [self._tenant_ids[t] for t in tenants if t in self._tenant_ids]
         n = len(self._items)
-        rows = np.flatnonzero(self._cols["tenant"][:n] == index)
-        for row in rows[np.argsort(-self._cols["seq"][:n][rows])]:
+        cols = self._cols
+        rows = np.flatnonzero(np.isin(cols["tenant"][:n], indexes)
+                              & (cols["priority"][:n] < below_priority))
+        for row in rows[np.lexsort((-cols["seq"][:n][rows], cols["priority"][:n][rows]))]:
             if eligible(self._items[row]):
                 return self._items[row]
         return None

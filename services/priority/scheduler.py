@@ -50,27 +50,37 @@ class RequestScheduler:
         return busy / slots if slots else 0.0
 
     def push(self, item: WorkItem) -> None:
-        if item.charged:  # back from the batcher (an assignment failed): refund the advance
+        back = bool(item.charged)  # from the batcher (an assignment failed): it was here before
+        if back:  # refund the advance
             self.counters.charge(item.tenant, -item.charged)
             item.charged = 0.0
         request = item.request
         item.predicted_output_tokens = self.predictor.predict(item.tenant, request.priority,
                                                               request.max_tokens)
-        self.queue.push(item, item.num_prompt_tokens + item.predicted_output_tokens)
+        self.queue.push(item, item.num_prompt_tokens + item.predicted_output_tokens,
+                        past_bound=back)
         self.counters.enqueued(item.tenant)
 
-    def push_out_for(self, tenant: str) -> WorkItem | None:
-        """The queue is full and `tenant` submits: the latest non-durable request of the tenant
-        holding the most of the queue, taken out to make room, when that tenant holds more than
-        `tenant` will (longest-queue drop: one tenant's flood cannot lock the others out).
-        None: the newcomer is the one refused."""
+    def push_out_for(self, newcomer: WorkItem) -> WorkItem | None:
+        """The queue is full and `newcomer` arrives: a waiting request taken out to make room
+        for it, or None (the newcomer is the one refused). Longest-queue drop: when a tenant
+        holds more of the queue than the newcomer's would, its lowest-priority, latest request
+        goes (one tenant's flood cannot lock the others out); else a request of a lower class
+        than the newcomer's, of a tenant holding at least as much as the newcomer's (a flood of
+        low-priority work cannot lock out high-priority work). Durable requests never go:
+        admission holds them and would only submit them again."""
         backlog = self.counters.backlog
         if not backlog:
             return None
+        mine = backlog.get(newcomer.tenant, 0)
         largest = max(backlog, key=backlog.get)
-        if backlog[largest] <= backlog.get(tenant, 0) + 1:
-            return None
-        item = self.queue.latest_of(largest, lambda i: not i.durable)
+        eligible = lambda i: not i.durable  # noqa: E731
+        item = None
+        if backlog[largest] > mine + 1:
+            item = self.queue.lowest([largest], self.cfg.priority_levels + 1, eligible)
+        if item is None:
+            peers = [t for t, n in backlog.items() if n >= mine]
+            item = self.queue.lowest(peers, newcomer.request.priority, eligible)
         return None if item is None else self.remove(item.request_id, item.tenant)
 
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:

@@ -189,9 +189,9 @@ class PriorityService:
                 return
             error = Error(request_id=item.request_id, code="invalid_request",
                           message=f"`request_id` {item.request_id!r} is already waiting")
-        elif self.queue.full:
+        elif self.queue.full and not item.charged:  # (a request back from the batcher: taken)
             self.counts["overloaded"] += 1
-            pushed = self.scheduler.push_out_for(item.tenant)
+            pushed = self.scheduler.push_out_for(item)
             if pushed is None:
                 error = Error(request_id=item.request_id, code="overloaded",
                               message=f"the waiting queue is full (max_pending_requests "
@@ -203,8 +203,8 @@ class PriorityService:
                 await self.outbox.final(pushed, Error(
                     request_id=pushed.request_id, code="overloaded",
                     message=f"the waiting queue is full (max_pending_requests "
-                            f"{self.queue.capacity}) and tenant {pushed.tenant!r} holds the "
-                            f"most of it: its latest request made room for another tenant's"))
+                            f"{self.queue.capacity}): this request made room for one of a "
+                            f"tenant holding less of the queue, or of a higher priority"))
         if error is not None:
             await request.respond(encode(SubmitReply(error=error)))
             return

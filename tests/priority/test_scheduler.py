@@ -224,19 +224,35 @@ def test_an_overtaking_long_poll_can_look_at_new_arrivals_only():
     assert sched.can_overtake(5.0, now=0.0, after_seq=seen)
 
 
-def test_a_full_queue_pushes_out_the_latest_request_of_the_tenant_holding_the_most():
-    sched = RequestScheduler(RequestLevel(max_pending_requests=4))
-    for i in range(3):
-        sched.push(item(f"h{i}", tenant="heavy"))
-    durable = item("h3", tenant="heavy")
+def test_a_full_queue_pushes_out_the_largest_tenants_lowest_latest_or_a_lower_class():
+    sched = RequestScheduler(RequestLevel(max_pending_requests=5))
+    for i, priority in enumerate((1, 1, 9, 1)):
+        sched.push(item(f"h{i}", tenant="heavy", priority=priority))
+    durable = item("h4", tenant="heavy", priority=0)
     durable.durable = True
     sched.push(durable)
     assert sched.queue.full
-    pushed = sched.push_out_for("light")  # the latest non-durable one: durable ones stay
-    assert pushed.request_id == "h2" and len(sched.queue) == 3
-    assert sched.counters.backlog == {"heavy": 3}
-    sched.push(item("l0", tenant="light"))
-    assert sched.push_out_for("light").request_id == "h1"  # heavy 3, light would hold 2
+    light = item("l0", tenant="light", priority=5)
+    pushed = sched.push_out_for(light)  # heavy's lowest, latest non-durable (durable ones stay)
+    assert pushed.request_id == "h3" and len(sched.queue) == 4
+    assert sched.counters.backlog == {"heavy": 4}
+    sched.push(light)
+    assert sched.push_out_for(item("l1", tenant="light")).request_id == "h1"
     sched.push(item("l1", tenant="light"))
-    assert sched.push_out_for("light") is None  # heavy holds 2, light would hold 3: refused
-    assert sched.push_out_for("heavy") is None
+    # heavy holds 3, light would hold 3: only a lower class than the newcomer's of a tenant
+    # holding at least as much.
+    assert sched.push_out_for(item("l2", tenant="light", priority=1)) is None
+    assert sched.push_out_for(item("l2", tenant="light", priority=9)).request_id == "h0"
+    sched.push(item("l2", tenant="light", priority=9))
+    assert sched.push_out_for(item("h5", tenant="heavy", priority=9)).request_id == "l1"
+
+
+def test_a_request_back_from_the_batcher_is_taken_past_the_bound():
+    sched = RequestScheduler(RequestLevel(max_pending_requests=2))
+    sched.push(item("a"))
+    sched.push(item("b"))
+    [dispatch] = sched.pop(1, now=0.0)
+    sched.push(item("c"))
+    assert sched.queue.full and dispatch.item.charged > 0
+    sched.push(dispatch.item)
+    assert len(sched.queue) == 3
