@@ -41,7 +41,11 @@ SHAPES = {
     "chat": {"input": (64, 512), "output": (32, 256), "burst": 2000},
     "long": {"input": (1024, 4096), "output": (16, 64), "burst": 600},
     "mixed": {"input": (128, 1024), "output": (25, 250), "burst": 1500},  # a 10x output spread
-    "prefix": {"input": (64, 512), "output": (32, 256), "burst": 2000, "dataset": "shared-prefix"},
+    # 8 system prompts of 512 tokens, each request one of them plus 32-128 tokens of its own
+    "prefix": {"input": (32, 128), "output": (32, 256), "burst": 2000, "dataset": "shared-prefix",
+               "prefix_len": 512},
+    # for the real SmolLM2 engine on a CPU: a few requests a second
+    "small": {"input": (32, 256), "output": (16, 128), "burst": 120},
 }
 PRIORITY_MIX = "9:0.2,5:0.5,1:0.3"
 DEADLINE_FACTORS = {9: 2.0, 5: 5.0}  # x the calm run's E2E p99
@@ -61,7 +65,8 @@ def bench_args(options, shape: str, *extra: str):
             "--output-len-range", *map(str, spec["output"]), "--no-progress",
             "--seed", str(options.seed), *extra]
     if "dataset" in spec:
-        argv += ["--dataset", spec["dataset"], "--prefix-groups", "8", "--prefix-len", "256"]
+        argv += ["--dataset", spec["dataset"], "--prefix-groups", "8", "--prefix-len",
+                 str(spec["prefix_len"])]
     for item in options.set:
         argv += ["--set", item]
     parser = argparse.ArgumentParser()
@@ -236,7 +241,7 @@ def vtc(options, shape: str, cap: float) -> dict:
                     "--tenant-mix", "a:0.6667,b:0.3333"], [("scheduler.request_level.policy",
                                                             "adaptive")])
     spec = SHAPES[shape]
-    longest = spec["input"][1] + spec["output"][1]
+    longest = spec["input"][1] + spec.get("prefix_len", 0) + spec["output"][1]
     batch_tokens = options.executors * 128 * longest
     bound = 2 * max(W_PROMPT * spec["input"][1], W_OUTPUT * batch_tokens)
     times, curves = service_curves(runs[0], ["a", "b"])

@@ -116,9 +116,10 @@ class ExecutorRegistry:
     def pull_size(self, now: float) -> int:
         """How many requests to pull from priority now: each executor's free slots, as far as
         its intake room holds requests of the recent mean size (at least one where it has
-        room: the room is a target, not a wall)."""
-        size = max(1.0, self.mean_charge)
-        return sum(min(s.free_slots, max(1, math.ceil(s.free_tokens / size)))
+        room: the room is a target, not a wall). Before any size is known, one each."""
+        size = self.mean_charge or math.inf
+        return sum(s.free_slots if s.free_tokens == math.inf
+                   else min(s.free_slots, max(1, math.ceil(s.free_tokens / size)))
                    for s in self.executors.values()
                    if s.suspended_until <= now and s.free_slots > 0)
 

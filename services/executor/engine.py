@@ -1,9 +1,10 @@
 """The engine: requests in, continuously batched steps, deltas and completions out.
 
 The step loop is an asyncio task; the model runs on one worker thread. With pipelining on, step
-N+1 is scheduled and its inputs prepared while step N executes, and step N's tokens are processed
-(detokenized, stop-checked, delivered) while step N+1 executes, so the model thread is not left
-waiting on Python bookkeeping between steps.
+N+1 is scheduled and its inputs prepared while step N executes — just before N ends, so that what
+arrived during N is in it — and step N's tokens are processed (detokenized, stop-checked,
+delivered) while step N+1 executes, so the model thread is not left waiting on Python
+bookkeeping between steps.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from shared.protocol import Completion, Delta, Error, GenerateRequest, ProtocolE
 log = logging.getLogger(__name__)
 
 Output = Delta | Completion | Error
+JIT_ALPHA = 0.2  # weight of the latest step in the moving averages of step and scheduling times
+JIT_LEAD_S = 0.0005  # and a margin: the next step is ready this long before the running one ends
 OutputSink = Callable[[Output], None]
 
 
@@ -58,6 +61,7 @@ class _Step:
     sampling_seqs: list[Sequence]  # in row order of the sampled tokens
     pace_target: float | None  # the step time deadline pacing aimed at (None: unpaced)
     future: asyncio.Future | None = None
+    started: float | None = None  # perf_counter when the model thread began it
     seconds: float = 0.0  # how long the model took (set on the model thread)
 
 
@@ -146,6 +150,8 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.after_step: Callable[[], None] | None = None  # called once each step is scheduled
+        self._step_s = 0.0  # moving averages: a model step, and scheduling one (s)
+        self._submit_s = 0.0
 
     def on_model_thread(self, fn, *args):
         """fn(*args) on the model thread: start-up work, and anything else (a benchmark's direct
@@ -336,9 +342,13 @@ class Engine:
     async def _run(self) -> None:
         in_flight: _Step | None = None
         while True:
+            if in_flight is not None:
+                await self._until_nearly_done(in_flight)
             started = time.perf_counter()
             step = self._submit_step()
-            self.stats.loop_cpu_s += time.perf_counter() - started
+            submit_s = time.perf_counter() - started
+            self.stats.loop_cpu_s += submit_s
+            self._submit_s += JIT_ALPHA * (submit_s - self._submit_s)
             if step is not None and not self.config.pipeline:
                 in_flight, step = step, None
             processed = in_flight is not None
@@ -354,6 +364,8 @@ class Engine:
                     in_flight = None
                     continue
                 self.scheduler.step_done(in_flight.seconds, in_flight.pace_target)
+                self._step_s += JIT_ALPHA * (in_flight.seconds - self._step_s) if self._step_s \
+                    else in_flight.seconds
                 started = time.perf_counter()
                 self._process(in_flight, sampled)
                 self.stats.loop_cpu_s += time.perf_counter() - started
@@ -365,6 +377,18 @@ class Engine:
                 self.stats._last_step_end = None  # idle by choice is not a pipeline bubble
                 self._wakeup.clear()
                 await self._wakeup.wait()
+
+    async def _until_nearly_done(self, step: _Step) -> None:
+        """Pipelining, just in time: schedule the next step shortly before the running one
+        ends (by the recent step time, less twice what scheduling takes), not as it starts. The
+        model thread still finds the next step ready, and a request that arrives meanwhile is in
+        it: it waits for one step fewer (on a simulated H100 at full batch, ~18 ms less TTFT)."""
+        if step.future.done() or self._step_s <= 0:
+            return
+        begun = step.started if step.started is not None else time.perf_counter()
+        wait = begun + self._step_s - 2 * self._submit_s - JIT_LEAD_S - time.perf_counter()
+        if wait > 0:
+            await asyncio.wait([step.future], timeout=wait)
 
     def _submit_step(self) -> _Step | None:
         if not self.scheduler.has_work():
@@ -393,7 +417,7 @@ class Engine:
 
     def _execute(self, inputs, step: _Step) -> list[int]:
         """Model thread."""
-        start = time.perf_counter()
+        start = step.started = time.perf_counter()
         sampled = self.runner.execute(inputs)
         end = time.perf_counter()
         step.seconds = end - start

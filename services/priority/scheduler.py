@@ -61,9 +61,11 @@ class RequestScheduler:
                         past_bound=back)
         self.counters.enqueued(item.tenant)
 
-    def push_out_for(self, newcomer: WorkItem) -> WorkItem | None:
+    def push_out_for(self, newcomer: WorkItem, now: float) -> tuple[WorkItem | None, str]:
         """The queue is full and `newcomer` arrives: a waiting request taken out to make room
-        for it, or None (the newcomer is the one refused). Longest-queue drop: when a tenant
+        for it, and why ("hopeless" or "share"), or None (the newcomer is the one refused).
+        First a request that can no longer make its deadline (the policy's `hopeless`: it would
+        only wait for its deadline to pass). Then longest-queue drop: when a tenant
         holds more of the queue than the newcomer's would, its lowest-priority, latest request
         goes (one tenant's flood cannot lock the others out); else a request of a lower class
         than the newcomer's, of a tenant holding at least as much as the newcomer's (a flood of
@@ -71,7 +73,14 @@ class RequestScheduler:
         admission holds them and would only submit them again."""
         backlog = self.counters.backlog
         if not backlog:
-            return None
+            return None, ""
+        if self.cfg.policy == "adaptive":
+            waiting = self.queue.waiting(self.fairness_terms())
+            late = np.flatnonzero(self.scores(now, waiting).terms["hopeless"] == 1)
+            for row in late[np.argsort(waiting.deadline[late])]:
+                item = self.queue.item(int(row))
+                if not item.durable:
+                    return self.remove(item.request_id, item.tenant), "hopeless"
         mine = backlog.get(newcomer.tenant, 0)
         largest = max(backlog, key=backlog.get)
         eligible = lambda i: not i.durable  # noqa: E731
@@ -81,7 +90,7 @@ class RequestScheduler:
         if item is None:
             peers = [t for t, n in backlog.items() if n >= mine]
             item = self.queue.lowest(peers, newcomer.request.priority, eligible)
-        return None if item is None else self.remove(item.request_id, item.tenant)
+        return (None, "") if item is None else (self.remove(item.request_id, item.tenant), "share")
 
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         item = self.queue.remove(request_id, tenant)

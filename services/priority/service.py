@@ -191,20 +191,29 @@ class PriorityService:
                           message=f"`request_id` {item.request_id!r} is already waiting")
         elif self.queue.full and not item.charged:  # (a request back from the batcher: taken)
             self.counts["overloaded"] += 1
-            pushed = self.scheduler.push_out_for(item)
+            pushed, why = self.scheduler.push_out_for(item, time.time())
             if pushed is None:
                 error = Error(request_id=item.request_id, code="overloaded",
                               message=f"the waiting queue is full (max_pending_requests "
                                       f"{self.queue.capacity})")
             else:
                 span = self.wait_spans.pop((pushed.tenant, pushed.request_id))
-                span.set_attribute("pushed_out", True)
+                span.set_attribute("pushed_out", why)
                 span.end()
-                await self.outbox.final(pushed, Error(
-                    request_id=pushed.request_id, code="overloaded",
-                    message=f"the waiting queue is full (max_pending_requests "
-                            f"{self.queue.capacity}): this request made room for one of a "
-                            f"tenant holding less of the queue, or of a higher priority"))
+                full = f"the waiting queue is full (max_pending_requests {self.queue.capacity})"
+                if why == "hopeless":
+                    self.counts["deadline_exceeded"] += 1
+                    pushed_out = Error(
+                        request_id=pushed.request_id, code="deadline_exceeded",
+                        message=f"{full} and `deadline_ms` {pushed.request.deadline_ms:g} can "
+                                f"no longer be met (it needs more time than is left): it made "
+                                f"room for another request")
+                else:
+                    pushed_out = Error(
+                        request_id=pushed.request_id, code="overloaded",
+                        message=f"{full}: this request made room for one of a tenant holding "
+                                f"less of the queue, or of a higher priority")
+                await self.outbox.final(pushed, pushed_out)
         if error is not None:
             await request.respond(encode(SubmitReply(error=error)))
             return

@@ -102,7 +102,7 @@ def test_intake_room_in_tokens_limits_the_pull_and_counts_what_is_in_transit():
     beat = heartbeat("e0", running=0, max_num_seqs=8)
     beat.room_tokens = 1000
     registry.update(beat, 0.0)
-    assert registry.free_slots() == 9 and registry.pull_size(0.0) == 9  # no sizes seen yet
+    assert registry.free_slots() == 9 and registry.pull_size(0.0) == 1  # no sizes seen yet
     assert registry.pick("m", 0.0, prompt_tokens=600) == "e0"
     assert registry.executors["e0"].free_tokens == 400
     assert registry.pull_size(0.0) == 1  # 400 tokens of room: one more request of ~600

@@ -130,3 +130,34 @@ async def test_fcfs_policy_by_environment_keeps_arrival_order(tmp_path):
             assert (await priority_stats(client))["policy"] == "fcfs"
             finished = await finish_order_with_a_late_urgent_request(client, request)
     assert finished.index("urgent") > max(finished.index(f"low-{i}") for i in range(4)), finished
+
+
+async def test_a_full_queue_makes_room_for_a_lighter_tenant_and_a_higher_class(tmp_path):
+    """Two slots busy, room for two at priority: a tenant that fills the queue cannot lock
+    another tenant out, nor a flood of priority-1 work a priority-9 request. The request pushed
+    out gets `overloaded` at once; every request gets exactly one answer."""
+    settings = {**SMALL_EXECUTOR, "scheduler.request_level.max_pending_requests": 2}
+    async with running_stack(tmp_path, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="heavy") as heavy, \
+                await JetserveClient.connect(stack.url, tenant="light") as light:
+            busy = [asyncio.create_task(heavy.generate(request(f"busy-{i}", 2000, priority=1),
+                                                       timeout=60)) for i in range(2)]
+            await wait_for_stat(heavy, "executor", "running", 2)
+            queued = [asyncio.create_task(heavy.generate(request(f"q-{i}", 8, priority=1),
+                                                         timeout=60)) for i in range(2)]
+            await wait_for_stat(heavy, "priority", "queue_depth", 2)
+            refused = await heavy.generate(request("q-2", 8, priority=1), timeout=10)
+            assert isinstance(refused, Error) and refused.code == "overloaded"
+            newcomer = asyncio.create_task(light.generate(request("l-0", 8), timeout=60))
+            pushed = await asyncio.wait_for(queued[1], 10)  # heavy's latest made room
+            assert isinstance(pushed, Error) and pushed.code == "overloaded"
+            assert "made room" in pushed.message
+            urgent = asyncio.create_task(heavy.generate(request("u-0", 8, priority=9),
+                                                        timeout=60))
+            pushed = await asyncio.wait_for(queued[0], 10)  # a lower class made room
+            assert isinstance(pushed, Error) and pushed.code == "overloaded"
+            for i in range(2):
+                await heavy.cancel(f"busy-{i}")
+            done = await asyncio.gather(newcomer, urgent, *busy)
+            assert all(isinstance(c, Completion) for c in done), done
+            assert [len(c.token_ids) for c in done[:2]] == [8, 8]

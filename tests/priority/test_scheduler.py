@@ -233,18 +233,29 @@ def test_a_full_queue_pushes_out_the_largest_tenants_lowest_latest_or_a_lower_cl
     sched.push(durable)
     assert sched.queue.full
     light = item("l0", tenant="light", priority=5)
-    pushed = sched.push_out_for(light)  # heavy's lowest, latest non-durable (durable ones stay)
+    pushed = sched.push_out_for(light, 0.0)[0]  # heavy's lowest, latest; durable ones stay
     assert pushed.request_id == "h3" and len(sched.queue) == 4
     assert sched.counters.backlog == {"heavy": 4}
     sched.push(light)
-    assert sched.push_out_for(item("l1", tenant="light")).request_id == "h1"
+    assert sched.push_out_for(item("l1", tenant="light"), 0.0)[0].request_id == "h1"
     sched.push(item("l1", tenant="light"))
     # heavy holds 3, light would hold 3: only a lower class than the newcomer's of a tenant
     # holding at least as much.
-    assert sched.push_out_for(item("l2", tenant="light", priority=1)) is None
-    assert sched.push_out_for(item("l2", tenant="light", priority=9)).request_id == "h0"
+    assert sched.push_out_for(item("l2", tenant="light", priority=1), 0.0)[0] is None
+    assert sched.push_out_for(item("l2", tenant="light", priority=9), 0.0)[0].request_id == "h0"
     sched.push(item("l2", tenant="light", priority=9))
-    assert sched.push_out_for(item("h5", tenant="heavy", priority=9)).request_id == "l1"
+    assert sched.push_out_for(item("h5", tenant="heavy", priority=9), 0.0)[0].request_id == "l1"
+
+
+def test_a_full_queue_first_sheds_a_request_that_can_no_longer_make_its_deadline():
+    sched = RequestScheduler(RequestLevel(max_pending_requests=3))
+    sched.executor_report("e0", busy=1, slots=1, tenants={}, step_ms=20.0)
+    sched.push(item("low", priority=1))
+    sched.push(item("late", priority=9, deadline=3.0))  # 100 tokens at 20 ms: needs ~2 s
+    sched.push(item("fine", priority=5, deadline=10.0))
+    assert sched.push_out_for(item("new", priority=1), now=0.0) == (None, "")  # all can make it
+    pushed, why = sched.push_out_for(item("new", priority=1), now=2.5)
+    assert (pushed.request_id, why) == ("late", "hopeless")
 
 
 def test_a_request_back_from_the_batcher_is_taken_past_the_bound():
