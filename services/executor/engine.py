@@ -60,6 +60,7 @@ class EngineStats:
 class _Step:
     sampling_seqs: list[Sequence]  # in row order of the sampled tokens
     pace_target: float | None  # the step time deadline pacing aimed at (None: unpaced)
+    at_floor: bool = False  # paced at the smallest budget
     future: asyncio.Future | None = None
     started: float | None = None  # perf_counter when the model thread began it
     seconds: float = 0.0  # how long the model took (set on the model thread)
@@ -363,7 +364,8 @@ class Engine:
                     self._fail_all(f"model step failed: {exc!r}")
                     in_flight = None
                     continue
-                self.scheduler.step_done(in_flight.seconds, in_flight.pace_target)
+                self.scheduler.step_done(in_flight.seconds, in_flight.pace_target,
+                                         in_flight.at_floor)
                 self._step_s += JIT_ALPHA * (in_flight.seconds - self._step_s) if self._step_s \
                     else in_flight.seconds
                 started = time.perf_counter()
@@ -408,7 +410,7 @@ class Engine:
                 self.stats.prompt_tokens += item.num_new_tokens
         inputs = self.runner.prepare(batch)
         sampling = [item.seq for item in batch if item.samples]
-        step = _Step(sampling, target)
+        step = _Step(sampling, target, self.scheduler.at_floor)
         step.future = asyncio.wrap_future(self._worker.submit(self._execute, inputs, step))
         if self.after_step is not None:
             self.after_step()

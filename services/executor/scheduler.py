@@ -13,7 +13,8 @@ step time must stay under (time left) / (tokens left). While a running request n
 the steps are slower, the step's token budget shrinks (prefill chunks give way; decodes always
 run), multiplicatively while steps are too slow and back additively while they are fast enough:
 a controller on the measured step time, with no model of what a step costs. A request that could
-not keep pace even at the fastest recent step is not paced for (it would only cost the others).
+not keep pace even with the smallest paced steps seen lately is not paced for (it would only cost
+the others).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from services.executor.sequence import SeqStatus, Sequence
 PACE_DECREASE = 0.8  # the paced budget's factor after a step slower than the pace
 PACE_INCREASE = 16  # tokens it regains after a step comfortably within the pace
 MIN_PREFILL = 16  # prompt tokens a paced step still runs besides its decodes
-FASTEST_DECAY = 1.002  # per step: how fast the fastest recent step time is forgotten
+PACE_SAFETY = 0.9  # aim at this share of the step time a deadline needs (the controller wobbles)
+FLOOR_ALPHA = 0.2  # weight of the latest step at the smallest paced budget in its moving average
 
 
 @dataclass
@@ -46,7 +48,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.deadline_pacing = deadline_pacing
         self.pace_tokens = max_num_batched_tokens  # the paced step's budget (controller state)
-        self.fastest_step_s: float | None = None  # the fastest recent step
+        self.floor_step_s: float | None = None  # steps at the smallest paced budget, lately
+        self.at_floor = False  # whether the latest schedule() ran at that budget
         self.paced_steps = 0
         self.preemption_margin = preemption_margin
         self.max_num_seqs = max_num_seqs
@@ -127,27 +130,30 @@ class Scheduler:
     def pace_target(self, now: float) -> float | None:
         """The step time (s) the most pressed running request with a deadline needs: its time
         left over the steps it still needs (its outputs up to max_tokens, and its prefill at a
-        full budget a step). Those that could not keep up even at the fastest recent step are
-        left out. None: nobody needs a pace."""
+        full budget a step). Those that could not keep up even at the smallest paced steps are
+        left out. None: nobody needs a pace. (One step more than it needs: the one in flight
+        while the next is scheduled.)"""
         target = math.inf
-        floor = 0.0 if self.fastest_step_s is None else self.fastest_step_s
+        floor = 0.0 if self.floor_step_s is None else self.floor_step_s
         for seq in self.running:
             if seq.deadline is None:
                 continue
-            steps = max(1, seq.sampling.max_tokens - seq.num_output_tokens)
+            steps = max(1, seq.sampling.max_tokens - seq.num_output_tokens) + 1
             prefill = seq.num_tokens - seq.num_computed_tokens
             if prefill > 1:
                 steps += -(-prefill // self.max_num_batched_tokens)
             need = (seq.deadline - now) / steps
             if floor <= need < target:
                 target = need
-        return None if target == math.inf else target
+        return None if target == math.inf else PACE_SAFETY * target
 
-    def step_done(self, seconds: float, target: float | None) -> None:
-        """A step ran in `seconds`; it was scheduled for a pace of `target` (None: unpaced)."""
-        fastest = self.fastest_step_s
-        self.fastest_step_s = seconds if fastest is None else min(seconds,
-                                                                   fastest * FASTEST_DECAY)
+    def step_done(self, seconds: float, target: float | None, at_floor: bool = False) -> None:
+        """A step ran in `seconds`; it was scheduled for a pace of `target` (None: unpaced),
+        `at_floor`: at the smallest paced budget."""
+        if at_floor:
+            floor = self.floor_step_s
+            self.floor_step_s = seconds if floor is None else floor + FLOOR_ALPHA * (
+                seconds - floor)
         ceiling = self.max_num_batched_tokens
         if target is not None and seconds > target:
             self.pace_tokens = max(MIN_PREFILL, int(self.pace_tokens * PACE_DECREASE))
@@ -162,12 +168,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
         self.running.sort(key=Sequence.sort_key)
+        self.at_floor = False
         if target is not None:
             decoding = sum(1 for s in self.running if self._tokens_to_run(s) <= 1)
             paced = max(self.pace_tokens, decoding + MIN_PREFILL)
             if paced < budget:
                 budget = paced
                 self.paced_steps += 1
+                self.at_floor = paced == decoding + MIN_PREFILL
 
         # Budget order: running decodes (a long prefill never stalls them: stall-free batching),
         # then the prefill chunks of running sequences that outrank the best waiting one, then

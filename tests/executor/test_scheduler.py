@@ -1,7 +1,7 @@
 import pytest
 
 from services.executor.block_manager import BlockManager
-from services.executor.scheduler import MIN_PREFILL, PACE_INCREASE, Scheduler
+from services.executor.scheduler import MIN_PREFILL, PACE_INCREASE, PACE_SAFETY, Scheduler
 from services.executor.sequence import SamplingParams, SeqStatus, Sequence
 
 _count = iter(range(10**6))
@@ -318,7 +318,8 @@ def test_deadline_pacing_shrinks_prefill_while_a_deadline_needs_faster_steps():
     resolve(sched.schedule())  # prefilled; 10 outputs to go
     assert sched.pace_target(now=0.0) is None  # no deadline
     urgent.deadline = 1.0
-    assert sched.pace_target(now=0.0) == pytest.approx(0.1)  # 1 s over 10 steps
+    # 1 s over its 10 steps and the one in flight, with a margin
+    assert sched.pace_target(now=0.0) == pytest.approx(PACE_SAFETY * 1.0 / 11)
     long = seq(200)
     sched.add(long)
     batch = sched.schedule(target=0.1)  # the controller has not slowed anything yet
@@ -340,13 +341,15 @@ def test_deadline_pacing_shrinks_prefill_while_a_deadline_needs_faster_steps():
     assert {i.seq: i.num_new_tokens for i in sched.schedule()} == {urgent: 1, long: 63}
 
 
-def test_a_request_that_cannot_keep_up_even_at_the_fastest_step_is_not_paced_for():
+def test_a_request_that_cannot_keep_up_even_with_the_smallest_paced_steps_is_not_paced_for():
     sched = make(budget=64)
     hopeless = seq(4, max_tokens=101)
     sched.add(hopeless)
     resolve(sched.schedule())
     hopeless.deadline = 1.0
-    sched.step_done(0.02, target=None)
-    assert sched.fastest_step_s == 0.02
-    assert sched.pace_target(now=0.0) is None  # it needs 10 ms steps; the fastest took 20
-    assert sched.pace_target(now=-2.0) == pytest.approx(0.03)
+    sched.step_done(0.005, target=None)  # fast, but at a full budget: says nothing of a floor
+    assert sched.pace_target(now=0.0) is not None
+    sched.step_done(0.02, target=0.009, at_floor=True)
+    assert sched.floor_step_s == 0.02
+    assert sched.pace_target(now=0.0) is None  # it needs ~9 ms steps; paced ones took 20
+    assert sched.pace_target(now=-2.0) == pytest.approx(PACE_SAFETY * 3.0 / 101)
