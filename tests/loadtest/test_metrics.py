@@ -113,3 +113,15 @@ def test_prefix_cache_hit_rate_is_cached_over_prompt_tokens_of_completed_request
     assert s["per_tenant"]["a"]["prefix_cache_hit_rate"] == pytest.approx(8 / 20)
     assert s["per_tenant"]["b"]["prefix_cache_hit_rate"] == 0.0
     assert summarize([records[3]], duration_s=1.0)["prefix_cache_hit_rate"] is None
+
+
+def test_where_requests_waited_and_what_preemption_cost():
+    a = record("a", send=0.0, deltas=[0.5], end=0.6, tokens=1)
+    a.queue_wait_ms, a.scheduled_ms, a.preemptions, a.recomputed_tokens = 300.0, 340.0, 1, 24
+    b = record("b", send=0.0, deltas=[0.2], end=0.3, tokens=1)
+    b.queue_wait_ms, b.scheduled_ms = 10.0, 8.0  # two clocks: never below zero
+    assert a.executor_queue_ms == 40.0 and b.executor_queue_ms == 0.0
+    s = summarize([a, b], duration_s=1.0)
+    assert s["queue_wait_ms"]["max"] == pytest.approx(300.0)
+    assert s["executor_queue_ms"]["max"] == pytest.approx(40.0)
+    assert (s["preemptions"], s["recomputed_tokens"]) == (1, 24)
