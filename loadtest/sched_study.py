@@ -119,6 +119,8 @@ def calm(options, shape: str, cap: float) -> dict:
                    ["--request-rate", f"{LIGHT_SHARE * cap:.2f}", "--duration",
                     str(options.duration), "--priority-mix", PRIORITY_MIX], [])
     e2e_p99 = runs[0]["summary"]["e2e_ms"]["p99"]
+    if e2e_p99 is None:
+        raise SystemExit(f"{shape}: the calm run completed nothing; no deadlines to derive")
     return {"rate": LIGHT_SHARE * cap, "e2e_p99_ms": e2e_p99,
             "deadlines_ms": {p: round(f * e2e_p99) for p, f in DEADLINE_FACTORS.items()}}
 
@@ -341,7 +343,8 @@ def print_summary(summary: dict) -> None:
                           f"{f['request_per_s']:.1f} req/s")
         if "vtc" in s:
             v = s["vtc"]
-            print(f"  vtc max gap {v['max_gap_tokens']:,.0f} tokens (bound {v['bound_tokens']:,})")
+            print(f"  vtc max gap {v['max_gap_tokens'] or 0:,.0f} tokens "
+                  f"(bound {v['bound_tokens']:,})")
         if "prefix" in s:
             p = s["prefix"]
             print(f"  prefix light p50 {p['p50_vs_alone'] or 0:.2f}x p99 {p['p99_vs_alone'] or 0:.2f}x"

@@ -194,8 +194,9 @@ class StreamReceiver:
     an empty sentinel). A stream that restarts (the request continued on another executor)
     counts each token once (docs/protocol.md)."""
 
-    def __init__(self, nc, clock, idle_timeout_s: float = 120.0):
-        self.nc, self.clock, self.idle_timeout_s = nc, clock, idle_timeout_s
+    def __init__(self, nc, clock, cancel, idle_timeout_s: float = 120.0):
+        """`cancel(record)`: what to publish when the client gives up on a request."""
+        self.nc, self.clock, self.cancel, self.idle_timeout_s = nc, clock, cancel, idle_timeout_s
         self.prefix = nc.new_inbox()
         self.open: dict[str, tuple[RequestRecord, asyncio.Future, list[int]]] = {}
         self.ids = itertools.count()
@@ -218,8 +219,12 @@ class StreamReceiver:
         done = asyncio.get_running_loop().create_future()
         self.open[key] = (record, done, [0])
         self.last_seen[key] = self.clock()
-        await self.nc.publish(subject, _encode(msgspec.structs.replace(request, stream=True)),
-                              reply=f"{self.prefix}.{key}")
+        try:
+            await self.nc.publish(subject, _encode(msgspec.structs.replace(request, stream=True)),
+                                  reply=f"{self.prefix}.{key}")
+        except Exception as exc:  # not sent: this request's error, not a time-out later
+            record.end_time, record.error = self.clock(), f"client:{type(exc).__name__}"
+            self._close(key)
         await done
 
     async def on_msg(self, msg) -> None:
@@ -256,31 +261,36 @@ class StreamReceiver:
             record.recomputed_tokens = output.scheduling.recomputed_tokens
         self._close(key)
 
-    def _close(self, key: str) -> None:
-        _, done, _ = self.open.pop(key)
+    def _close(self, key: str, result: bool = True) -> RequestRecord | None:
+        entry = self.open.pop(key, None)
         self.last_seen.pop(key, None)
+        if entry is None:
+            return None
+        record, done, _ = entry
         if not done.done():
-            done.set_result(None)
+            done.set_result(None) if result else done.cancel()
+        return record
 
     async def watch(self) -> None:
-        """A request with no message for `idle_timeout_s` is this client's error (and is
-        cancelled, so it does not hold a slot)."""
+        """A request with no message for `idle_timeout_s` is this client's error, and is
+        cancelled so that it does not hold a slot."""
         while True:
             await asyncio.sleep(1.0)
             limit = self.clock() - self.idle_timeout_s
             for key in [k for k, seen in self.last_seen.items() if seen < limit]:
-                record = self.open[key][0]
-                record.end_time, record.error = self.clock(), "client:TimeoutError"
-                self._close(key)
+                record = self._close(key)
+                if record is not None:
+                    record.end_time, record.error = self.clock(), "client:TimeoutError"
+                    with contextlib.suppress(Exception):
+                        await self.cancel(record)
 
-    async def cancel_open(self, cancel) -> None:
+    async def cancel_open(self) -> None:
         """The run is over: what is still open is reported outstanding and cancelled."""
         for key in list(self.open):
-            record = self.open[key][0]
-            with contextlib.suppress(Exception):
-                await cancel(record)
-            _, done, _ = self.open.pop(key)
-            done.cancel()
+            record = self._close(key, result=False)
+            if record is not None:
+                with contextlib.suppress(Exception):
+                    await self.cancel(record)
 
 
 async def sample_queue(nc, clock, records, timeline: list[dict], stop: asyncio.Event,
@@ -320,7 +330,8 @@ async def run(args, url: str) -> dict:
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     stop = asyncio.Event()
-    receiver = StreamReceiver(nc, clock)
+    receiver = StreamReceiver(nc, clock, lambda r: nc.publish(subjects.cancel(r.tenant),
+                                                              _encode(Cancel(r.request_id))))
     await receiver.start()
     # Each executor's batch limit and batch, from its heartbeats (default subject prefix).
     executors: dict[str, dict] = {}
@@ -358,8 +369,7 @@ async def run(args, url: str) -> dict:
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=args.drain_timeout)
         # Reported as outstanding, not dropped; cancelled so they do not hold slots.
-        await receiver.cancel_open(lambda r: nc.publish(subjects.cancel(r.tenant),
-                                                        _encode(Cancel(r.request_id))))
+        await receiver.cancel_open()
         await asyncio.gather(*pending, return_exceptions=True)
     stop.set()
     await sampler

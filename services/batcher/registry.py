@@ -67,7 +67,8 @@ class ExecutorState:
 
     def send(self, tokens: int) -> None:
         self.sent_total += 1
-        self.sent_tokens.append((self.sent_total, tokens))
+        if self.heartbeat.room_tokens is not None:  # (an executor without a room: no charge)
+            self.sent_tokens.append((self.sent_total, tokens))
 
 
 def route_score(cached_blocks: int, prompt_blocks: int, load: float, overlap_weight: float,

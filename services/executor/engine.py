@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 import logging
 import secrets
 import time
@@ -39,7 +40,8 @@ from shared.protocol import Completion, Delta, Error, GenerateRequest, ProtocolE
 log = logging.getLogger(__name__)
 
 Output = Delta | Completion | Error
-JIT_ALPHA = 0.2  # weight of the latest step in the moving averages of step and scheduling times
+JIT_ALPHA = 0.2  # weight of the latest step in the moving average of scheduling times
+JIT_STEPS = 8  # the next step is ready by the end of the shortest of this many recent steps
 JIT_LEAD_S = 0.0005  # and a margin: the next step is ready this long before the running one ends
 OutputSink = Callable[[Output], None]
 
@@ -151,8 +153,8 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.after_step: Callable[[], None] | None = None  # called once each step is scheduled
-        self._step_s = 0.0  # moving averages: a model step, and scheduling one (s)
-        self._submit_s = 0.0
+        self._recent_steps: deque[float] = deque(maxlen=JIT_STEPS)  # the latest steps' times
+        self._submit_s = 0.0  # moving average of what scheduling a step takes (s)
 
     def on_model_thread(self, fn, *args):
         """fn(*args) on the model thread: start-up work, and anything else (a benchmark's direct
@@ -366,8 +368,7 @@ class Engine:
                     continue
                 self.scheduler.step_done(in_flight.seconds, in_flight.pace_target,
                                          in_flight.at_floor)
-                self._step_s += JIT_ALPHA * (in_flight.seconds - self._step_s) if self._step_s \
-                    else in_flight.seconds
+                self._recent_steps.append(in_flight.seconds)
                 started = time.perf_counter()
                 self._process(in_flight, sampled)
                 self.stats.loop_cpu_s += time.perf_counter() - started
@@ -382,13 +383,15 @@ class Engine:
 
     async def _until_nearly_done(self, step: _Step) -> None:
         """Pipelining, just in time: schedule the next step shortly before the running one
-        ends (by the recent step time, less twice what scheduling takes), not as it starts. The
+        ends (by the shortest of the last few steps, less twice what scheduling takes), not as
+        it starts. The
         model thread still finds the next step ready, and a request that arrives meanwhile is in
         it: it waits for one step fewer (on a simulated H100 at full batch, ~18 ms less TTFT)."""
-        if step.future.done() or self._step_s <= 0:
+        if step.future.done() or not self._recent_steps:
             return
         begun = step.started if step.started is not None else time.perf_counter()
-        wait = begun + self._step_s - 2 * self._submit_s - JIT_LEAD_S - time.perf_counter()
+        shortest = min(self._recent_steps)
+        wait = begun + shortest - 2 * self._submit_s - JIT_LEAD_S - time.perf_counter()
         if wait > 0:
             await asyncio.wait([step.future], timeout=wait)
 

@@ -31,6 +31,7 @@ PACE_INCREASE = 16  # tokens it regains after a step comfortably within the pace
 MIN_PREFILL = 16  # prompt tokens a paced step still runs besides its decodes
 PACE_SAFETY = 0.9  # aim at this share of the step time a deadline needs (the controller wobbles)
 FLOOR_ALPHA = 0.2  # weight of the latest step at the smallest paced budget in its moving average
+FLOOR_DECAY = 0.999  # per other step: the floor is forgotten (the batch it was seen at changes)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Scheduler:
         self.deadline_pacing = deadline_pacing
         self.pace_tokens = max_num_batched_tokens  # the paced step's budget (controller state)
         self.floor_step_s: float | None = None  # steps at the smallest paced budget, lately
+        self.step_budget = max_num_batched_tokens  # the latest step's token budget
         self.at_floor = False  # whether the latest schedule() ran at that budget
         self.paced_steps = 0
         self.preemption_margin = preemption_margin
@@ -111,9 +113,11 @@ class Scheduler:
             left = seq.num_tokens - seq.num_computed_tokens
             backlog += left
             blocks += -(-left // bs)
-        per_step = max(self.max_num_batched_tokens - decodes, self.max_num_batched_tokens // 4)
+        # While deadline pacing holds steps back, the prefill a step does is what it allows.
+        per_step = max(self.step_budget - decodes, MIN_PREFILL)
+        prefill = max(1, int(horizon_steps * per_step))
         kv_tokens = (bm.num_free_blocks - self.watermark_blocks - blocks) * bs
-        return min(int(horizon_steps * per_step) - backlog, kv_tokens)
+        return min(prefill - backlog, kv_tokens)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -128,16 +132,26 @@ class Scheduler:
         self.block_manager.free_seq(seq)
 
     def pace_target(self, now: float) -> float | None:
-        """The step time (s) the most pressed running request with a deadline needs: its time
+        """The step time (s) the most pressed running request with a deadline, among those that
+        outrank every prefill pacing would hold back, needs: its time
         left over the steps it still needs (its outputs up to max_tokens, and its prefill at a
         full budget a step). Those that could not keep up even at the smallest paced steps are
         left out. None: nobody needs a pace. (One step more than it needs: the one in flight
         while the next is scheduled.)"""
         target = math.inf
         floor = 0.0 if self.floor_step_s is None else self.floor_step_s
+        # Pacing holds back prefill: only for a request that outranks every prefill it holds
+        # back (no low-priority deadline may slow a high-priority prompt).
+        held = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        if self.waiting:
+            held.append(self.waiting[0])
+        ranked = sorted(held, key=Sequence.sort_key)[:2]
         for seq in self.running:
             if seq.deadline is None:
                 continue
+            rivals = [s for s in ranked if s is not seq][:1]
+            if rivals and rivals[0].sort_key() < seq.sort_key():
+                continue  # a prefill it would hold back outranks it
             steps = max(1, seq.sampling.max_tokens - seq.num_output_tokens) + 1
             prefill = seq.num_tokens - seq.num_computed_tokens
             if prefill > 1:
@@ -150,10 +164,12 @@ class Scheduler:
     def step_done(self, seconds: float, target: float | None, at_floor: bool = False) -> None:
         """A step ran in `seconds`; it was scheduled for a pace of `target` (None: unpaced),
         `at_floor`: at the smallest paced budget."""
+        floor = self.floor_step_s
         if at_floor:
-            floor = self.floor_step_s
             self.floor_step_s = seconds if floor is None else floor + FLOOR_ALPHA * (
                 seconds - floor)
+        elif floor is not None:
+            self.floor_step_s = floor * FLOOR_DECAY
         ceiling = self.max_num_batched_tokens
         if target is not None and seconds > target:
             self.pace_tokens = max(MIN_PREFILL, int(self.pace_tokens * PACE_DECREASE))
@@ -169,11 +185,12 @@ class Scheduler:
         scheduled: dict[Sequence, int] = {}
         self.running.sort(key=Sequence.sort_key)
         self.at_floor = False
+        self.step_budget = budget
         if target is not None:
             decoding = sum(1 for s in self.running if self._tokens_to_run(s) <= 1)
             paced = max(self.pace_tokens, decoding + MIN_PREFILL)
             if paced < budget:
-                budget = paced
+                budget = self.step_budget = paced
                 self.paced_steps += 1
                 self.at_floor = paced == decoding + MIN_PREFILL
 
@@ -204,15 +221,13 @@ class Scheduler:
                 if victim is None:
                     break
                 budget += scheduled.pop(victim, 0)
+            lost = 0  # back from a preemption: what must run again
             if not seq.block_table:
                 cached = bm.take_cached_prefix(seq)
                 if not seq.admitted_once:
                     seq.num_cached_tokens = cached
-                elif seq.discarded_tokens:  # back from a preemption: what must run again
+                elif seq.discarded_tokens:
                     lost = max(0, min(seq.discarded_tokens, seq.num_tokens - 1) - cached)
-                    seq.recomputed_tokens += lost
-                    self.num_recomputed_tokens += lost
-                    seq.discarded_tokens = 0
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.can_allocate(seq, num_new, reserve=self.watermark_blocks):
                 victim = self._preempt_lower(seq, same_pool=True)
@@ -228,6 +243,10 @@ class Scheduler:
                 index += 1
                 continue
             bm.allocate(seq, num_new)
+            if lost:
+                seq.recomputed_tokens += lost
+                self.num_recomputed_tokens += lost
+                seq.discarded_tokens = 0
             self.waiting.pop(index)
             seq.status = SeqStatus.RUNNING
             seq.admitted_once = True

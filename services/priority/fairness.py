@@ -106,9 +106,17 @@ class OutputPredictor:
     """How many tokens a request will really generate: max_tokens times a moving average, per
     (tenant, priority), of the share of max_tokens that finished requests used."""
 
+    KNOWN_AFTER = 5  # completions of a (tenant, priority) before its prediction is trusted
+
     def __init__(self, alpha: float, prior: float):
         self.alpha, self.prior = alpha, prior
         self.ratios: dict[tuple[str, int], float] = {}
+        self.seen: dict[tuple[str, int], int] = {}
+
+    def knows(self, tenant: str, priority: int) -> bool:
+        """Whether the prediction stands on that tenant's class's own completions (not the
+        prior alone, which assumes the whole max_tokens)."""
+        return self.seen.get((tenant, priority), 0) >= self.KNOWN_AFTER
 
     def predict(self, tenant: str, priority: int, max_tokens: int) -> int:
         ratio = self.ratios.get((tenant, priority), self.prior)
@@ -122,3 +130,4 @@ class OutputPredictor:
         seen = min(1.0, output_tokens / max_tokens)
         old = self.ratios.get(key, self.prior)
         self.ratios[key] = old + self.alpha * (seen - old)
+        self.seen[key] = self.seen.get(key, 0) + 1

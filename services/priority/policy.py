@@ -107,6 +107,7 @@ class Waiting:
     fairness: np.ndarray  # the tenant's fairness term
     tenant: np.ndarray  # the tenant's index (int)
     prompt: np.ndarray | None = None  # prompt tokens (None: all of the demand is output)
+    known: np.ndarray | None = None  # whether the predicted output stands on history (bool)
 
 
 @dataclass
@@ -153,16 +154,20 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     waited = now - waiting.arrival
     aged = waited >= cfg.max_wait_s
     over_share = over_share_of(waiting.fairness, cfg)
-    first = aged & ~over_share
-    terms["aged"] = first.astype(float)
+    # Hopeless by an estimate of its own class's history, never by the prior alone (which
+    # assumes every request uses all of its max_tokens); hopeless goes last even when aged.
     late = hopeless(slack, service, cfg.time_window)
+    if waiting.known is not None:
+        late &= waiting.known
     terms["hopeless"] = late.astype(float)
+    first = aged & ~over_share & ~late
+    terms["aged"] = first.astype(float)
     key = np.where(first, AGED + waited, np.where(late, score - HOPELESS, score))
     if first.any():  # deadlines at stake go ahead of the aged (DESIGN: classes' promises first)
         at_stake = critical(slack, service, cfg.time_window)
         terms["critical"] = at_stake.astype(float)
         key = np.where(at_stake, CRITICAL + score, key)
-    held = aged & over_share
+    held = aged & over_share & ~late
     if held.any():  # aged, but its tenant is over its share: the head of its own line only,
         # here and at the executor (there by standing, which leaves out every urgency)
         rows = waiting.tenant

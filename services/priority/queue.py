@@ -20,7 +20,7 @@ from shared.messages import WorkItem
 
 _COLUMNS = {"priority": np.int64, "seq": np.float64, "arrival": np.float64,
             "deadline": np.float64, "demand": np.float64, "prompt": np.float64,
-            "tenant": np.int64}
+            "known": np.bool_, "tenant": np.int64}
 
 
 class WaitingQueue:
@@ -54,9 +54,11 @@ class WaitingQueue:
             self.tenants.append(tenant)
         return index
 
-    def push(self, item: WorkItem, demand_tokens: float, past_bound: bool = False) -> None:
-        """`past_bound`: a request that was here before (an assignment failed), taken back even
-        when the queue is full."""
+    def push(self, item: WorkItem, demand_tokens: float, past_bound: bool = False,
+             known: bool = False) -> None:
+        """`past_bound`: taken even when the queue is full (a request that was here before, or
+        one that another made room for). `known`: its demand stands on the tenant's own history,
+        not the predictor's prior."""
         key = (item.tenant, item.request_id)
         assert (past_bound or not self.full) and key not in self._row_of
         row = len(self._items)
@@ -71,6 +73,7 @@ class WaitingQueue:
         cols["deadline"][row] = deadline
         cols["demand"][row] = demand_tokens
         cols["prompt"][row] = item.num_prompt_tokens
+        cols["known"][row] = known
         cols["tenant"][row] = self.tenant_index(item.tenant)
         self._items.append(item)
         self._row_of[key] = row
@@ -110,7 +113,8 @@ class WaitingQueue:
                               arrival=cols["arrival"][:n], deadline=cols["deadline"][:n],
                               demand=cols["demand"][:n],
                               fairness=fairness_by_tenant[cols["tenant"][:n]],
-                              tenant=cols["tenant"][:n], prompt=cols["prompt"][:n])
+                              tenant=cols["tenant"][:n], prompt=cols["prompt"][:n],
+                              known=cols["known"][:n])
 
     def item(self, row: int) -> WorkItem:
         return self._items[row]

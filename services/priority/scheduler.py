@@ -17,6 +17,8 @@ from shared.messages import Finished, WorkItem
 
 
 MISSED_MS = 1e9  # the TTFT a request that never got a token counts as
+NO_ROOM_S = 0.05  # how long "nothing to push out" stands for a full queue that did not change
+ANY_PRIORITY = 1 << 30  # above every priority a request may carry
 
 
 @dataclass
@@ -38,6 +40,9 @@ class RequestScheduler:
         self.executor_tenants: dict[str, dict[str, int]] = {}  # name -> requests per tenant
         self.executor_step_s: dict[str, float] = {}  # name -> its recent mean step time
         self.served: dict[str, dict[str, int]] = {}  # tenant -> prompt and output tokens
+        self.changes = 0  # requests taken out of the queue so far (dispatched, removed, expired)
+        self._no_room: tuple | None = None  # the latest push_out_for that found nothing...
+        self._no_room_at = 0.0  # ...and when
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -49,7 +54,8 @@ class RequestScheduler:
         slots = sum(s for _, s in self.executor_load.values())
         return busy / slots if slots else 0.0
 
-    def push(self, item: WorkItem) -> None:
+    def push(self, item: WorkItem, past_bound: bool = False) -> None:
+        """Queue `item`; `past_bound`: even when full (another request made room for it)."""
         back = bool(item.charged)  # from the batcher (an assignment failed): it was here before
         if back:  # refund the advance
             self.counters.charge(item.tenant, -item.charged)
@@ -58,7 +64,8 @@ class RequestScheduler:
         item.predicted_output_tokens = self.predictor.predict(item.tenant, request.priority,
                                                               request.max_tokens)
         self.queue.push(item, item.num_prompt_tokens + item.predicted_output_tokens,
-                        past_bound=back)
+                        past_bound=back or past_bound,
+                        known=self.predictor.knows(item.tenant, request.priority))
         self.counters.enqueued(item.tenant)
 
     def push_out_for(self, newcomer: WorkItem, now: float) -> tuple[WorkItem | None, str]:
@@ -74,6 +81,12 @@ class RequestScheduler:
         backlog = self.counters.backlog
         if not backlog:
             return None, ""
+        # While the queue is full, every refused submission would rescan it: an answer of
+        # "nothing to push out" stands for the same tenant and class until the queue changes,
+        # for up to NO_ROOM_S (hopelessness moves with the clock).
+        asked = (newcomer.tenant, newcomer.request.priority, self.changes)
+        if self._no_room == asked and now - self._no_room_at < NO_ROOM_S:
+            return None, ""
         if self.cfg.policy == "adaptive":
             waiting = self.queue.waiting(self.fairness_terms())
             late = np.flatnonzero(self.scores(now, waiting).terms["hopeless"] == 1)
@@ -86,21 +99,26 @@ class RequestScheduler:
         eligible = lambda i: not i.durable  # noqa: E731
         item = None
         if backlog[largest] > mine + 1:
-            item = self.queue.lowest([largest], self.cfg.priority_levels + 1, eligible)
+            item = self.queue.lowest([largest], ANY_PRIORITY, eligible)
         if item is None:
             peers = [t for t, n in backlog.items() if n >= mine]
             item = self.queue.lowest(peers, newcomer.request.priority, eligible)
-        return (None, "") if item is None else (self.remove(item.request_id, item.tenant), "share")
+        if item is None:
+            self._no_room, self._no_room_at = asked, now
+            return None, ""
+        return self.remove(item.request_id, item.tenant), "share"
 
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         item = self.queue.remove(request_id, tenant)
         if item is not None:
             self.counters.dequeued(tenant)
+            self.changes += 1
         return item
 
     def expired(self, now: float) -> list[WorkItem]:
         """Requests whose deadline passed while they waited; each counts as a class SLO miss."""
         items = self.queue.expired(now)
+        self.changes += len(items)
         for item in items:
             self.counters.dequeued(item.tenant)
             self.class_weights.observe(item.request.priority, MISSED_MS, now)
@@ -167,6 +185,7 @@ class RequestScheduler:
         else:
             rows, shifts = self._pick_fairly(scored, seq, min(max_items, n))
         dispatches = []
+        self.changes += len(rows)
         for row, shift, item in zip(rows, shifts, self.queue.take(rows)):
             terms = {name: float(t[row]) for name, t in scored.terms.items()}
             if "fairness" in terms:

@@ -12,7 +12,7 @@ import time
 import structlog
 from nats.micro import Request
 
-from services.priority.scheduler import RequestScheduler
+from services.priority.scheduler import MISSED_MS, RequestScheduler
 from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_forever
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
@@ -190,34 +190,11 @@ class PriorityService:
             error = Error(request_id=item.request_id, code="invalid_request",
                           message=f"`request_id` {item.request_id!r} is already waiting")
         elif self.queue.full and not item.charged:  # (a request back from the batcher: taken)
-            self.counts["overloaded"] += 1
-            pushed, why = self.scheduler.push_out_for(item, time.time())
-            if pushed is None:
-                error = Error(request_id=item.request_id, code="overloaded",
-                              message=f"the waiting queue is full (max_pending_requests "
-                                      f"{self.queue.capacity})")
-            else:
-                span = self.wait_spans.pop((pushed.tenant, pushed.request_id))
-                span.set_attribute("pushed_out", why)
-                span.end()
-                full = f"the waiting queue is full (max_pending_requests {self.queue.capacity})"
-                if why == "hopeless":
-                    self.counts["deadline_exceeded"] += 1
-                    pushed_out = Error(
-                        request_id=pushed.request_id, code="deadline_exceeded",
-                        message=f"{full} and `deadline_ms` {pushed.request.deadline_ms:g} can "
-                                f"no longer be met (it needs more time than is left): it made "
-                                f"room for another request")
-                else:
-                    pushed_out = Error(
-                        request_id=pushed.request_id, code="overloaded",
-                        message=f"{full}: this request made room for one of a tenant holding "
-                                f"less of the queue, or of a higher priority")
-                await self.outbox.final(pushed, pushed_out)
+            error = await self.make_room(item)
         if error is not None:
             await request.respond(encode(SubmitReply(error=error)))
             return
-        self.scheduler.push(item)
+        self.scheduler.push(item, past_bound=True)  # room was made, or it is back from the batcher
         self.counts["submitted"] += 1
         self.wait_spans[(item.tenant, item.request_id)] = self.tracer.start_span(
             "priority.queue", context=context_from(item.trace),
@@ -225,6 +202,33 @@ class PriorityService:
                         "priority": item.request.priority})
         self.arrived.set()
         await request.respond(encode(SubmitReply()))
+
+    async def make_room(self, newcomer: WorkItem) -> Error | None:
+        """The queue is full: push a waiting request out for `newcomer` (it gets its answer
+        now), or the Error that refuses `newcomer`."""
+        full = f"the waiting queue is full (max_pending_requests {self.queue.capacity})"
+        now = time.time()
+        pushed, why = self.scheduler.push_out_for(newcomer, now)
+        if pushed is None:
+            self.counts["overloaded"] += 1
+            return Error(request_id=newcomer.request_id, code="overloaded", message=full)
+        span = self.wait_spans.pop((pushed.tenant, pushed.request_id))
+        span.set_attribute("pushed_out", why)
+        span.end()
+        if why == "hopeless":
+            self.counts["deadline_exceeded"] += 1
+            self.scheduler.class_weights.observe(pushed.request.priority, MISSED_MS, now)
+            answer = Error(request_id=pushed.request_id, code="deadline_exceeded",
+                           message=f"{full} and `deadline_ms` {pushed.request.deadline_ms:g} "
+                                   f"can no longer be met (it needs more time than is left): "
+                                   f"it made room for another request")
+        else:
+            self.counts["overloaded"] += 1
+            answer = Error(request_id=pushed.request_id, code="overloaded",
+                           message=f"{full}: this request made room for one of a tenant "
+                                   f"holding less of the queue, or of a higher priority")
+        await self.outbox.final(pushed, answer)
+        return None
 
     async def on_next(self, request: Request) -> None:
         """Each pull is answered in its own task: an endpoint's handler runs one message at a

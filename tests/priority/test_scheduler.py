@@ -248,14 +248,19 @@ def test_a_full_queue_pushes_out_the_largest_tenants_lowest_latest_or_a_lower_cl
 
 
 def test_a_full_queue_first_sheds_a_request_that_can_no_longer_make_its_deadline():
-    sched = RequestScheduler(RequestLevel(max_pending_requests=3))
+    sched = RequestScheduler(RequestLevel(max_pending_requests=4))
     sched.executor_report("e0", busy=1, slots=1, tenants={}, step_ms=20.0)
+    sched.push(item("unknown", tenant="new", priority=9, deadline=3.0))  # no history yet
+    for _ in range(5):  # tenant t's priority-9 requests use all of their max_tokens
+        sched.finished(finished("t", 100, 100, priority=9), now=0.0)
     sched.push(item("low", priority=1))
     sched.push(item("late", priority=9, deadline=3.0))  # 100 tokens at 20 ms: needs ~2 s
     sched.push(item("fine", priority=5, deadline=10.0))
     assert sched.push_out_for(item("new", priority=1), now=0.0) == (None, "")  # all can make it
-    pushed, why = sched.push_out_for(item("new", priority=1), now=2.5)
+    pushed, why = sched.push_out_for(item("new2", priority=1), now=2.5)
+    # Only by its class's own history: "unknown" is judged by the prior alone, never hopeless.
     assert (pushed.request_id, why) == ("late", "hopeless")
+    assert sched.scores(2.5).terms["hopeless"].sum() == 0
 
 
 def test_a_request_back_from_the_batcher_is_taken_past_the_bound():
