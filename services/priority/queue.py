@@ -129,19 +129,6 @@ class WaitingQueue:
             items[row] = self._take(row)
         return [items[row] for row in rows]
 
-    def lowest(self, tenants: list[str], below_priority: int, eligible) -> WorkItem | None:
-        """Of the waiting requests of `tenants` with a priority under `below_priority`, the
-        lowest priority, latest arrived, for which `eligible(item)`."""
-        indexes = [self._tenant_ids[t] for t in tenants if t in self._tenant_ids]
-        n = len(self._items)
-        cols = self._cols
-        rows = np.flatnonzero(np.isin(cols["tenant"][:n], indexes)
-                              & (cols["priority"][:n] < below_priority))
-        for row in rows[np.lexsort((-cols["seq"][:n][rows], cols["priority"][:n][rows]))]:
-            if eligible(self._items[row]):
-                return self._items[row]
-        return None
-
     def pop_all(self) -> list[WorkItem]:
         items = list(self._items)
         for item in items:

@@ -5,6 +5,7 @@ executors' load — fed by submissions, pulls and the executors' reports. Knows 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,8 +18,24 @@ from shared.messages import Finished, WorkItem
 
 
 MISSED_MS = 1e9  # the TTFT a request that never got a token counts as
-NO_ROOM_S = 0.05  # how long "nothing to push out" stands for a full queue that did not change
-ANY_PRIORITY = 1 << 30  # above every priority a request may carry
+VICTIMS_S = 0.2  # how long a full queue's ranking of requests to push out is reused
+
+
+@dataclass
+class _Victims:
+    """A full queue's requests ranked for push-out (RequestScheduler.push_out_for)."""
+
+    at: float  # when ranked
+    hopeless: deque = field(default_factory=deque)  # (tenant, id), earliest deadline first
+    # tenant -> (priority, -arrival seq, (tenant, id)), the lowest class and latest first
+    by_tenant: dict[str, deque] = field(default_factory=dict)
+
+    def head(self, tenant: str, queue: WaitingQueue) -> tuple | None:
+        """The tenant's next candidate still waiting (those gone since are dropped)."""
+        line = self.by_tenant.get(tenant)
+        while line and line[0][2] not in queue:
+            line.popleft()
+        return line[0] if line else None
 
 
 @dataclass
@@ -40,9 +57,7 @@ class RequestScheduler:
         self.executor_tenants: dict[str, dict[str, int]] = {}  # name -> requests per tenant
         self.executor_step_s: dict[str, float] = {}  # name -> its recent mean step time
         self.served: dict[str, dict[str, int]] = {}  # tenant -> prompt and output tokens
-        self.changes = 0  # requests taken out of the queue so far (dispatched, removed, expired)
-        self._no_room: tuple | None = None  # the latest push_out_for that found nothing...
-        self._no_room_at = 0.0  # ...and when
+        self._victim_cache: _Victims | None = None  # push_out_for's ranking, while it holds
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -77,48 +92,64 @@ class RequestScheduler:
         goes (one tenant's flood cannot lock the others out); else a request of a lower class
         than the newcomer's, of a tenant holding at least as much as the newcomer's (a flood of
         low-priority work cannot lock out high-priority work). Durable requests never go:
-        admission holds them and would only submit them again."""
+        admission holds them and would only submit them again.
+
+        A full queue under a flood sees a push-out on every submission, so the candidates are
+        ranked once (O(n log n)) and reused for VICTIMS_S; each push-out then costs O(tenants).
+        Candidates taken out meanwhile are skipped; requests that arrived since are not yet
+        candidates."""
         backlog = self.counters.backlog
         if not backlog:
             return None, ""
-        # While the queue is full, every refused submission would rescan it: an answer of
-        # "nothing to push out" stands for the same tenant and class until the queue changes,
-        # for up to NO_ROOM_S (hopelessness moves with the clock).
-        asked = (newcomer.tenant, newcomer.request.priority, self.changes)
-        if self._no_room == asked and now - self._no_room_at < NO_ROOM_S:
-            return None, ""
-        if self.cfg.policy == "adaptive":
-            waiting = self.queue.waiting(self.fairness_terms())
-            late = np.flatnonzero(self.scores(now, waiting).terms["hopeless"] == 1)
-            for row in late[np.argsort(waiting.deadline[late])]:
-                item = self.queue.item(int(row))
-                if not item.durable:
-                    return self.remove(item.request_id, item.tenant), "hopeless"
+        victims = self._victims(now)
+        while victims.hopeless:
+            key = victims.hopeless.popleft()
+            if key in self.queue:
+                return self.remove(key[1], key[0]), "hopeless"
         mine = backlog.get(newcomer.tenant, 0)
         largest = max(backlog, key=backlog.get)
-        eligible = lambda i: not i.durable  # noqa: E731
-        item = None
         if backlog[largest] > mine + 1:
-            item = self.queue.lowest([largest], ANY_PRIORITY, eligible)
-        if item is None:
-            peers = [t for t, n in backlog.items() if n >= mine]
-            item = self.queue.lowest(peers, newcomer.request.priority, eligible)
-        if item is None:
-            self._no_room, self._no_room_at = asked, now
+            head = victims.head(largest, self.queue)
+            if head is not None:
+                victims.by_tenant[largest].popleft()
+                return self.remove(head[2][1], largest), "share"
+        heads = [(head, tenant) for tenant, n in backlog.items() if n >= mine
+                 if (head := victims.head(tenant, self.queue)) is not None
+                 and head[0] < newcomer.request.priority]
+        if not heads:
             return None, ""
-        return self.remove(item.request_id, item.tenant), "share"
+        head, tenant = min(heads)
+        victims.by_tenant[tenant].popleft()
+        return self.remove(head[2][1], tenant), "share"
+
+    def _victims(self, now: float) -> _Victims:
+        if self._victim_cache is not None and now - self._victim_cache.at < VICTIMS_S:
+            return self._victim_cache
+        waiting = self.queue.waiting(self.fairness_terms())
+        items = [self.queue.item(row) for row in range(len(self.queue))]
+        victims = _Victims(at=now)
+        if self.cfg.policy == "adaptive":
+            late = np.flatnonzero(self.scores(now, waiting).terms["hopeless"] == 1)
+            victims.hopeless.extend((items[r].tenant, items[r].request_id)
+                                    for r in late[np.argsort(waiting.deadline[late])]
+                                    if not items[r].durable)
+        for row in np.lexsort((-waiting.seq, waiting.priority)):  # lowest class, latest first
+            item = items[row]
+            if not item.durable:
+                victims.by_tenant.setdefault(item.tenant, deque()).append(
+                    (item.request.priority, -waiting.seq[row], (item.tenant, item.request_id)))
+        self._victim_cache = victims
+        return victims
 
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         item = self.queue.remove(request_id, tenant)
         if item is not None:
             self.counters.dequeued(tenant)
-            self.changes += 1
         return item
 
     def expired(self, now: float) -> list[WorkItem]:
         """Requests whose deadline passed while they waited; each counts as a class SLO miss."""
         items = self.queue.expired(now)
-        self.changes += len(items)
         for item in items:
             self.counters.dequeued(item.tenant)
             self.class_weights.observe(item.request.priority, MISSED_MS, now)
@@ -185,7 +216,6 @@ class RequestScheduler:
         else:
             rows, shifts = self._pick_fairly(scored, seq, min(max_items, n))
         dispatches = []
-        self.changes += len(rows)
         for row, shift, item in zip(rows, shifts, self.queue.take(rows)):
             terms = {name: float(t[row]) for name, t in scored.terms.items()}
             if "fairness" in terms:

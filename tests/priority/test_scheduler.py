@@ -233,18 +233,18 @@ def test_a_full_queue_pushes_out_the_largest_tenants_lowest_latest_or_a_lower_cl
     sched.push(durable)
     assert sched.queue.full
     light = item("l0", tenant="light", priority=5)
-    pushed = sched.push_out_for(light, 0.0)[0]  # heavy's lowest, latest; durable ones stay
+    pushed = sched.push_out_for(light, 1.0)[0]  # heavy's lowest, latest; durable ones stay
     assert pushed.request_id == "h3" and len(sched.queue) == 4
     assert sched.counters.backlog == {"heavy": 4}
     sched.push(light)
-    assert sched.push_out_for(item("l1", tenant="light"), 0.0)[0].request_id == "h1"
+    assert sched.push_out_for(item("l1", tenant="light"), 2.0)[0].request_id == "h1"
     sched.push(item("l1", tenant="light"))
     # heavy holds 3, light would hold 3: only a lower class than the newcomer's of a tenant
     # holding at least as much.
-    assert sched.push_out_for(item("l2", tenant="light", priority=1), 0.0)[0] is None
-    assert sched.push_out_for(item("l2", tenant="light", priority=9), 0.0)[0].request_id == "h0"
+    assert sched.push_out_for(item("l2", tenant="light", priority=1), 3.0)[0] is None
+    assert sched.push_out_for(item("l2", tenant="light", priority=9), 3.0)[0].request_id == "h0"
     sched.push(item("l2", tenant="light", priority=9))
-    assert sched.push_out_for(item("h5", tenant="heavy", priority=9), 0.0)[0].request_id == "l1"
+    assert sched.push_out_for(item("h5", tenant="heavy", priority=9), 4.0)[0].request_id == "l1"
 
 
 def test_a_full_queue_first_sheds_a_request_that_can_no_longer_make_its_deadline():
@@ -272,3 +272,15 @@ def test_a_request_back_from_the_batcher_is_taken_past_the_bound():
     assert sched.queue.full and dispatch.item.charged > 0
     sched.push(dispatch.item)
     assert len(sched.queue) == 3
+
+
+def test_push_outs_under_a_flood_reuse_one_ranking_and_skip_what_left_since():
+    sched = RequestScheduler(RequestLevel(max_pending_requests=4))
+    for i in range(4):
+        sched.push(item(f"h{i}", tenant="heavy", priority=1))
+    assert sched.push_out_for(item("l0", tenant="light"), 0.0)[0].request_id == "h3"
+    sched.push(item("l0", tenant="light"), past_bound=True)
+    sched.remove("h2", "heavy")  # cancelled meanwhile: the ranking skips it
+    sched.push(item("h9", tenant="heavy", priority=1))  # after the ranking: not yet a candidate
+    assert sched.push_out_for(item("l1", tenant="light"), 0.1)[0].request_id == "h1"
+    assert sched.push_out_for(item("l2", tenant="light"), 0.5)[0].request_id == "h9"  # re-ranked
