@@ -136,11 +136,15 @@ async def test_a_full_queue_makes_room_for_a_lighter_tenant_and_a_higher_class(t
     """Two slots busy, room for two at priority: a tenant that fills the queue cannot lock
     another tenant out, nor a flood of priority-1 work a priority-9 request. The request pushed
     out gets `overloaded` at once; every request gets exactly one answer."""
-    settings = {**SMALL_EXECUTOR, "scheduler.request_level.max_pending_requests": 2}
+    # The 135M shape (random weights) runs a token per few tens of milliseconds here, so the
+    # busy slots stay busy for the whole test (the tiny model would finish them in a second).
+    # They are priority 9, so no newcomer preempts them and the queue stays full.
+    settings = {**SMALL_EXECUTOR, "scheduler.request_level.max_pending_requests": 2,
+                "model.name": "dummy:smollm2-135m"}
     async with running_stack(tmp_path, settings=settings) as stack:
         async with await JetserveClient.connect(stack.url, tenant="heavy") as heavy, \
                 await JetserveClient.connect(stack.url, tenant="light") as light:
-            busy = [asyncio.create_task(heavy.generate(request(f"busy-{i}", 2000, priority=1),
+            busy = [asyncio.create_task(heavy.generate(request(f"busy-{i}", 2000, priority=9),
                                                        timeout=60)) for i in range(2)]
             await wait_for_stat(heavy, "executor", "running", 2)
             queued = [asyncio.create_task(heavy.generate(request(f"q-{i}", 8, priority=1),
@@ -156,6 +160,7 @@ async def test_a_full_queue_makes_room_for_a_lighter_tenant_and_a_higher_class(t
                                                         timeout=60))
             pushed = await asyncio.wait_for(queued[0], 10)  # a lower class made room
             assert isinstance(pushed, Error) and pushed.code == "overloaded"
+            assert (await priority_stats(heavy))["queue_depth"] == 2
             for i in range(2):
                 await heavy.cancel(f"busy-{i}")
             done = await asyncio.gather(newcomer, urgent, *busy)
