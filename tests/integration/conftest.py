@@ -12,9 +12,7 @@ import msgspec
 from services.stack import Stack, free_port
 from shared.protocol import Completion, GenerateRequest
 
-# One thread an executor: the tiny model gains nothing from a second, and two executors of two
-# threads each on a 2-core machine spin against each other (a step took 80 ms instead of 1).
-TINY_STACK = {"model.name": "dummy:tiny", "model.num_threads": 1, "kv_cache.num_blocks": 512,
+TINY_STACK = {"model.name": "dummy:tiny", "kv_cache.num_blocks": 512,
               "distributed.heartbeat_interval_s": 0.2, "distributed.drain_timeout_s": 5,
               # Several stacks may run at once: metrics only where a test asks for them.
               **{f"monitoring.metrics_port.{kind}": 0

@@ -61,6 +61,12 @@ async def test_up_serves_until_sigterm(tmp_path):
                      "queue_depth=0", "kv usage"):
             assert name in out, out
         assert len(processes_using(url)) == 6  # nats-server, three services, two executors
+        # Two executors on one host split its cores rather than each spinning on all of them.
+        share = f"JETSERVE_MODEL__NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // 2)}"
+        threads = [share.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                   for pid in processes_using(url)
+                   if b"services.executor" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert threads == [True, True], threads
     finally:
         if up.returncode is None:
             up.send_signal(signal.SIGTERM)
