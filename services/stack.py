@@ -61,11 +61,12 @@ class Stack:
                 **env_overrides({**self.settings, "nats.url": self.url})}
 
     def _executor_env(self) -> dict[str, str]:
-        """Executors on one host share its cores: unless the configuration names a thread count,
-        each gets its share of them. (Two executors that each took both cores of a 2-core machine
-        spun against each other: a step of the tiny model took 80 ms instead of 1.)"""
+        """Executors on one host share its cores: unless the configuration (or OMP_NUM_THREADS)
+        names a thread count, each gets its share of them. (Two executors that each took both
+        cores of a 2-core machine spun against each other: a tiny step took 80 ms, not 1.)"""
         env = self._env()
-        if self.num_executors > 1 and load_config(self.config_path, env).model.num_threads is None:
+        if self.num_executors > 1 and "OMP_NUM_THREADS" not in env \
+                and load_config(self.config_path, env).model.num_threads is None:
             cores = len(os.sched_getaffinity(0))
             env["JETSERVE_MODEL__NUM_THREADS"] = str(max(1, cores // self.num_executors))
         return env

@@ -17,8 +17,9 @@ from tests.integration.conftest import busy_executor, running_stack
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
 # Checkpoints ride on the holding report, once a heartbeat interval: at 0.25 s one is at most a
-# few tokens behind.
-SMOLLM2 = {"model.name": "SmolLM2-135M-Instruct", "kv_cache.num_blocks": 1024,
+# few tokens behind. On the CPU: a GPU could finish the 96 tokens before the kill.
+SMOLLM2 = {"model.name": "SmolLM2-135M-Instruct", "model.device": "cpu",
+           "kv_cache.num_blocks": 1024,
            "distributed.heartbeat_interval_s": 0.25, "distributed.heartbeat_timeout_s": 1.5}
 CHECKPOINT_WAIT_S = 2 * SMOLLM2["distributed.heartbeat_interval_s"]
 decode_delta = msgspec.json.Decoder(Delta).decode

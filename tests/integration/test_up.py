@@ -38,7 +38,9 @@ async def run(*args: str) -> tuple[int, str, str]:
 async def test_up_serves_until_sigterm(tmp_path):
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
-    env = {**os.environ, "JETSERVE_KV_CACHE__NUM_BLOCKS": "256"}
+    env = {**{k: v for k, v in os.environ.items()
+              if k not in ("JETSERVE_MODEL__NUM_THREADS", "OMP_NUM_THREADS")},
+           "JETSERVE_KV_CACHE__NUM_BLOCKS": "256"}
     up = await asyncio.create_subprocess_exec(
         *jetserve_command(), "up", "--nats-port", str(port), "--state-dir", str(tmp_path),
         "--model", "dummy:tiny", "--executors", "2", env=env,
