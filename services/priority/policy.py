@@ -9,7 +9,7 @@ the executors' load. Each term works on scalars too, which is how the unit tests
           + resource_weight * resource
           + fairness
     urgency         = 1 / (1 + exp(margin / time_window))    margin = deadline - now - service
-                      fading once margin < -time_window (it can no longer make its deadline)
+                      for margin >= 0; 0.5 * exp(margin / time_window) once late
     service         = (predicted output + prompt / prefill per step) * executor step time
     resource        = ln(prompt + predicted output) / resource_scale
     load_adjustment = clamp(1 + (load - load_threshold) * load_weight)
@@ -53,13 +53,14 @@ def urgency(slack_s, time_window: float):
 
 def deadline_urgency(slack_s, service_s, time_window: float):
     """Urgency of a request that needs about `service_s` to complete and has `slack_s` left:
-    the urgency of its margin (slack - service), rising to 0.73 when it is one time window
-    late by that estimate, and fading beyond: a request that can no longer make its deadline
-    stops taking the place of one that still can. 0 without a deadline."""
+    the urgency of its margin (slack - service), rising to 0.5 as the margin reaches zero and
+    fading once it is late by that estimate (by 1/e a time window late): a request that is
+    already behind stops taking the place of one that can still make it. 0 without a
+    deadline."""
     slack = np.asarray(slack_s, dtype=float)
     margin = slack - np.asarray(service_s, dtype=float)
-    late = np.minimum(0.0, margin / time_window + 1.0)  # < 0 past one window late
-    rising = urgency(np.maximum(margin, -time_window), time_window)
+    late = np.minimum(0.0, margin / time_window)  # < 0 once late
+    rising = urgency(np.maximum(margin, 0.0), time_window)
     return np.where(slack == np.inf, 0.0, rising * np.exp(np.maximum(late, -50.0)))
 
 

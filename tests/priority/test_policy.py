@@ -130,14 +130,19 @@ def test_aging_holds_an_over_share_tenant_to_the_head_of_its_own_line():
     assert order(w, now=12.0, config=config) == [0, 1, 2, 3]
 
 
-def test_deadline_urgency_counts_the_time_a_request_needs_and_fades_once_it_cannot_make_it():
+def test_deadline_urgency_counts_the_time_a_request_needs_and_fades_once_it_is_late():
     # 10 s of slack; the request needs 9 s (service): its margin is 1 s, as urgent as a request
     # with 1 s of slack that needs nothing.
     assert policy.deadline_urgency(10.0, 9.0, 1.0) == pytest.approx(policy.urgency(1.0, 1.0))
-    on_time, one_late, far_late = policy.deadline_urgency(np.array([5.0, 5.0, 5.0]),
-                                                          np.array([5.0, 6.0, 9.0]), 1.0)
-    assert on_time == pytest.approx(0.5) and one_late == pytest.approx(policy.urgency(-1.0, 1.0))
-    assert far_late == pytest.approx(one_late * math.exp(-3.0))  # 4 s late: fading
+    early, on_time, half_late, one_late = policy.deadline_urgency(
+        np.array([5.0, 5.0, 5.0, 5.0]), np.array([4.5, 5.0, 5.5, 6.0]), 1.0)
+    # The peak is a margin of zero: a request already late by the estimate ranks below one
+    # that can still make it (under overload, serving the latest first fills the executors
+    # with work cut at its deadline).
+    assert early < on_time == pytest.approx(0.5)
+    assert on_time > half_late > one_late
+    assert one_late == pytest.approx(0.5 * math.exp(-1.0))
+    assert half_late < early
     assert policy.deadline_urgency(math.inf, 3.0, 1.0) == 0.0
 
 
