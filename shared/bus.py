@@ -79,6 +79,39 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
                     raise
 
 
+SERVER_GONE_S = 1.0  # disconnected this long while stopping: the server is not coming back
+
+
+async def while_connected(nc: Client, work: Awaitable, timeout: float) -> bool:
+    """Await `work` (a drain, a micro service's stop) for at most `timeout` s, and no longer
+    than the connection stays down for SERVER_GONE_S: draining subscriptions flushes, and a
+    flush into a server that died meanwhile waits for a reconnect that never comes (a service
+    SIGTERMed beside its nats-server hung there). Whether `work` finished."""
+    task = asyncio.ensure_future(work)
+
+    async def server_gone() -> None:
+        down_since = None
+        while True:
+            if nc.is_connected:
+                down_since = None
+            elif down_since is None:
+                down_since = time.monotonic()
+            elif time.monotonic() - down_since >= SERVER_GONE_S:
+                return
+            await asyncio.sleep(0.1)
+
+    watch = asyncio.create_task(server_gone())
+    try:
+        await asyncio.wait([task, watch], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+    return task.exception() is None
+
+
 async def run_until_stopped(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Run `serve(stop)` until SIGTERM or SIGINT sets `stop`; the service then drains."""
     stop = asyncio.Event()
@@ -185,11 +218,17 @@ async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]]
     try:
         await run_until_stopped(service_name, lambda stop: serve(config, nc, js, tracer, stop, args))
     finally:
-        try:
-            await asyncio.wait_for(nc.drain(), 10)
-        except Exception as exc:  # already closed, or the server is gone
-            log.warning("drain failed", error=repr(exc))
+        if not nc.is_closed and not await while_connected(nc, nc.drain(), 10):
+            log.warning("drain did not finish: the server is gone or too slow")
+        if not nc.is_closed:
+            await nc.close()
         shutdown_tracing()
+
+
+async def stop_micro_service(nc: Client, service) -> None:
+    """Stop answering (drain the service's subscriptions), for 5 s at most and not past the
+    server's going away."""
+    await while_connected(nc, service.stop(), 5.0)
 
 
 async def add_micro_service(nc: Client, name: str, description: str,

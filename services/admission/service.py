@@ -41,6 +41,7 @@ from shared.bus import (
     ensure_streams,
     json_encode,
     serve_forever,
+    stop_micro_service,
 )
 from shared.config import JetserveConfig
 from shared.messages import Done, Holding, Revoke, SubmitReply, WorkItem, decoder, encode
@@ -141,7 +142,8 @@ class Admission:
                       asyncio.create_task(self.keep_alive_loop(), name="keep-alive")]
 
     async def stop(self) -> None:
-        await self.service.stop()  # no new requests; those being admitted finish
+        # No new requests; those being admitted finish.
+        await stop_micro_service(self.nc, self.service)
         if self.generate_tasks:
             await asyncio.wait(self.generate_tasks, timeout=self.config.nats.request_timeout_s)
         for task in self.tasks:

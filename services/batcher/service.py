@@ -12,7 +12,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.batcher.registry import ExecutorRegistry
-from shared.bus import Outbox, add_micro_service, json_encode, serve_forever
+from shared.bus import Outbox, add_micro_service, json_encode, serve_forever, stop_micro_service
 from shared.config import JetserveConfig
 from shared.messages import (
     AssignReply,
@@ -60,6 +60,7 @@ class BatcherService:
         self.beat = asyncio.Event()  # set on every heartbeat
         self.counts = dict(pulled=0, assigned=0, overtaking=0, requeued=0, executors_lost=0)
         self.tasks: list[asyncio.Task] = []
+        self.stopping = False
         self.collector = StatsCollector(self.read_metrics)
         register(self.collector)
 
@@ -76,10 +77,14 @@ class BatcherService:
             self.tasks.append(asyncio.create_task(self.overtake_loop(), name="overtake"))
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: on Python 3.11 a cancel that lands as a wait_for()
+        # inside a loop times out can be lost, and the loop would go on (a SIGTERMed batcher
+        # hung here).
+        self.stopping = True
         for task in [*self.tasks, *self.dumps]:
             task.cancel()
         await asyncio.gather(*self.tasks, *self.dumps, return_exceptions=True)
-        await self.service.stop()
+        await stop_micro_service(self.nc, self.service)
         unregister(self.collector)
 
     def stats(self) -> dict:
@@ -152,16 +157,15 @@ class BatcherService:
     async def dispatch_loop(self) -> None:
         """Pull only as many requests as executors have room for: the rest keep waiting at
         priority, where a later, more urgent request can still overtake them."""
-        await self._forever(self.dispatch_once)
+        await self._until_stopped(self.dispatch_once)
 
     async def overtake_loop(self) -> None:
         """With no room anywhere, pull one request at a time that would start at once at some
         executor, ahead of what waits there."""
-        await self._forever(self.overtake_once)
+        await self._until_stopped(self.overtake_once)
 
-    @staticmethod
-    async def _forever(once) -> None:
-        while True:
+    async def _until_stopped(self, once) -> None:
+        while not self.stopping:
             try:
                 await once()
             except Exception:  # a bug must not stop dispatching for good

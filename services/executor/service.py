@@ -16,7 +16,13 @@ from nats.micro import Request
 
 from services.executor.batch_size import BatchSizeController, Interval, p99
 from services.executor.engine import Engine, Output
-from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_forever
+from shared.bus import (
+    Outbox,
+    add_micro_service,
+    cancelled_completion,
+    serve_forever,
+    stop_micro_service,
+)
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
 from shared.messages import (
@@ -170,7 +176,7 @@ class ExecutorService:
         holding it and has it run again; the others end `cancelled`."""
         self.draining = True
         self.load_changed.set()
-        await self.service.stop()
+        await stop_micro_service(self.nc, self.service)
         if self.running:
             self.idle.clear()
             try:

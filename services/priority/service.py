@@ -13,7 +13,13 @@ import structlog
 from nats.micro import Request
 
 from services.priority.scheduler import MISSED_MS, RequestScheduler
-from shared.bus import Outbox, add_micro_service, cancelled_completion, serve_forever
+from shared.bus import (
+    Outbox,
+    add_micro_service,
+    cancelled_completion,
+    serve_forever,
+    stop_micro_service,
+)
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
 from shared.messages import (
@@ -88,7 +94,7 @@ class PriorityService:
     async def stop(self) -> None:
         """Stop taking work; whoever waits here is told now rather than left to time out
         (durable requests are not: admission has them run again)."""
-        await self.service.stop()
+        await stop_micro_service(self.nc, self.service)
         for task in [*self.tasks, *self.pulls]:
             task.cancel()
         await asyncio.gather(*self.tasks, *self.pulls, return_exceptions=True)
