@@ -51,6 +51,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_wait_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
     # Shrink steps' prefill while a running request with a deadline needs faster steps.
     deadline_pacing: bool = True
+    # ... and, past the prefill, let the decodes of requests a preemption margin below it sit
+    # steps out (their KV kept).
+    pause_decodes: bool = True
 
 
 # ------------------------------------------------------------------------ jetserve.yaml (services)

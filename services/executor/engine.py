@@ -146,7 +146,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens,
                                    preemption_margin=config.preemption_margin,
-                                   deadline_pacing=config.deadline_pacing)
+                                   deadline_pacing=config.deadline_pacing,
+                                   pause_decodes=config.pause_decodes)
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()

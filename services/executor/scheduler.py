@@ -10,11 +10,14 @@ pools (block_manager.KvPools) a sequence short of blocks preempts only within it
 
 Deadline pacing: a request with a deadline must produce its remaining tokens one a step, so the
 step time must stay under (time left) / (tokens left). While a running request needs that and
-the steps are slower, the step's token budget shrinks (prefill chunks give way; decodes always
-run), multiplicatively while steps are too slow and back additively while they are fast enough:
-a controller on the measured step time, with no model of what a step costs. A request that could
-not keep pace even with the smallest paced steps seen lately is not paced for (it would only cost
-the others).
+the steps are slower, the step's token budget shrinks (prefill chunks give way first),
+multiplicatively while steps are too slow and back additively while they are fast enough:
+a controller on the measured step time, with no model of what a step costs. Once no prefill is
+left to give, the decodes of sequences that rank below the paced request by the preemption margin
+sit steps out too (`pause_decodes`: they keep their KV blocks and resume where they stopped, with
+nothing recomputed); where a step's time grows with its batch, as on a CPU, this is what makes
+a deadline's pace reachable. A request that could not keep pace even with the smallest paced
+steps seen lately is not paced for (it would only cost the others).
 """
 
 from __future__ import annotations
@@ -45,14 +48,18 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, admission_watermark: float = 0.01,
-                 preemption_margin: float = 1.0, deadline_pacing: bool = True):
+                 preemption_margin: float = 1.0, deadline_pacing: bool = True,
+                 pause_decodes: bool = True):
         self.block_manager = block_manager
         self.deadline_pacing = deadline_pacing
+        self.pause_decodes = pause_decodes
+        self.pace_for: Sequence | None = None  # the request the latest pace_target() paces for
         self.pace_tokens = max_num_batched_tokens  # the paced step's budget (controller state)
         self.floor_step_s: float | None = None  # steps at the smallest paced budget, lately
         self.step_budget = max_num_batched_tokens  # the latest step's token budget
         self.at_floor = False  # whether the latest schedule() ran at that budget
         self.paced_steps = 0
+        self.paused_decodes = 0  # decodes that sat a step out for a deadline's pace, in all
         self.preemption_margin = preemption_margin
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -139,6 +146,7 @@ class Scheduler:
         left out. None: nobody needs a pace. (One step more than it needs: the one in flight
         while the next is scheduled.)"""
         target = math.inf
+        self.pace_for = None
         floor = 0.0 if self.floor_step_s is None else self.floor_step_s
         # Pacing holds back prefill: only for a request that outranks every prefill it holds
         # back (no low-priority deadline may slow a high-priority prompt).
@@ -158,7 +166,7 @@ class Scheduler:
                 steps += -(-prefill // self.max_num_batched_tokens)
             need = (seq.deadline - now) / steps
             if floor <= need < target:
-                target = need
+                target, self.pace_for = need, seq
         return None if target == math.inf else PACE_SAFETY * target
 
     def step_done(self, seconds: float, target: float | None, at_floor: bool = False) -> None:
@@ -178,27 +186,36 @@ class Scheduler:
 
     def schedule(self, target: float | None = None) -> list[ScheduledSeq]:
         """One step's sequences and tokens. `target`: the step time deadline pacing aims at
-        (`pace_target`); the budget is then the controller's, never less than every decode
-        plus MIN_PREFILL."""
+        (`pace_target`); the budget is then the controller's, never less than every decode that
+        may not pause (`pause_decodes` off: every decode) plus MIN_PREFILL."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
         self.running.sort(key=Sequence.sort_key)
         self.at_floor = False
         self.step_budget = budget
+        decodes = [s for s in self.running if self._tokens_to_run(s) <= 1]
+        paused: list[Sequence] = []
         if target is not None:
-            decoding = sum(1 for s in self.running if self._tokens_to_run(s) <= 1)
-            paced = max(self.pace_tokens, decoding + MIN_PREFILL)
+            keep = len(decodes)
+            if self.pause_decodes and self.pace_for is not None:
+                # Those that rank within the margin of the paced request (or were aged) keep
+                # running; they come first in `decodes`, which is in sort_key order.
+                keep = sum(1 for s in decodes if self._keeps_pace(s))
+            paced = max(self.pace_tokens, keep + MIN_PREFILL)
             if paced < budget:
                 budget = self.step_budget = paced
                 self.paced_steps += 1
-                self.at_floor = paced == decoding + MIN_PREFILL
+                self.at_floor = paced == keep + MIN_PREFILL
+                if paced < len(decodes) + MIN_PREFILL:
+                    # Below every decode: the lowest-ranked decodes sit this step out (after
+                    # the prefill below, if budget is left), their KV kept.
+                    decodes, paused = decodes[:keep], decodes[keep:]
 
         # Budget order: running decodes (a long prefill never stalls them: stall-free batching),
         # then the prefill chunks of running sequences that outrank the best waiting one, then
         # new admissions, then the remaining chunks. A high-score arrival so starts its prefill
         # at once instead of waiting behind the chunks of lower-score prompts.
-        decodes = [s for s in self.running if self._tokens_to_run(s) <= 1]
         prefills = [s for s in self.running if self._tokens_to_run(s) > 1]
         best_waiting = self.waiting[0].sort_key() if self.waiting else None
         ahead = [s for s in prefills if best_waiting is None or s.sort_key() < best_waiting]
@@ -254,7 +271,8 @@ class Scheduler:
             scheduled[seq] = num_new
             budget -= num_new
 
-        budget, _ = self._schedule_running(behind, scheduled, budget)
+        budget, _ = self._schedule_running(behind + paused, scheduled, budget)
+        self.paused_decodes += sum(1 for s in paused if s not in scheduled)
 
         batch = []
         for seq, num_new in scheduled.items():
@@ -298,6 +316,11 @@ class Scheduler:
             scheduled[seq] = num_new
             budget -= num_new
         return budget, preempted
+
+    def _keeps_pace(self, seq: Sequence) -> bool:
+        """Whether `seq`'s decode runs while pacing for `pace_for`: it was aged, or it ranks
+        within the preemption margin of it (what may preempt may pause, and nothing less)."""
+        return seq.aged or self.pace_for.score - seq.score < self.preemption_margin
 
     def _tokens_to_run(self, seq: Sequence) -> int:
         if seq.num_output_tokens >= seq.sampling.max_tokens:

@@ -208,6 +208,7 @@ class ExecutorService:
                 "decode_tokens": engine.decode_tokens, "preemptions": scheduler.num_preemptions,
                 "recomputed_tokens": scheduler.num_recomputed_tokens,
                 "paced_steps": scheduler.paced_steps, "pace_tokens": scheduler.pace_tokens,
+                "paused_decodes": scheduler.paused_decodes,
                 "assigned": self.assigned_total, **self.counts,
                 "batch_size": (self.batch_size.stats() if self.batch_size is not None
                                else {"mode": "fixed", "limit": scheduler.max_num_seqs})}

@@ -341,6 +341,38 @@ def test_deadline_pacing_shrinks_prefill_while_a_deadline_needs_faster_steps():
     assert {i.seq: i.num_new_tokens for i in sched.schedule()} == {urgent: 1, long: 63}
 
 
+def test_past_the_prefill_pacing_pauses_decodes_a_margin_below_the_paced_request():
+    for pause in (True, False):
+        bm = BlockManager(512, 4, enable_prefix_caching=False)
+        sched = Scheduler(bm, 32, 64, admission_watermark=0.0, pause_decodes=pause)
+        urgent, peer = seq(4, priority=9, max_tokens=40), seq(4, priority=9, max_tokens=40)
+        low = [seq(2, priority=1, max_tokens=40) for _ in range(20)]
+        for s in (urgent, peer, *low):
+            sched.add(s)
+        resolve(sched.schedule())  # all prefilled (48 tokens); every one decodes from here
+        urgent.deadline = 1.0
+        target = sched.pace_target(now=0.0)
+        assert sched.pace_for is urgent
+        for _ in range(30):  # steps far too slow: the controller's budget falls to its floor
+            sched.step_done(1.0, target=target)
+        blocks = {s: list(s.block_table) for s in low}
+        batch = sched.schedule(target=target)
+        ran = {i.seq for i in batch}
+        if not pause:  # never below every decode plus MIN_PREFILL: all 22 run
+            assert ran == {urgent, peer, *low} and sched.paused_decodes == 0
+            continue
+        # The paced request and its own class run; the lower class gets what is left of
+        # MIN_PREFILL (no prompt waits): the 16 earliest, and the last 4 sit the step out.
+        assert sched.step_budget == 2 + MIN_PREFILL
+        assert ran == {urgent, peer, *low[:MIN_PREFILL]} and sched.paused_decodes == 4
+        resolve(batch)
+        # Paused, they kept their blocks: nothing to recompute when they run again.
+        assert all(s.status is SeqStatus.RUNNING and s.block_table == blocks[s] for s in low[16:])
+        batch = sched.schedule()  # unpaced: everyone decodes again
+        assert {i.seq for i in batch} == {urgent, peer, *low}
+        assert sched.num_recomputed_tokens == 0 and sched.num_preemptions == 0
+
+
 def test_a_request_that_cannot_keep_up_even_with_the_smallest_paced_steps_is_not_paced_for():
     sched = make(budget=64)
     hopeless = seq(4, max_tokens=101)
