@@ -19,6 +19,7 @@ from shared.messages import Finished, WorkItem
 
 MISSED_MS = 1e9  # the TTFT a request that never got a token counts as
 VICTIMS_S = 0.2  # how long a full queue's ranking of requests to push out is reused
+RATE_WINDOW_S = 10.0  # the recent dispatch rate is counted over this long
 
 
 @dataclass
@@ -26,7 +27,8 @@ class _Victims:
     """A full queue's requests ranked for push-out (RequestScheduler.push_out_for)."""
 
     at: float  # when ranked
-    hopeless: deque = field(default_factory=deque)  # (tenant, id), earliest deadline first
+    # (tenant, id), earliest deadline first: hopeless, or doomed by the queue ahead of them
+    hopeless: deque = field(default_factory=deque)
     # tenant -> (priority, -arrival seq, (tenant, id)), the lowest class and latest first
     by_tenant: dict[str, deque] = field(default_factory=dict)
 
@@ -58,6 +60,7 @@ class RequestScheduler:
         self.executor_step_s: dict[str, float] = {}  # name -> its recent mean step time
         self.served: dict[str, dict[str, int]] = {}  # tenant -> prompt and output tokens
         self._victim_cache: _Victims | None = None  # push_out_for's ranking, while it holds
+        self._dispatched: deque[tuple[float, int]] = deque()  # (when, how many), recent pulls
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -86,8 +89,13 @@ class RequestScheduler:
     def push_out_for(self, newcomer: WorkItem, now: float) -> tuple[WorkItem | None, str]:
         """The queue is full and `newcomer` arrives: a waiting request taken out to make room
         for it, and why ("hopeless" or "share"), or None (the newcomer is the one refused).
-        First a request that can no longer make its deadline (the policy's `hopeless`: it would
-        only wait for its deadline to pass). Then longest-queue drop: when a tenant
+        First a request that can no longer make its deadline: the policy's `hopeless` (even if
+        it started now), or doomed by the queue ahead of it — the requests that outrank it now,
+        at the recent dispatch rate, would take it past its deadline by more than a time window
+        (requests that arrive meanwhile and outrank it only make that later). Either would only
+        wait for its deadline to pass, holding a place a request without one could use (under
+        a sustained overload, priority-1 requests waiting for the aging bound were pushed out
+        while doomed priority-5 ones stayed). Then longest-queue drop: when a tenant
         holds more of the queue than the newcomer's would, its lowest-priority, latest request
         goes (one tenant's flood cannot lock the others out); else a request of a lower class
         than the newcomer's, of a tenant holding at least as much as the newcomer's (a flood of
@@ -129,7 +137,16 @@ class RequestScheduler:
         items = [self.queue.item(row) for row in range(len(self.queue))]
         victims = _Victims(at=now)
         if self.cfg.policy == "adaptive":
-            late = np.flatnonzero(self.scores(now, waiting).terms["hopeless"] == 1)
+            scored = self.scores(now, waiting)
+            late = scored.terms["hopeless"] == 1
+            rate = self.dispatch_rate(now)
+            if rate > 0 and waiting.known is not None:
+                rank = np.empty(len(items))
+                rank[np.lexsort((waiting.seq, -scored.key))] = np.arange(len(items))
+                service = policy.service_time(waiting, self.step_s, self.prefill_per_step)
+                start = now + rank / rate
+                late |= waiting.known & (start + service > waiting.deadline + self.cfg.time_window)
+            late = np.flatnonzero(late)
             victims.hopeless.extend((items[r].tenant, items[r].request_id)
                                     for r in late[np.argsort(waiting.deadline[late])]
                                     if not items[r].durable)
@@ -225,7 +242,20 @@ class RequestScheduler:
             item.age_from_dispatch = bool(terms.get("over_share", 0.0))
             item.queue_wait_ms = max(0.0, 1e3 * (now - item.arrival_time))
             dispatches.append(Dispatch(item, item.priority_score, terms))
+        if dispatches:
+            self._dispatched.append((now, len(dispatches)))
+            while self._dispatched[0][0] < now - RATE_WINDOW_S:
+                self._dispatched.popleft()
         return dispatches
+
+    def dispatch_rate(self, now: float) -> float:
+        """Requests dispatched a second over the last RATE_WINDOW_S (0 until a few seconds of
+        dispatches are seen: too few to tell a rate)."""
+        while self._dispatched and self._dispatched[0][0] < now - RATE_WINDOW_S:
+            self._dispatched.popleft()
+        if not self._dispatched or now - self._dispatched[0][0] < 1.0:
+            return 0.0
+        return sum(n for _, n in self._dispatched) / (now - self._dispatched[0][0])
 
     def _pick_fairly(self, scored: policy.Scores, seq: np.ndarray,
                      k: int) -> tuple[list[int], list[float]]:

@@ -263,6 +263,31 @@ def test_a_full_queue_first_sheds_a_request_that_can_no_longer_make_its_deadline
     assert sched.scores(2.5).terms["hopeless"].sum() == 0
 
 
+def test_a_full_queue_sheds_a_request_the_queue_ahead_of_it_would_make_miss_its_deadline():
+    """Each request would make its deadline if it started now; but at the rate requests have
+    been leaving the queue (2 a second), the priority-5 one ranked behind 8 others cannot start
+    before its deadline: it goes before a priority-1 request that can wait for the aging bound."""
+    sched = RequestScheduler(RequestLevel(max_pending_requests=12))
+    sched.executor_report("e0", busy=1, slots=1, tenants={}, step_ms=10.0)
+    for _ in range(5):  # priority 5 uses all of its max_tokens: its predictions are known
+        sched.finished(finished("t", 100, 100, priority=5), now=0.0)
+    for i in range(10):  # two dispatched a second for 5 s
+        sched.push(item(f"early{i}", priority=5))
+        sched.pop(1, now=i * 0.5)
+    assert sched.dispatch_rate(5.0) == pytest.approx(10 / 5.0)
+    for i in range(8):
+        sched.push(item(f"ahead{i}", priority=9, deadline=60.0))
+    sched.push(item("low", priority=1))
+    sched.push(item("doomed", priority=5, deadline=7.0))  # ~1 s of service, 8 ahead: ~5 s
+    sched.push(item("fine", priority=5, deadline=30.0))
+    sched.push(item("also_low", priority=1))
+    assert sched.scores(5.0).terms["hopeless"].sum() == 0  # none hopeless if started now
+    pushed, why = sched.push_out_for(item("new", priority=5), now=5.0)
+    assert (pushed.request_id, why) == ("doomed", "hopeless")
+    # Without a measured rate (nothing dispatched lately) nothing is judged doomed.
+    assert sched.dispatch_rate(60.0) == 0.0
+
+
 def test_a_request_back_from_the_batcher_is_taken_past_the_bound():
     sched = RequestScheduler(RequestLevel(max_pending_requests=2))
     sched.push(item("a"))
