@@ -217,8 +217,11 @@ class TokenLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A waiting request preempts a running one only if its score is at least this much higher.
     preemption_margin: NonNegative = 1.0
     # While a running request with a deadline needs faster steps to finish in time (its time
-    # left over its tokens left), steps give up prefill tokens until they are that fast.
+    # left over its tokens left), steps give up prefill tokens until they are that fast ...
     deadline_pacing: bool = True
+    # ... and then let the decodes of requests a preemption margin below it sit steps out
+    # (their KV kept).
+    pause_decodes: bool = True
 
 
 class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -287,6 +290,7 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             weights_cache_dir=model.weights_cache_dir, executor_name=executor_name,
             preemption_margin=self.scheduler.token_level.preemption_margin,
             deadline_pacing=self.scheduler.token_level.deadline_pacing,
+            pause_decodes=self.scheduler.token_level.pause_decodes,
             max_wait_s=(self.scheduler.request_level.max_wait_s
                         if self.scheduler.request_level.policy == "adaptive" else None))
 
