@@ -14,9 +14,9 @@ the steps are slower, the step's token budget shrinks (prefill chunks give way f
 multiplicatively while steps are too slow and back additively while they are fast enough:
 a controller on the measured step time, with no model of what a step costs. Once no prefill is
 left to give, the decodes of sequences that rank below the paced request by the preemption margin
-sit steps out too (`pause_decodes`: they keep their KV blocks and resume where they stopped, with
-nothing recomputed); where a step's time grows with its batch, as on a CPU, this is what makes
-a deadline's pace reachable. A request that could not keep pace even with the smallest paced
+can sit steps out too (`pause_decodes`, off by default: they keep their KV blocks and resume where
+they stopped, with nothing recomputed), for where a step's time grows with its batch, as on a
+CPU. A request that could not keep pace even with the smallest paced
 steps seen lately is not paced for (it would only cost the others).
 """
 
@@ -49,7 +49,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, admission_watermark: float = 0.01,
                  preemption_margin: float = 1.0, deadline_pacing: bool = True,
-                 pause_decodes: bool = True):
+                 pause_decodes: bool = False):
         self.block_manager = block_manager
         self.deadline_pacing = deadline_pacing
         self.pause_decodes = pause_decodes
