@@ -249,8 +249,8 @@ class RequestScheduler:
         return dispatches
 
     def dispatch_rate(self, now: float) -> float:
-        """Requests dispatched a second over the last RATE_WINDOW_S (0 until a few seconds of
-        dispatches are seen: too few to tell a rate)."""
+        """Requests dispatched a second over the last RATE_WINDOW_S (0 until dispatches span a
+        second: too few to tell a rate)."""
         while self._dispatched and self._dispatched[0][0] < now - RATE_WINDOW_S:
             self._dispatched.popleft()
         if not self._dispatched or now - self._dispatched[0][0] < 1.0:
