@@ -98,7 +98,7 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     assigned_total: int  # assignments received since start (the batcher counts those in flight)
     free_kv_blocks: int
     total_kv_blocks: int
-    step_ms: float  # mean model step time over the last interval
+    step_ms: float  # mean time a step took over the last interval, gaps between steps included
     started_at: float  # wall clock; a restart shows as a new value
     finished: list[Finished] = []  # requests ended since the previous heartbeat
     tenants: dict[str, int] = {}  # requests each tenant has here (running or waiting)

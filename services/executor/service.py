@@ -455,7 +455,7 @@ class ExecutorService:
 
     async def heartbeat_loop(self) -> None:
         interval = self.config.distributed.heartbeat_interval_s
-        busy_s, steps, holding_at = 0.0, 0, 0.0  # at the previous beat
+        spent_s, steps, holding_at = 0.0, 0, 0.0  # at the previous beat
         while True:
             try:
                 await asyncio.wait_for(self.load_changed.wait(), interval)
@@ -463,9 +463,14 @@ class ExecutorService:
                 pass
             self.load_changed.clear()
             stats = self.engine.stats
+            # A step's time as a request sees it: the model's time and the gaps between steps
+            # while work remained (scheduling, publishing, a busy host), not the model's alone:
+            # priority turns it into the time a request needs, and an estimate short of what
+            # tokens really take started requests that were then cut at their deadlines.
             new_steps = stats.steps - steps
-            step_ms = 1e3 * (stats.model_busy_s - busy_s) / new_steps if new_steps else 0.0
-            busy_s, steps = stats.model_busy_s, stats.steps
+            spent = stats.model_busy_s + stats.model_idle_s
+            step_ms = 1e3 * (spent - spent_s) / new_steps if new_steps else 0.0
+            spent_s, steps = spent, stats.steps
             try:
                 await self.nc.publish(self.subjects.heartbeat, encode(self.heartbeat(step_ms)))
                 await self.publish_kv_changes()
