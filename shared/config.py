@@ -123,6 +123,9 @@ class RequestLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     base_weight: NonNegative = 10.0
     urgency_weight: NonNegative = 3.0
     time_window: Positive = 1.0  # s: urgency is 1/(1 + exp(slack / time_window))
+    # s: a request the estimate has finishing later than this past its deadline even if it
+    # started now is hopeless: it goes behind every other (run, it would be cut at its deadline).
+    late_tolerance_s: Positive = 0.25
     resource_weight: float = -1.0  # < 0 favours short jobs
     resource_scale: Positive = 8.0  # resource = ln(prompt + predicted output tokens) / scale
     load_threshold: NonNegative = 0.8  # load = demand / executor slots

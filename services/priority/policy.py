@@ -23,7 +23,7 @@ unless its tenant is over its share (more than
 -fairness_factor). Then it goes to the head of its own tenant's line only: a tenant that sends more
 than it is given cannot turn its backlog's age into the share of a tenant that sends less.
 
-A request that would miss its deadline by more than a time window even if it started now
+A request that would miss its deadline by more than `late_tolerance_s` even if it started now
 (`hopeless`, by the same estimate of the time it needs) goes behind every other: it waits for
 idle capacity or for its deadline, instead of taking a slot to be cut at the deadline.
 """
@@ -64,12 +64,12 @@ def deadline_urgency(slack_s, service_s, time_window: float):
     return np.where(slack == np.inf, 0.0, rising * np.exp(np.maximum(late, -50.0)))
 
 
-def hopeless(slack_s, service_s, time_window: float):
-    """Whether a request would finish more than one time window after its deadline even if it
+def hopeless(slack_s, service_s, tolerance: float):
+    """Whether a request would finish more than `tolerance` after its deadline even if it
     started now (by the estimate of the time it needs). These go behind every other request:
     run, they would be cut at their deadline, in the place of requests that can still finish."""
     slack = np.asarray(slack_s, dtype=float)
-    return (slack != np.inf) & (slack - np.asarray(service_s, dtype=float) < -time_window)
+    return (slack != np.inf) & (slack - np.asarray(service_s, dtype=float) < -tolerance)
 
 
 def critical(slack_s, service_s, time_window: float):
@@ -157,7 +157,7 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     over_share = over_share_of(waiting.fairness, cfg)
     # Hopeless by an estimate of its own class's history, never by the prior alone (which
     # assumes every request uses all of its max_tokens); hopeless goes last even when aged.
-    late = hopeless(slack, service, cfg.time_window)
+    late = hopeless(slack, service, cfg.late_tolerance_s)
     if waiting.known is not None:
         late &= waiting.known
     terms["hopeless"] = late.astype(float)

@@ -145,7 +145,8 @@ class RequestScheduler:
                 rank[np.lexsort((waiting.seq, -scored.key))] = np.arange(len(items))
                 service = policy.service_time(waiting, self.step_s, self.prefill_per_step)
                 start = now + rank / rate
-                late |= waiting.known & (start + service > waiting.deadline + self.cfg.time_window)
+                late |= waiting.known & (start + service > waiting.deadline
+                                         + self.cfg.late_tolerance_s)
             late = np.flatnonzero(late)
             victims.hopeless.extend((items[r].tenant, items[r].request_id)
                                     for r in late[np.argsort(waiting.deadline[late])]
