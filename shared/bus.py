@@ -105,11 +105,11 @@ async def while_connected(nc: Client, work: Awaitable, timeout: float) -> bool:
         await asyncio.wait([task, watch], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return False
-    return task.exception() is None
+        if not task.done():  # given up on (or we were cancelled): stop it too
+            task.cancel()
+            # A cancelled drain may still flush once, for its own timeout: not past ours again.
+            await asyncio.wait([task], timeout=timeout)
+    return task.done() and not task.cancelled() and task.exception() is None
 
 
 async def run_until_stopped(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
@@ -221,7 +221,10 @@ async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]]
         if not nc.is_closed and not await while_connected(nc, nc.drain(), 10):
             log.warning("drain did not finish: the server is gone or too slow")
         if not nc.is_closed:
-            await nc.close()
+            try:
+                await asyncio.wait_for(nc.close(), 5)
+            except Exception as exc:  # pending bytes flushed into a dead transport
+                log.warning("close failed", error=repr(exc))
         shutdown_tracing()
 
 

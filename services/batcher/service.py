@@ -124,14 +124,14 @@ class BatcherService:
 
     async def on_kv_event(self, msg) -> None:
         event = _kv_event.decode(msg.data)
-        if self.registry.kv_index.apply(event):  # a gap, or an instance seen from its middle
+        if self.registry.kv_index.apply(event) and not self.stopping:  # a gap, or seen midway
             task = asyncio.create_task(self.request_dump(event.executor), name="kv-dump")
             self.dumps.add(task)
             task.add_done_callback(self.dumps.discard)
 
     async def request_dump(self, executor: str) -> None:
         """Ask `executor` for every block it caches; retried while the index still lacks it."""
-        while self.registry.kv_index.needs_dump(executor):
+        while self.registry.kv_index.needs_dump(executor) and not self.stopping:
             try:
                 reply = await self.nc.request(self.subjects.kv_dump(executor), b"",
                                               timeout=self.timeout)

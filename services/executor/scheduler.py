@@ -320,7 +320,8 @@ class Scheduler:
     def _keeps_pace(self, seq: Sequence) -> bool:
         """Whether `seq`'s decode runs while pacing for `pace_for`: it was aged, or it ranks
         within the preemption margin of it (what may preempt may pause, and nothing less)."""
-        return seq.aged or self.pace_for.score - seq.score < self.preemption_margin
+        return (seq is self.pace_for or seq.aged
+                or self.pace_for.score - seq.score < self.preemption_margin)
 
     def _tokens_to_run(self, seq: Sequence) -> int:
         if seq.num_output_tokens >= seq.sampling.max_tokens:

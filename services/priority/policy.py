@@ -165,7 +165,8 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     terms["aged"] = first.astype(float)
     key = np.where(first, AGED + waited, np.where(late, score - HOPELESS, score))
     if first.any():  # deadlines at stake go ahead of the aged (DESIGN: classes' promises first)
-        at_stake = critical(slack, service, cfg.time_window)
+        # At stake, and not already hopeless (those stay behind, aged ones included).
+        at_stake = critical(slack, service, cfg.time_window) & ~late
         terms["critical"] = at_stake.astype(float)
         key = np.where(at_stake, CRITICAL + score, key)
     held = aged & over_share & ~late

@@ -91,7 +91,7 @@ class RequestScheduler:
         for it, and why ("hopeless" or "share"), or None (the newcomer is the one refused).
         First a request that can no longer make its deadline: the policy's `hopeless` (even if
         it started now), or doomed by the queue ahead of it — the requests that outrank it now,
-        at the recent dispatch rate, would take it past its deadline by more than a time window
+        at the recent dispatch rate, would take it past its deadline by more than late_tolerance_s
         (requests that arrive meanwhile and outrank it only make that later). Either would only
         wait for its deadline to pass, holding a place a request without one could use (under
         a sustained overload, priority-1 requests waiting for the aging bound were pushed out

@@ -178,6 +178,18 @@ def test_a_deadline_at_stake_goes_ahead_of_aged_requests_the_rest_behind_them():
     assert list(policy.best(scored.key, w.seq, 4)) == [1, 0, 2, 3]
 
 
+def test_a_request_late_past_the_tolerance_is_not_at_stake_even_beside_aged_ones():
+    config = cfg(max_wait_s=10.0)
+    # #0 aged priority 1; #1 priority 9 with 0.5 s left that needs 1 s: half a second late by
+    # the estimate, past late_tolerance_s (0.25 s) but within a time window (1 s).
+    w = waiting([1, 9], arrival=[0.0, 10.0], deadline=[math.inf, 11.5], demand=[50.0, 50.0])
+    w.prompt = np.zeros(2)
+    scored = policy.scores(w, 11.0, 0.0, np.ones(11), config, step_s=0.02)
+    assert scored.terms["hopeless"].tolist() == [0.0, 1.0]
+    assert scored.terms["critical"].tolist() == [0.0, 0.0]
+    assert list(policy.best(scored.key, w.seq, 2)) == [0, 1]
+
+
 def test_a_request_that_would_miss_its_deadline_even_now_goes_behind_every_other():
     # #0 priority 9 with 2 s left that needs 4 s (200 tokens at 20 ms): more than a window late.
     w = waiting([9, 1], deadline=[3.0, math.inf], demand=[200.0, 200.0])
