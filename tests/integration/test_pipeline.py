@@ -176,9 +176,9 @@ async def test_a_streaming_client_that_goes_away_gets_its_request_cancelled(clie
     for _ in range(2):
         assert decode_output((await sub.next_msg(timeout=10)).data).request_id == "walks-away"
     await gone.close()
-    for _ in range(100):
+    for _ in range(100):  # the engine lets go at once; the count follows with the final output
         after = await service_stats(client, "executor")
-        if after["running"] == 0:
+        if after["running"] == 0 and after["cancelled"] > before["cancelled"]:
             break
         await asyncio.sleep(0.02)
     assert after["client_gone"] == before["client_gone"] + 1
