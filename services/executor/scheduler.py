@@ -16,8 +16,8 @@ a controller on the measured step time, with no model of what a step costs. Once
 left to give, the decodes of sequences that rank below the paced request by the preemption margin
 can sit steps out too (`pause_decodes`, off by default: they keep their KV blocks and resume where
 they stopped, with nothing recomputed), for where a step's time grows with its batch, as on a
-CPU. A request that could not keep pace even with the smallest paced
-steps seen lately is not paced for (it would only cost the others).
+CPU. A request that could not keep pace even with the smallest paced steps seen lately is not
+paced for (it would only cost the others).
 """
 
 from __future__ import annotations
@@ -272,7 +272,8 @@ class Scheduler:
             budget -= num_new
 
         budget, _ = self._schedule_running(behind + paused, scheduled, budget)
-        self.paused_decodes += sum(1 for s in paused if s not in scheduled)
+        self.paused_decodes += sum(1 for s in paused
+                                   if s not in scheduled and s.status is SeqStatus.RUNNING)
 
         batch = []
         for seq, num_new in scheduled.items():

@@ -245,15 +245,17 @@ class RequestScheduler:
             dispatches.append(Dispatch(item, item.priority_score, terms))
         if dispatches:
             self._dispatched.append((now, len(dispatches)))
-            while self._dispatched[0][0] < now - RATE_WINDOW_S:
-                self._dispatched.popleft()
+            self._forget_dispatches(now)
         return dispatches
+
+    def _forget_dispatches(self, now: float) -> None:
+        while self._dispatched and self._dispatched[0][0] < now - RATE_WINDOW_S:
+            self._dispatched.popleft()
 
     def dispatch_rate(self, now: float) -> float:
         """Requests dispatched a second over the last RATE_WINDOW_S (0 until dispatches span a
         second: too few to tell a rate)."""
-        while self._dispatched and self._dispatched[0][0] < now - RATE_WINDOW_S:
-            self._dispatched.popleft()
+        self._forget_dispatches(now)
         if not self._dispatched or now - self._dispatched[0][0] < 1.0:
             return 0.0
         return sum(n for _, n in self._dispatched) / (now - self._dispatched[0][0])
