@@ -166,8 +166,9 @@ class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # prefill (and the KV blocks they need) fit in this many steps' token budget, so what it
     # accepts starts within about that many steps and the rest waits at priority, in the
     # policy's order. Larger keeps executors busier across dispatch delays; smaller decides
-    # later.
-    intake_horizon_steps: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    # later. 4: at 2, a loaded 2-core host's dispatch round trip outlasted the room and steps
+    # ran short of prefill (docs/scheduling.md, "What each knob trades").
+    intake_horizon_steps: Annotated[float, msgspec.Meta(gt=0)] = 4.0
     # Which executor with room gets a request: kv_aware scores each by the share of the prompt's
     # blocks it caches (its KV events say which) times kv_overlap_weight, minus its load (over
     # max_num_seqs) times kv_load_weight; least_loaded takes the least loaded (then the most
