@@ -167,7 +167,7 @@ class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # accepts starts within about that many steps and the rest waits at priority, in the
     # policy's order. Larger keeps executors busier across dispatch delays; smaller decides
     # later. 4: at 2, a loaded 2-core host's dispatch round trip outlasted the room and steps
-    # ran short of prefill (docs/scheduling.md, "What each knob trades").
+    # ran short of prefill (BENCHMARKS.md, "A wider intake horizon").
     intake_horizon_steps: Annotated[float, msgspec.Meta(gt=0)] = 4.0
     # Which executor with room gets a request: kv_aware scores each by the share of the prompt's
     # blocks it caches (its KV events say which) times kv_overlap_weight, minus its load (over
