@@ -44,7 +44,9 @@ class Stack:
     def __init__(self, *, state_dir: str | Path, nats_url: str | None = None,
                  nats_port: int = 4222, executors: int = 1, config_path: str | None = None,
                  settings: dict[str, object] | None = None, log_dir: str | Path | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, nats_settings: dict[str, object] | None = None):
+        """`nats_settings`: the embedded nats-server's configuration beyond port and store
+        (`max_payload`, for one), written to a config file it reads."""
         self.state_dir = Path(state_dir)
         self.embedded = nats_url is None
         self.url = nats_url or f"nats://127.0.0.1:{nats_port}"
@@ -54,6 +56,7 @@ class Stack:
         self.settings = dict(settings or {})
         self.log_dir = Path(log_dir) if log_dir else None
         self.extra_env = env or {}
+        self.nats_settings = dict(nats_settings or {})
         self.processes: dict[str, asyncio.subprocess.Process] = {}
 
     def _env(self) -> dict[str, str]:
@@ -83,14 +86,23 @@ class Stack:
         if output:
             output.close()  # the child has its own copy
 
+    def _nats_argv(self) -> list[str]:
+        data = self.state_dir / "nats"
+        data.mkdir(parents=True, exist_ok=True)
+        argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats_port), "-js",
+                "-sd", str(data)]
+        if self.nats_settings:
+            conf = self.state_dir / "nats-server.conf"
+            conf.write_text("".join(f"{key}: {msgspec.json.encode(value).decode()}\n"
+                                    for key, value in self.nats_settings.items()))
+            argv += ["-c", str(conf)]
+        return argv
+
     async def start(self, timeout: float = 180.0) -> None:
         try:
             if self.embedded:
-                data = self.state_dir / "nats"
-                data.mkdir(parents=True, exist_ok=True)
-                await self._spawn("nats-server", [
-                    nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats_port), "-js",
-                    "-sd", str(data)], log_dir=self.log_dir or self.state_dir)
+                await self._spawn("nats-server", self._nats_argv(),
+                                  log_dir=self.log_dir or self.state_dir)
             config = ["--config", self.config_path] if self.config_path else []
             for service in SERVICES:
                 await self._spawn(service, [sys.executable, "-m", f"services.{service}", *config])
@@ -111,10 +123,7 @@ class Stack:
         assert self.processes[name].returncode is not None, f"{name} is still running"
         config = ["--config", self.config_path] if self.config_path else []
         if name == "nats-server":
-            await self._spawn(name, [nats_server_binary(), "-a", "127.0.0.1", "-p",
-                                     str(self.nats_port), "-js", "-sd",
-                                     str(self.state_dir / "nats")],
-                              log_dir=self.log_dir or self.state_dir)
+            await self._spawn(name, self._nats_argv(), log_dir=self.log_dir or self.state_dir)
         elif name.startswith("executor-"):
             await self._spawn(name, [sys.executable, "-m", "services.executor", *config,
                                      "--name", name, "--metrics-port", "0"],

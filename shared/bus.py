@@ -8,12 +8,14 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TypeVar
 
 import msgspec
 import nats
 import structlog
-from nats.aio.client import Client
+from nats.aio.client import DEFAULT_MAX_PAYLOAD_SIZE, Client
+from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
@@ -35,6 +37,33 @@ log = structlog.get_logger()
 
 json_encode = msgspec.json.Encoder().encode
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the expected last sequence did not match
+# Kept free of a message's payload limit for its headers (trace context, JetStream's) and
+# framing: the server counts headers and payload together against max_payload.
+ENVELOPE_BYTES = 1024
+T = TypeVar("T")
+
+
+def payload_budget(nc: Client | None) -> int:
+    """The bytes one message's payload may use on this connection: the server's `max_payload`
+    (told at connect; 1 MiB unless configured; with no connection, that default) less
+    ENVELOPE_BYTES."""
+    return (DEFAULT_MAX_PAYLOAD_SIZE if nc is None else nc.max_payload) - ENVELOPE_BYTES
+
+
+def chunked(items: Sequence[T], size_of: Callable[[T], int], budget: int) -> Iterator[list[T]]:
+    """`items` in order, in runs whose sizes add up to at most `budget` (a run holds at least
+    one item: one item larger than the budget is a run of its own, for the caller to refuse)."""
+    run: list[T] = []
+    used = 0
+    for item in items:
+        size = size_of(item)
+        if run and used + size > budget:
+            yield run
+            run, used = [], 0
+        run.append(item)
+        used += size
+    if run:
+        yield run
 
 
 async def connect(section: NatsSection, name: str) -> Client:
@@ -170,20 +199,52 @@ class Outbox:
     async def final(self, item: WorkItem, output: Completion | Error,
                     headers: dict[str, str] | None = None, done: bool = True) -> None:
         """`done`: tell admission the request has its answer (False for an Error to a second
-        request that reused a running one's id: admission watches over the first)."""
+        request that reused a running one's id: admission watches over the first).
+
+        An output that cannot be delivered (larger than the server's max_payload; a result
+        store that refuses it: disk full, stream limits) is replaced by an `internal` Error
+        saying why. Admission is told either way: a request whose answer cannot be delivered
+        ends, rather than running again every lease. (An Error that cannot be stored either
+        goes to the request's stream subject and the log.)"""
+        try:
+            await self._deliver(item, output, headers)
+        except Exception as exc:
+            log.error("output not delivered; answering with an Error", tenant=item.tenant,
+                      request_id=item.request_id, error=repr(exc))
+            error = Error(request_id=item.request_id, code="internal",
+                          message=f"the {type(output).__name__.lower()} could not be delivered: "
+                                  f"{undeliverable(exc, self.nc)}")
+            try:
+                await self._deliver(item, error, headers)
+            except Exception as again:
+                log.error("error not delivered either", tenant=item.tenant,
+                          request_id=item.request_id, error=repr(again))
+                if item.durable:
+                    await self.nc.publish(self.subjects.stream(item.tenant, item.request_id),
+                                          json_encode(error))
+        if done:
+            await self.nc.publish(self.subjects.admission_done, encode(Done(
+                request_id=item.request_id, tenant=item.tenant, durable=item.durable)))
+
+    async def _deliver(self, item: WorkItem, output: Completion | Error,
+                       headers: dict[str, str] | None) -> None:
         if item.durable:
             await self.store_result(item.tenant, item.request_id, output, headers)
-            await self.nc.publish(self.subjects.admission_done,
-                                  encode(Done(request_id=item.request_id, tenant=item.tenant)))
         elif item.reply_to:
             if isinstance(output, Error):
                 headers = {**(headers or {}), **service_error_headers(output)}
             await self.nc.publish(item.reply_to, json_encode(output), headers=headers)
             if item.request.stream:
                 await self.nc.publish(item.reply_to, b"")  # end of a request-many stream
-            if done:
-                await self.nc.publish(self.subjects.admission_done, encode(Done(
-                    request_id=item.request_id, tenant=item.tenant, durable=False)))
+
+
+def undeliverable(exc: Exception, nc: Client) -> str:
+    """Why a message could not be delivered, in words a client can act on."""
+    if isinstance(exc, MaxPayloadError):
+        return f"it is larger than the NATS server's max_payload ({nc.max_payload} bytes)"
+    if isinstance(exc, APIError):
+        return f"the result store refused it ({exc.description or exc!r})"
+    return repr(exc)
 
 
 async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]],

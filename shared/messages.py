@@ -7,6 +7,11 @@ import msgspec
 from shared.protocol import Error, GenerateRequest
 
 
+# What a WorkItem's encoding may grow by between admission and an executor (the scores and the
+# trace context priority writes into it).
+DISPATCH_BYTES = 256
+
+
 class WorkItem(msgspec.Struct, kw_only=True):
     """An admitted request on its way through priority and batcher to an executor."""
 
@@ -61,6 +66,9 @@ class NextRequest(msgspec.Struct):
     # Only requests whose standing reaches this (overtaking dispatch: each goes to an executor
     # without room, ahead of what waits or runs there); None: any request.
     min_standing: float | None = None
+    # The reply's byte budget: what the batcher's connection may receive in one message (0: the
+    # priority's own). Requests stop being added at it, whatever `max_items` says.
+    max_bytes: int = 0
 
 
 class NextReply(msgspec.Struct):
@@ -130,6 +138,10 @@ class KvDump(msgspec.Struct, kw_only=True):
     started_at: float
     seq: int
     blocks: list[bytes]
+    # A dump larger than one message is several replies to the same request: this one's place
+    # among them, and whether it is the last.
+    part: int = 0
+    last: bool = True
 
 
 class Progress(msgspec.Struct, array_like=True):
@@ -152,6 +164,22 @@ class Holding(msgspec.Struct):
     holder: str
     requests: list[tuple[str, str]]  # (tenant, request_id)
     progress: list[Progress] = []
+
+
+def finished_bytes(report: Finished) -> int:
+    """An upper bound on the bytes one Finished adds to a Heartbeat."""
+    return len(report.tenant.encode()) + len(report.finish_reason.encode()) + 64
+
+
+def holding_entry_bytes(key: tuple[str, str]) -> int:
+    """An upper bound on the bytes one (tenant, request_id) adds to a Holding."""
+    return len(key[0].encode()) + len(key[1].encode()) + 8
+
+
+def progress_bytes(progress: Progress) -> int:
+    """An upper bound on the bytes one Progress adds to a Holding (a token id: 5 at most)."""
+    return (len(progress.tenant.encode()) + len(progress.request_id.encode()) + 24
+            + 5 * len(progress.token_ids))
 
 
 class Revoke(msgspec.Struct, array_like=True):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+
+import msgspec
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -69,6 +72,14 @@ class Tokenizer:
         template = config.get("chat_template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._chat_template = env.from_string(template) if template else None
+
+    @functools.cached_property
+    def max_token_json_bytes(self) -> int:
+        """The most bytes one generated token can add to a JSON output: its text as a JSON
+        string's contents (escapes included) and its id with a separator."""
+        encode = msgspec.json.encode
+        longest = max(len(encode(self.decode([i]))) - 2 for i in range(self.vocab_size))
+        return longest + len(str(self.vocab_size)) + 1
 
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -36,15 +36,26 @@ from shared.preprocess import check_limits, check_prompt_size, prompt_token_ids
 from shared.tokenizer import Tokenizer
 from shared.model_files import load_model_config, tokenizer_dir
 from shared.bus import (
+    ENVELOPE_BYTES,
     Outbox,
     add_micro_service,
     ensure_streams,
     json_encode,
+    payload_budget,
     serve_forever,
     stop_micro_service,
 )
 from shared.config import JetserveConfig
-from shared.messages import Done, Holding, Revoke, SubmitReply, WorkItem, decoder, encode
+from shared.messages import (
+    DISPATCH_BYTES,
+    Done,
+    Holding,
+    Revoke,
+    SubmitReply,
+    WorkItem,
+    decoder,
+    encode,
+)
 from shared.metrics import StatsCollector, TenantLabels, counter, register, unregister
 from shared.protocol import (
     Error,
@@ -73,6 +84,8 @@ _item = decoder(WorkItem)
 DURABLE_FETCH_BATCH = 64
 MAX_IN_FLIGHT = 4096  # generate requests being admitted at once
 TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
+# A result's bytes besides its tokens' text and ids: ids, usage, metrics, scheduling, model.
+RESULT_BYTES = 2048
 MAX_DELIVERIES = 5  # a durable request that keeps failing inside admission gets an Error
 ADMITTED = counter("admitted_requests", "Requests admitted and queued at priority, by tenant",
                    ("tenant", "durable"))
@@ -90,6 +103,7 @@ class Admission:
         model_config, model_dir = load_model_config(model.name, model.weights_cache_dir,
                                                     weights=False)
         self.tokenizer = Tokenizer(tokenizer_dir(model_dir, model.weights_cache_dir))
+        self.tokenizer.max_token_json_bytes  # noqa: B018 (computed once here, off the hot path)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(model.max_model_len or model_config.max_position,
                                  model_config.max_position)
@@ -179,9 +193,35 @@ class Admission:
             request, prompt=None, messages=None, prompt_token_ids=prompt, model=self.model_name,
             request_id=request.request_id or f"req-{secrets.token_hex(8)}",
             seed=request.seed if request.seed is not None else secrets.randbits(63))
-        return WorkItem(request=request, tenant=tenant, arrival_time=now, durable=durable,
+        item = WorkItem(request=request, tenant=tenant, arrival_time=now, durable=durable,
                         deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None,
                         block_hashes=block_hashes(prompt, self.config.kv_cache.block_size))
+        self.check_message_sizes(item)
+        return item
+
+    def check_message_sizes(self, item: WorkItem) -> None:
+        """A request travels between services as one message, and its result goes to its client
+        as one: both must fit the server's max_payload, or they could never be delivered. The
+        request is measured with room for the outputs a hand-on carries back; the result at the
+        most bytes `max_tokens` tokens could take (the vocabulary's longest token each)."""
+        budget = payload_budget(self.nc)
+        request = item.request
+        size = len(encode(item)) + DISPATCH_BYTES + 5 * request.max_tokens
+        if size > budget:
+            raise ProtocolError(
+                "prompt_too_long", f"the prompt ({item.num_prompt_tokens} tokens) with "
+                f"`max_tokens` {request.max_tokens} makes a {size}-byte message inside jetserve, "
+                f"over the {budget} bytes one message may carry (the NATS server's max_payload "
+                f"{budget + ENVELOPE_BYTES}, less {ENVELOPE_BYTES} for headers)")
+        per_token = self.tokenizer.max_token_json_bytes
+        if RESULT_BYTES + per_token * request.max_tokens > budget:
+            most = max(0, (budget - RESULT_BYTES) // per_token)
+            raise ProtocolError(
+                "invalid_request", f"`max_tokens` {request.max_tokens} could make a result of up "
+                f"to {RESULT_BYTES + per_token * request.max_tokens} bytes ({per_token} a token "
+                f"at most), over the {budget} bytes one message may carry (the NATS server's "
+                f"max_payload {budget + ENVELOPE_BYTES}); at most {most} fit: lower "
+                f"`max_tokens` or raise the server's max_payload")
 
     def check(self, tenant: str, payload: bytes, durable: bool) -> GenerateRequest:
         """The decoded request, if everything but its token count is valid."""

@@ -5,14 +5,23 @@ there at once (overtaking dispatch)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
+import msgspec
 import structlog
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.batcher.registry import ExecutorRegistry
-from shared.bus import Outbox, add_micro_service, json_encode, serve_forever, stop_micro_service
+from shared.bus import (
+    Outbox,
+    add_micro_service,
+    json_encode,
+    payload_budget,
+    serve_forever,
+    stop_micro_service,
+)
 from shared.config import JetserveConfig
 from shared.messages import (
     AssignReply,
@@ -133,9 +142,7 @@ class BatcherService:
         """Ask `executor` for every block it caches; retried while the index still lacks it."""
         while self.registry.kv_index.needs_dump(executor) and not self.stopping:
             try:
-                reply = await self.nc.request(self.subjects.kv_dump(executor), b"",
-                                              timeout=self.timeout)
-                self.registry.kv_index.apply_dump(_kv_dump.decode(reply.data))
+                self.registry.kv_index.apply_dump(await self.fetch_dump(executor))
                 log.info("kv index refreshed", executor=executor,
                          blocks=self.registry.kv_index.num_blocks(executor))
             except Exception as exc:  # gone, or slow: try again after a beat unless forgotten
@@ -144,6 +151,27 @@ class BatcherService:
                     return
                 log.warning("kv dump failed", executor=executor, error=repr(exc))
                 await asyncio.sleep(SUSPEND_S)
+
+    async def fetch_dump(self, executor: str) -> KvDump:
+        """`executor`'s KvDump, gathered from its parts (one reply each, in order)."""
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        try:
+            await self.nc.publish(self.subjects.kv_dump(executor), b"", reply=inbox)
+            blocks: list[bytes] = []
+            for expected in itertools.count():
+                msg = await sub.next_msg(timeout=self.timeout)
+                if not msg.data:  # the server's "no responders"
+                    raise NoRespondersError
+                part = _kv_dump.decode(msg.data)
+                if part.part != expected:
+                    raise ValueError(f"kv dump part {part.part} came where {expected} was due")
+                blocks += part.blocks
+                if part.last:
+                    return msgspec.structs.replace(part, blocks=blocks, part=0)
+            raise AssertionError("unreachable")
+        finally:
+            await sub.unsubscribe()
 
     async def liveness_loop(self) -> None:
         distributed = self.config.distributed
@@ -184,7 +212,8 @@ class BatcherService:
         try:
             reply = await self.nc.request(
                 self.subjects.priority_next,
-                encode(NextRequest(max_items=free, wait_ms=PULL_WAIT_MS)),
+                encode(NextRequest(max_items=free, wait_ms=PULL_WAIT_MS,
+                                   max_bytes=payload_budget(self.nc))),
                 timeout=PULL_WAIT_MS / 1e3 + self.timeout)
         except (NatsTimeoutError, NoRespondersError) as exc:
             log.warning("priority did not answer a pull", error=repr(exc))
@@ -205,7 +234,8 @@ class BatcherService:
         try:
             reply = await self.nc.request(
                 self.subjects.priority_next,
-                encode(NextRequest(max_items=1, wait_ms=PULL_WAIT_MS, min_standing=threshold)),
+                encode(NextRequest(max_items=1, wait_ms=PULL_WAIT_MS, min_standing=threshold,
+                                   max_bytes=payload_budget(self.nc))),
                 timeout=PULL_WAIT_MS / 1e3 + self.timeout)
         except (NatsTimeoutError, NoRespondersError) as exc:
             log.warning("priority did not answer an overtaking pull", error=repr(exc))

@@ -18,6 +18,8 @@ from services.executor.batch_size import BatchSizeController, Interval, p99
 from services.executor.engine import Engine, Output
 from shared.bus import (
     Outbox,
+    chunked,
+    payload_budget,
     add_micro_service,
     cancelled_completion,
     serve_forever,
@@ -37,6 +39,9 @@ from shared.messages import (
     WorkItem,
     decoder,
     encode,
+    finished_bytes,
+    holding_entry_bytes,
+    progress_bytes,
 )
 from shared.metrics import (
     ITL_BUCKETS,
@@ -476,7 +481,8 @@ class ExecutorService:
                 await self.publish_kv_changes()
                 if time.monotonic() - holding_at >= interval:
                     holding_at = time.monotonic()
-                    await self.nc.publish(self.subjects.holding, encode(self.holding()))
+                    for report in self.holding(payload_budget(self.nc)):
+                        await self.nc.publish(self.subjects.holding, encode(report))
             except Exception:  # a missed beat is survivable; a dead loop looks like a dead executor
                 log.exception("heartbeat failed")
             await asyncio.sleep(HEARTBEAT_MIN_GAP_S)
@@ -506,19 +512,26 @@ class ExecutorService:
     async def publish_kv_changes(self) -> None:
         """What the prefix cache gained and lost since the last event, as the next KvEvent."""
         stored, removed = self.engine.block_manager.drain_kv_changes()
-        if stored or removed:
+        # Net changes: no hash is in both lists, so they may go as several events in any
+        # order, each within the payload limit.
+        changes = [(h, True) for h in stored] + [(h, False) for h in removed]
+        for part in chunked(changes, lambda c: len(c[0]) + 4, payload_budget(self.nc)):
             self.kv_seq += 1
             await self.nc.publish(self.subjects.kv_events, encode(KvEvent(
-                executor=self.name, started_at=self.started_at, seq=self.kv_seq, stored=stored,
-                removed=removed)))
+                executor=self.name, started_at=self.started_at, seq=self.kv_seq,
+                stored=[h for h, kept in part if kept],
+                removed=[h for h, kept in part if not kept])))
 
     async def on_kv_dump(self, msg) -> None:
         """Every cached block, as of an event published just before: the two stay in order."""
         try:
             await self.publish_kv_changes()
             blocks = list(self.engine.block_manager.hash_to_block)
-            await msg.respond(encode(KvDump(executor=self.name, started_at=self.started_at,
-                                            seq=self.kv_seq, blocks=blocks)))
+            parts = list(chunked(blocks, lambda h: len(h) + 2, payload_budget(self.nc))) or [[]]
+            for i, part in enumerate(parts):
+                await self.nc.publish(msg.reply, encode(KvDump(
+                    executor=self.name, started_at=self.started_at, seq=self.kv_seq, blocks=part,
+                    part=i, last=i == len(parts) - 1)))
         except Exception:
             log.exception("kv dump failed")
 
@@ -547,23 +560,33 @@ class ExecutorService:
             overtake_above=None if self.draining else scheduler.overtake_above(),
             room_tokens=self.advertised_room)
 
-    def holding(self) -> Holding:
-        """The requests running here, with a checkpoint of each: the outputs generated since the
-        previous report."""
+    def holding(self, budget: int) -> list[Holding]:
+        """The requests running here, with a checkpoint of each (the outputs generated since the
+        previous report), as reports of at most `budget` bytes each."""
         held, progress = [], []
         for key, running in self.running.items():
             item = running.item
             held.append((item.tenant, item.request_id))
             outputs = self.engine.output_token_ids(key)
             if outputs is not None and len(outputs) > running.reported:
-                progress.append(Progress(item.tenant, item.request_id, item.attempt,
-                                         running.reported, outputs[running.reported:]))
+                # In pieces that fit a report, in order (admission appends them as they come).
+                step = max(1, budget // 10)
+                for start in range(running.reported, len(outputs), step):
+                    progress.append(Progress(item.tenant, item.request_id, item.attempt, start,
+                                             outputs[start:start + step]))
                 running.reported = len(outputs)
-        return Holding(holder=self.name, requests=held, progress=progress)
+        reports = [Holding(holder=self.name, requests=part)
+                   for part in chunked(held, holding_entry_bytes, budget)]
+        reports += [Holding(holder=self.name, requests=[], progress=part)
+                    for part in chunked(progress, progress_bytes, budget)]
+        return reports
 
     def take_finished(self) -> list[Finished]:
-        finished, self.finished = self.finished, []
-        return finished
+        """The requests finished since the last beat, as many as fit half a heartbeat's payload
+        (the rest go with the next one)."""
+        take = next(chunked(self.finished, finished_bytes, payload_budget(self.nc) // 2), [])
+        self.finished = self.finished[len(take):]
+        return take
 
 
 def finished_report(item: WorkItem, output: Completion | Error) -> Finished:

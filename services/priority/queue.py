@@ -20,7 +20,7 @@ from shared.messages import WorkItem
 
 _COLUMNS = {"priority": np.int64, "seq": np.float64, "arrival": np.float64,
             "deadline": np.float64, "demand": np.float64, "prompt": np.float64,
-            "known": np.bool_, "tenant": np.int64}
+            "known": np.bool_, "tenant": np.int64, "size": np.int64}
 
 
 class WaitingQueue:
@@ -55,10 +55,10 @@ class WaitingQueue:
         return index
 
     def push(self, item: WorkItem, demand_tokens: float, past_bound: bool = False,
-             known: bool = False) -> None:
+             known: bool = False, size: int = 0) -> None:
         """`past_bound`: taken even when the queue is full (a request that was here before, or
         one that another made room for). `known`: its demand stands on the tenant's own history,
-        not the predictor's prior."""
+        not the predictor's prior. `size`: its encoded bytes (what a pull's reply carries)."""
         key = (item.tenant, item.request_id)
         assert (past_bound or not self.full) and key not in self._row_of
         row = len(self._items)
@@ -75,6 +75,7 @@ class WaitingQueue:
         cols["prompt"][row] = item.num_prompt_tokens
         cols["known"][row] = known
         cols["tenant"][row] = self.tenant_index(item.tenant)
+        cols["size"][row] = size
         self._items.append(item)
         self._row_of[key] = row
         self._seq_of[key] = seq
@@ -118,6 +119,10 @@ class WaitingQueue:
 
     def item(self, row: int) -> WorkItem:
         return self._items[row]
+
+    def sizes(self) -> np.ndarray:
+        """Each row's encoded bytes."""
+        return self._cols["size"][:len(self._items)]
 
     def tenant_rows(self) -> np.ndarray:
         return self._cols["tenant"][:len(self._items)]

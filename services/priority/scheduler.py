@@ -5,6 +5,7 @@ executors' load — fed by submissions, pulls and the executors' reports. Knows 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ from services.priority import policy
 from services.priority.fairness import ClassWeights, OutputPredictor, TenantCounters
 from services.priority.queue import WaitingQueue
 from shared.config import RequestLevel
-from shared.messages import Finished, WorkItem
+from shared.messages import DISPATCH_BYTES, Finished, WorkItem, encode
 
 
 MISSED_MS = 1e9  # the TTFT a request that never got a token counts as
@@ -72,8 +73,9 @@ class RequestScheduler:
         slots = sum(s for _, s in self.executor_load.values())
         return busy / slots if slots else 0.0
 
-    def push(self, item: WorkItem, past_bound: bool = False) -> None:
-        """Queue `item`; `past_bound`: even when full (another request made room for it)."""
+    def push(self, item: WorkItem, past_bound: bool = False, size: int | None = None) -> None:
+        """Queue `item`; `past_bound`: even when full (another request made room for it).
+        `size`: its encoded bytes, if known (the submission's length); else encoded here."""
         back = bool(item.charged)  # from the batcher (an assignment failed): it was here before
         if back:  # refund the advance
             self.counters.charge(item.tenant, -item.charged)
@@ -83,7 +85,8 @@ class RequestScheduler:
                                                               request.max_tokens)
         self.queue.push(item, item.num_prompt_tokens + item.predicted_output_tokens,
                         past_bound=back or past_bound,
-                        known=self.predictor.knows(item.tenant, request.priority))
+                        known=self.predictor.knows(item.tenant, request.priority),
+                        size=(len(encode(item)) if size is None else size) + DISPATCH_BYTES)
         self.counters.enqueued(item.tenant)
 
     def push_out_for(self, newcomer: WorkItem, now: float) -> tuple[WorkItem | None, str]:
@@ -207,32 +210,35 @@ class RequestScheduler:
                                         for f in dataclasses.fields(waiting)})
         return bool(_overtakers(self.scores(now, waiting), min_standing).any())
 
-    def pop(self, max_items: int, now: float, min_standing: float | None = None) -> list[Dispatch]:
-        """The best `max_items` now (of those whose standing reaches `min_standing`, if given).
-        Each dispatch charges its tenant in advance for what it will be served (prompt + 2 x
-        predicted output; corrected when the executor reports), and the next pick within the
-        same pull already sees the new fairness terms."""
+    def pop(self, max_items: int, now: float, min_standing: float | None = None,
+            max_bytes: float = math.inf) -> list[Dispatch]:
+        """The best `max_items` now (of those whose standing reaches `min_standing`, if given),
+        as far as their encoded sizes add up to `max_bytes` (the pull's reply is one message;
+        the best one goes whatever its size). Each dispatch charges its tenant in advance for
+        what it will be served (prompt + 2 x predicted output; corrected when the executor
+        reports), and the next pick within the same pull already sees the new fairness terms."""
         n = len(self.queue)
         if n == 0 or max_items <= 0:
             return []
         waiting = self.queue.waiting(self.fairness_terms())
         scored, seq = self.scores(now, waiting), waiting.seq
+        sizes = self.queue.sizes()
         fair_pull = (self.cfg.policy == "adaptive" and self.cfg.fairness_factor > 0
                      and len(self.counters.backlog) > 1)  # only then can the order change
-        if min_standing is not None:  # an overtaking pull: the best of those that may overtake
-            eligible = _overtakers(scored, min_standing)
-            key = np.where(eligible, scored.key, -np.inf)
-            rows = [int(r) for r in policy.best(key, seq, min(max_items, int(eligible.sum())))]
-            shifts = [0.0] * len(rows)
-            for row in rows:
-                self._charge(self.queue.item(row))
-        elif not fair_pull:  # fairness cannot change the order within this pull: one selection
-            rows = [int(r) for r in policy.best(scored.key, seq, max_items)]
+        if min_standing is not None or not fair_pull:
+            if min_standing is not None:  # an overtaking pull: the best of those that may
+                eligible = _overtakers(scored, min_standing)
+                key = np.where(eligible, scored.key, -np.inf)
+                k = min(max_items, int(eligible.sum()))
+            else:  # fairness cannot change the order within this pull: one selection
+                key, k = scored.key, max_items
+            rows = [int(r) for r in policy.best(key, seq, k)]
+            rows = rows[:_fitting(sizes[rows], max_bytes)]
             shifts = [0.0] * len(rows)
             for row in rows:
                 self._charge(self.queue.item(row))
         else:
-            rows, shifts = self._pick_fairly(scored, seq, min(max_items, n))
+            rows, shifts = self._pick_fairly(scored, seq, min(max_items, n), sizes, max_bytes)
         dispatches = []
         for row, shift, item in zip(rows, shifts, self.queue.take(rows)):
             terms = {name: float(t[row]) for name, t in scored.terms.items()}
@@ -260,8 +266,8 @@ class RequestScheduler:
             return 0.0
         return sum(n for _, n in self._dispatched) / (now - self._dispatched[0][0])
 
-    def _pick_fairly(self, scored: policy.Scores, seq: np.ndarray,
-                     k: int) -> tuple[list[int], list[float]]:
+    def _pick_fairly(self, scored: policy.Scores, seq: np.ndarray, k: int,
+                     sizes: np.ndarray, max_bytes: float) -> tuple[list[int], list[float]]:
         """One pick at a time; after each charge every row's fairness term moves by its tenant's
         change. A charge shifts all of a tenant's (not aged) rows alike, so only each tenant's
         best k can ever be picked: O(n) per backlogged tenant to find those, then O(k) a pick.
@@ -279,10 +285,14 @@ class RequestScheduler:
         fairness = start = self.fairness_terms()
         picked: list[int] = []
         shifts: list[float] = []
+        used = 0
         for _ in range(k):
             top = np.flatnonzero(key == key.max())
             best = int(top[np.argmin(seq[rows_of[top]])]) if len(top) > 1 else int(top[0])
             row = int(rows_of[best])
+            used += int(sizes[row])
+            if picked and used > max_bytes:
+                break
             picked.append(row)
             shifts.append(float(fairness[tenant[best]] - start[tenant[best]]))
             key[best] = -np.inf
@@ -340,6 +350,11 @@ class RequestScheduler:
                 "tenant_counters": {t: round(c, 1) for t, c in self.counters.counters.items()},
                 "backlogged_tenants": dict(self.counters.backlog),
                 "running_tenants": sorted(self.counters.running), "tenant_served": self.served}
+
+
+def _fitting(sizes: np.ndarray, max_bytes: float) -> int:
+    """How many of `sizes`, from the first, add up to at most `max_bytes` (at least one)."""
+    return max(1, int(np.searchsorted(np.cumsum(sizes), max_bytes, side="right")))
 
 
 def _overtakers(scored: policy.Scores, min_standing: float) -> np.ndarray:

@@ -17,6 +17,8 @@ from shared.bus import (
     Outbox,
     add_micro_service,
     cancelled_completion,
+    chunked,
+    payload_budget,
     serve_forever,
     stop_micro_service,
 )
@@ -31,6 +33,7 @@ from shared.messages import (
     WorkItem,
     decoder,
     encode,
+    holding_entry_bytes,
 )
 from shared.metrics import (
     TTFT_BUCKETS,
@@ -111,8 +114,10 @@ class PriorityService:
             await asyncio.sleep(self.heartbeat_interval_s)
             waiting = [(i.tenant, i.request_id) for i in self.queue.items()]
             try:
-                await self.nc.publish(self.subjects.holding,
-                                      encode(Holding(holder="priority", requests=waiting)))
+                # A deep queue's report is several messages, each within the payload limit.
+                for part in chunked(waiting, holding_entry_bytes, payload_budget(self.nc)):
+                    await self.nc.publish(self.subjects.holding,
+                                          encode(Holding(holder="priority", requests=part)))
             except Exception:  # missing one report is survivable; a dead loop is not
                 log.exception("holding report failed")
 
@@ -200,7 +205,8 @@ class PriorityService:
         if error is not None:
             await request.respond(encode(SubmitReply(error=error)))
             return
-        self.scheduler.push(item, past_bound=True)  # room was made, or it is back from the batcher
+        # Room was made, or it is back from the batcher.
+        self.scheduler.push(item, past_bound=True, size=len(request.data))
         self.counts["submitted"] += 1
         self.wait_spans[(item.tenant, item.request_id)] = self.tracer.start_span(
             "priority.queue", context=context_from(item.trace),
@@ -267,7 +273,9 @@ class PriorityService:
                 seen = latest if await self.next_arrival(min(left, EXPIRY_CHECK_S)) else -1
         now = time.time()
         await self.expire(now)
-        dispatches = self.scheduler.pop(ask.max_items, now, ask.min_standing)
+        budget = payload_budget(self.nc)
+        dispatches = self.scheduler.pop(ask.max_items, now, ask.min_standing,
+                                        max_bytes=min(budget, ask.max_bytes or budget))
         for dispatch in dispatches:
             item = dispatch.item
             span = self.wait_spans.pop((item.tenant, item.request_id))

@@ -79,9 +79,11 @@ async def finish_order_with_a_late_urgent_request(
 
 @contextlib.asynccontextmanager
 async def running_stack(directory: Path, executors: int = 1, settings: dict | None = None,
-                        env: dict[str, str] | None = None, timeout: float = 180.0):
+                        env: dict[str, str] | None = None, timeout: float = 180.0,
+                        nats_settings: dict | None = None):
     stack = Stack(state_dir=directory, nats_port=free_port(), executors=executors,
-                  settings={**TINY_STACK, **(settings or {})}, log_dir=directory / "logs", env=env)
+                  settings={**TINY_STACK, **(settings or {})}, log_dir=directory / "logs", env=env,
+                  nats_settings=nats_settings)
     try:
         await stack.start(timeout=timeout)
     except BaseException:

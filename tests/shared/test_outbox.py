@@ -1,27 +1,44 @@
-"""A durable request's result is stored once, against a real nats-server: a second result for
-the same request is refused inside the duplicate window and past it."""
+"""A request's final output, against a real nats-server: a durable result is stored once (a second
+result for the same request is refused inside the duplicate window and past it), and an output
+that cannot be delivered (over max_payload, refused by the result store) ends its request with an
+Error saying why, and admission is told it is done, so it is not run again."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 
+import msgspec
 import nats
 import pytest
 
 from services.stack import free_port, nats_server_binary
 from shared.bus import Outbox, ensure_streams
 from shared.config import JetserveConfig, NatsSection
-from shared.protocol import Error
+from shared.messages import Done, WorkItem, decoder
+from shared.protocol import (
+    Completion,
+    Error,
+    GenerateRequest,
+    Metrics,
+    Scheduling,
+    Usage,
+)
 from shared.subjects import RESULTS_STREAM, Subjects
 
+decode_output = msgspec.json.Decoder(Completion | Error).decode
 
-@pytest.fixture
-async def js(tmp_path):
+
+@contextlib.asynccontextmanager
+async def nats_server(directory, **settings):
+    """A JetStream-enabled nats-server (with `settings` in its config file) and a connection."""
     port = free_port()
+    conf = directory / "nats-server.conf"
+    conf.write_text("".join(f"{key}: {value}\n" for key, value in settings.items()))
     server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js",
-                               "-sd", str(tmp_path)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+                               "-sd", str(directory), "-c", str(conf)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     nc = None
     try:
         for _ in range(100):
@@ -31,12 +48,18 @@ async def js(tmp_path):
                 break
             except Exception:
                 await asyncio.sleep(0.1)
-        yield nc.jetstream()
+        yield nc
     finally:
         if nc is not None:
             await nc.close()
         server.terminate()
         server.wait(10)
+
+
+@pytest.fixture
+async def js(tmp_path):
+    async with nats_server(tmp_path) as nc:
+        yield nc.jetstream()
 
 
 async def test_a_second_result_past_the_duplicate_window_is_not_stored(js):
@@ -54,3 +77,50 @@ async def test_a_second_result_past_the_duplicate_window_is_not_stored(js):
     assert info.state.subjects == {"llm.results.acme.once": 1}
     stored = await js.get_last_msg(RESULTS_STREAM, "llm.results.acme.once")
     assert b'"first"' in stored.data
+
+
+def completion(request_id: str, text: str) -> Completion:
+    return Completion(request_id=request_id, model="m", text=text, token_ids=[1] * 10,
+                      finish_reason="length",
+                      usage=Usage(prompt_tokens=1, completion_tokens=10, cached_tokens=0),
+                      metrics=Metrics(queue_ms=0, ttft_ms=1, e2e_ms=2, tpot_ms=0.1),
+                      scheduling=Scheduling(priority_score=0, executor="e", preemptions=0,
+                                            queue_wait_ms=0))
+
+
+def work_item(request_id: str, durable: bool, reply_to: str | None = None) -> WorkItem:
+    request = GenerateRequest(request_id=request_id, prompt_token_ids=[1, 2], max_tokens=10)
+    return WorkItem(request=request, tenant="acme", arrival_time=0.0, durable=durable,
+                    reply_to=reply_to)
+
+
+async def test_an_output_over_max_payload_is_answered_with_an_error(tmp_path):
+    async with nats_server(tmp_path, max_payload=16384) as nc:
+        outbox = Outbox(nc, nc.jetstream(), Subjects("llm"))
+        inbox, done = await nc.subscribe("client.inbox"), await nc.subscribe("llm.internal.>")
+        await outbox.final(work_item("huge", durable=False, reply_to="client.inbox"),
+                           completion("huge", "x" * 20000))
+        answer = decode_output((await inbox.next_msg(timeout=2)).data)
+        told = decoder(Done).decode((await done.next_msg(timeout=2)).data)
+    assert isinstance(answer, Error) and answer.code == "internal", answer
+    assert "max_payload (16384 bytes)" in answer.message
+    assert (told.request_id, told.durable) == ("huge", False)
+
+
+async def test_a_result_the_store_refuses_ends_the_request_with_an_error(tmp_path):
+    """LLM_RESULTS refuses messages over 1 KiB (a stream limit): the 5 KB result is replaced by
+    an Error that fits, and admission is told the request is done (it acks it, no rerun)."""
+    async with nats_server(tmp_path) as nc:
+        js = nc.jetstream()
+        await ensure_streams(js, JetserveConfig())
+        config = (await js.stream_info(RESULTS_STREAM)).config
+        config.max_msg_size = 1024
+        await js.update_stream(config)
+        done = await nc.subscribe("llm.internal.>")
+        await Outbox(nc, js, Subjects("llm")).final(work_item("big", durable=True),
+                                                    completion("big", "y" * 5000))
+        stored = decode_output((await js.get_last_msg(RESULTS_STREAM, "llm.results.acme.big")).data)
+        told = decoder(Done).decode((await done.next_msg(timeout=2)).data)
+    assert isinstance(stored, Error) and stored.code == "internal", stored
+    assert "the result store refused it" in stored.message, stored.message
+    assert (told.request_id, told.tenant, told.durable) == ("big", "acme", True)
