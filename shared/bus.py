@@ -4,9 +4,12 @@ and delivering a request's outputs to wherever its client listens."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TypeVar
@@ -15,10 +18,10 @@ import msgspec
 import nats
 import structlog
 from nats.aio.client import DEFAULT_MAX_PAYLOAD_SIZE, Client
-from nats.errors import MaxPayloadError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from shared.config import JetserveConfig, NatsSection
 from shared.messages import Done, WorkItem, encode
@@ -66,26 +69,63 @@ def chunked(items: Sequence[T], size_of: Callable[[T], int], budget: int) -> Ite
         yield run
 
 
+class NatsUnreachable(Exception):
+    """No NATS server answered within `nats.connect_wait_s`."""
+
+
 async def connect(section: NatsSection, name: str) -> Client:
-    """A connection that keeps reconnecting (a restarting nats-server is not a reason to die)."""
+    """A connection that keeps reconnecting once made (a restarting nats-server is not a
+    reason to die); NatsUnreachable when none answers within `section.connect_wait_s`."""
+    connected = False
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", error=repr(exc))
+        if connected:
+            log.warning("nats error", error=repr(exc))
+        else:  # while connecting: retried until connect_wait_s, then an error of its own
+            log.info("nats server not answering yet", url=section.url, error=repr(exc))
 
     async def on_disconnect() -> None:
-        log.warning("nats disconnected")
+        if nc.is_closed or nc.is_draining:  # this service is stopping: expected
+            log.info("nats disconnected", closing=True)
+        else:
+            log.warning("nats disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats reconnected")
 
-    return await nats.connect(
-        section.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        connect_timeout=5, allow_reconnect=True, error_cb=on_error,
-        disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+    nc = Client()
+    try:
+        await asyncio.wait_for(nc.connect(
+            section.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            connect_timeout=min(5.0, section.connect_wait_s), allow_reconnect=True,
+            error_cb=on_error, disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect), section.connect_wait_s)
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise NatsUnreachable(
+            f"no NATS server answered at {section.url} within nats.connect_wait_s "
+            f"({section.connect_wait_s:g} s): {exc!r}") from None
+    connected = True
+    return nc
+
+
+class StreamMismatch(Exception):
+    """An existing stream whose settings differ from the configuration where JetStream cannot
+    change them; the message names the setting."""
+
+
+# The stream settings jetserve sets; of them, JetStream cannot change these on a stream.
+MANAGED_STREAM_FIELDS = ("subjects", "retention", "storage", "max_msgs", "discard",
+                         "duplicate_window", "max_age")
+FIXED_STREAM_FIELDS = ("retention", "storage")
 
 
 async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
-    """Create LLM_REQUESTS and LLM_RESULTS when absent; leave existing ones as they are."""
+    """Create LLM_REQUESTS and LLM_RESULTS when absent; bring existing ones to the
+    configuration (a changed limit, window or subject list is applied), or raise
+    StreamMismatch naming a setting JetStream cannot change (retention, storage). JetStream
+    not enabled on the server: StreamMismatch saying so."""
     subjects = Subjects(config.nats.prefix)
     window = config.nats.duplicate_window_s
     wanted = [
@@ -99,13 +139,63 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
     ]
     for stream in wanted:
         try:
-            await js.stream_info(stream.name)
+            current = (await js.stream_info(stream.name)).config
         except NotFoundError:
             try:
                 await js.add_stream(stream)
+                continue
             except Exception as exc:  # another service created it first
                 if "already in use" not in str(exc):
                     raise
+            current = (await js.stream_info(stream.name)).config
+        except (NoRespondersError, ServiceUnavailableError, nats.errors.TimeoutError):
+            raise StreamMismatch(
+                "JetStream is not enabled on the NATS server (start nats-server with -js, or "
+                "`jetstream {}` in its configuration): jetserve keeps durable requests and "
+                "results in streams") from None
+        await _reconcile(js, current, stream)
+
+
+async def _reconcile(js: JetStreamContext, current: StreamConfig, wanted: StreamConfig) -> None:
+    def value(config: StreamConfig, name: str):
+        v = getattr(config, name)
+        return getattr(v, "value", v) if not isinstance(v, list) else sorted(v)
+
+    differ = [f for f in MANAGED_STREAM_FIELDS if value(current, f) != value(wanted, f)]
+    if not differ:
+        return
+    for name in differ:
+        if name in FIXED_STREAM_FIELDS:
+            raise StreamMismatch(
+                f"stream {wanted.name} exists with {name} {value(current, name)!r}, and jetserve "
+                f"needs {value(wanted, name)!r}; JetStream cannot change {name} on a stream: "
+                f"remove it (`nats stream rm {wanted.name}`; what it holds is lost) or point "
+                f"jetserve at another server")
+    try:
+        await js.update_stream(dataclasses.replace(
+            current, **{name: getattr(wanted, name) for name in differ}))
+    except APIError as exc:
+        raise StreamMismatch(
+            f"stream {wanted.name} could not be brought to the configuration ("
+            f"{', '.join(differ)}): {exc.description or exc!r}") from None
+    log.info("stream updated to the configuration", stream=wanted.name,
+             changed={name: [value(current, name), value(wanted, name)] for name in differ})
+
+
+async def cancel_all(tasks, timeout: float = 5.0) -> None:
+    """Cancel `tasks` and wait for them, for `timeout` s at most. A task still running after a
+    cancel is cancelled again: on Python 3.11 a cancel that lands as a `wait_for` inside a loop
+    completes can be lost, and the loop goes on (an executor SIGTERMed under load hung here)."""
+    pending = {t for t in tasks if not t.done()}
+    deadline = asyncio.get_running_loop().time() + timeout
+    while pending:
+        for task in pending:
+            task.cancel()
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            log.warning("tasks did not stop", tasks=sorted(t.get_name() for t in pending))
+            return
+        _, pending = await asyncio.wait(pending, timeout=min(0.5, left))
 
 
 SERVER_GONE_S = 1.0  # disconnected this long while stopping: the server is not coming back
@@ -141,15 +231,39 @@ async def while_connected(nc: Client, work: Awaitable, timeout: float) -> bool:
     return task.done() and not task.cancelled() and task.exception() is None
 
 
-async def run_until_stopped(name: str, serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `serve(stop)` until SIGTERM or SIGINT sets `stop`; the service then drains."""
+STOP_GRACE_S = 20.0  # past its drain: how long a service told to stop may take to exit
+
+
+async def run_until_stopped(name: str, serve: Callable[[asyncio.Event], Awaitable[None]],
+                            drain_s: float = 0.0) -> None:
+    """Run `serve(stop)` until SIGTERM or SIGINT sets `stop`; the service then drains. A second
+    signal stops it at once, and so does `drain_s` + STOP_GRACE_S passing after the first,
+    whatever the event loop is doing (a thread's timer, not a task): a process told to stop,
+    stops."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def first(signum: int) -> None:
+        stop.set()
+        bound = drain_s + STOP_GRACE_S
+        timer = threading.Timer(bound, _exit_now, (name, f"still stopping {bound:g} s after "
+                                                         f"{signal.Signals(signum).name}"))
+        timer.daemon = True
+        timer.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _exit_now, name, f"a second {signal.Signals(sig).name}")
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, first, sig)
     log.info("starting", service=name)
     await serve(stop)
     log.info("stopped", service=name)
+
+
+def _exit_now(name: str, why: str) -> None:
+    """Exit without draining (what is held here is handed on by admission's lease)."""
+    log.error("stopping at once", service=name, reason=why)
+    os._exit(1)
 
 
 def cancelled_completion(item: WorkItem, executor: str = "") -> Completion:
@@ -274,10 +388,18 @@ async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]]
     port = args.metrics_port if args.metrics_port is not None else \
         getattr(config.monitoring.metrics_port, service_name)
     serve_metrics(port if config.monitoring.metrics else 0, service_name)
-    nc = await connect(config.nats, service_name)
+    try:
+        nc = await connect(config.nats, service_name)
+    except NatsUnreachable as exc:
+        raise SystemExit(f"{service_name}: {exc}") from None
     js = nc.jetstream()
     try:
-        await run_until_stopped(service_name, lambda stop: serve(config, nc, js, tracer, stop, args))
+        await run_until_stopped(service_name,
+                                lambda stop: serve(config, nc, js, tracer, stop, args),
+                                config.distributed.drain_timeout_s)
+    except StreamMismatch as exc:
+        log.error("cannot start", error=str(exc))
+        raise SystemExit(f"{service_name}: {exc}") from None
     finally:
         if not nc.is_closed and not await while_connected(nc, nc.drain(), 10):
             log.warning("drain did not finish: the server is gone or too slow")

@@ -70,6 +70,9 @@ class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the server's default, 1,000, would cap durable work in flight whatever the executors).
     max_ack_pending: Annotated[int, msgspec.Meta(ge=1)] = 50_000
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # internal request/reply hops
+    # At start, how long a service waits for the server to answer before it exits with an error
+    # (once connected, it reconnects for as long as it takes).
+    connect_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -332,9 +335,32 @@ def load_config(path: str | None = None, environ: Mapping[str, str] | None = Non
                 raise ConfigError(f"{name}: `{key}` is not a section")
         node[keys[-1]] = yaml.safe_load(raw) if raw else None  # typed like YAML: 32, true, null
     try:
-        return msgspec.convert(tree, JetserveConfig)
+        config = msgspec.convert(tree, JetserveConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
+    check_timing(config)
+    return config
+
+
+def check_timing(config: JetserveConfig) -> None:
+    """Refuse timings under which a live holder would be taken for dead. Every holder
+    (priority, the batcher, executors) reports what it holds once a heartbeat interval;
+    admission hands a request on when nothing reported it for a lease (the heartbeat timeout),
+    and keeps a held durable request's JetStream message alive with an in-progress ack every
+    third of `ack_wait_s`, looked at once an interval."""
+    interval = config.distributed.heartbeat_interval_s
+    lease = config.distributed.heartbeat_timeout_s
+    if lease <= 2 * interval:
+        raise ConfigError(
+            f"distributed.heartbeat_timeout_s ({lease:g}) must be more than twice "
+            f"distributed.heartbeat_interval_s ({interval:g}): holders report once an interval, "
+            f"and a lease one late report outlasts takes live holders for dead")
+    ack_wait = config.nats.ack_wait_s
+    if ack_wait < 3 * interval:
+        raise ConfigError(
+            f"nats.ack_wait_s ({ack_wait:g}) must be at least three times "
+            f"distributed.heartbeat_interval_s ({interval:g}): held durable requests are kept "
+            f"alive once an interval, and JetStream would redeliver one that is still running")
 
 
 def env_overrides(settings: Mapping[str, object]) -> dict[str, str]:

@@ -42,6 +42,10 @@ class WorkItem(msgspec.Struct, kw_only=True):
     # run). An executor still running an earlier attempt is told to drop it (Revoke).
     resume_token_ids: list[int] = []
     attempt: int = 0
+    # Set by the batcher for each assignment it sends: an assignment it gave up on (no answer
+    # in time) is withdrawn by this token (Unassign), so a late acceptance never runs a request
+    # that went back to the queue.
+    assignment: str = ""
 
     @property
     def request_id(self) -> str:
@@ -189,6 +193,16 @@ class Revoke(msgspec.Struct, array_like=True):
     tenant: str
     request_id: str
     attempt: int
+
+
+class Unassign(msgspec.Struct, array_like=True):
+    """The batcher to one executor: it gave up waiting for that executor's answer to an
+    assignment and put the request back in the queue. The executor drops it if it runs it, and
+    refuses it if the assignment has not arrived yet."""
+
+    tenant: str
+    request_id: str
+    assignment: str
 
 
 class Done(msgspec.Struct):

@@ -52,6 +52,10 @@ class Subjects:
     def executor_assign(self, executor: str) -> str:
         return f"{self.prefix}.internal.executor.{executor}.assign"
 
+    def executor_unassign(self, executor: str) -> str:
+        """The batcher to one executor: an assignment it gave up on (Unassign)."""
+        return f"{self.prefix}.internal.executor.{executor}.unassign"
+
     @property
     def batcher_executors(self) -> str:
         return f"{self.prefix}.internal.batcher.executors"

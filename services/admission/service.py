@@ -39,6 +39,7 @@ from shared.bus import (
     ENVELOPE_BYTES,
     Outbox,
     add_micro_service,
+    cancel_all,
     ensure_streams,
     json_encode,
     payload_budget,
@@ -86,7 +87,9 @@ MAX_IN_FLIGHT = 4096  # generate requests being admitted at once
 TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
 # A result's bytes besides its tokens' text and ids: ids, usage, metrics, scheduling, model.
 RESULT_BYTES = 2048
-MAX_DELIVERIES = 5  # a durable request that keeps failing inside admission gets an Error
+# A durable request that fails inside admission this many times gets an Error. Only failures
+# count, not deliveries: a request put back for a rate limit or a full queue did not fail.
+MAX_FAILURES = 5
 ADMITTED = counter("admitted_requests", "Requests admitted and queued at priority, by tenant",
                    ("tenant", "durable"))
 REJECTED = counter("rejected_requests", "Requests answered with an Error at admission, by tenant "
@@ -124,6 +127,7 @@ class Admission:
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
                            resumed_tokens=0, generates_handed_on=0)
         self.errors_by_code: dict[str, int] = {}
+        self.failures: dict[tuple[str, str], int] = {}  # durable requests admission failed on
         self.tasks: list[asyncio.Task] = []
         self.generate_tasks: set[asyncio.Task] = set()
         self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
@@ -160,9 +164,7 @@ class Admission:
         await stop_micro_service(self.nc, self.service)
         if self.generate_tasks:
             await asyncio.wait(self.generate_tasks, timeout=self.config.nats.request_timeout_s)
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await cancel_all(self.tasks)
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
         unregister(self.collector)
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -344,7 +346,7 @@ class Admission:
         while True:
             try:
                 messages = await self.consumer.fetch(DURABLE_FETCH_BATCH, timeout=1.0)
-            except NatsTimeoutError:
+            except (NatsTimeoutError, TimeoutError):  # nothing came: the normal idle case
                 continue
             except Exception as exc:  # reconnecting: try again shortly
                 log.warning("durable fetch failed", error=repr(exc))
@@ -358,18 +360,20 @@ class Admission:
 
     async def durable_failed(self, msg, exc: Exception) -> None:
         """A bug, not bad input: retry a few times, then store an `internal` Error as its result."""
-        deliveries = msg.metadata.num_delivered
-        log.exception("durable request failed", subject=msg.subject, deliveries=deliveries)
         tenant = self.subjects.tenant_of(msg.subject)
         request_id = (msg.headers or {}).get("Nats-Msg-Id") or _peek(msg.data)[0]
+        key = (tenant, request_id or "")
+        failures = self.failures[key] = self.failures.get(key, 0) + 1
+        log.exception("durable request failed", subject=msg.subject, failures=failures)
         try:
-            if deliveries < MAX_DELIVERIES or not request_id:
+            if failures < MAX_FAILURES or not request_id:
                 await msg.nak(delay=1.0)
                 return
             error = Error(request_id=request_id, code="internal",
-                          message=f"admission failed {deliveries} times: {exc!r}")
+                          message=f"admission failed {failures} times: {exc!r}")
             await self.outbox.store_result(tenant, request_id, error)
-            self.held.pop((tenant, request_id), None)
+            self.held.pop(key, None)
+            del self.failures[key]
             await msg.ack()
         except Exception:
             log.exception("could not settle a failed durable request")
@@ -417,6 +421,7 @@ class Admission:
                 self.count_error(exc.code, tenant)
                 error = exc.to_error(claimed_id)
                 await self.outbox.store_result(tenant, claimed_id, error, carrier_of(span))
+                self.failures.pop(key, None)
                 await msg.ack()
                 return
             item.trace = carrier_of(span)
@@ -431,6 +436,7 @@ class Admission:
             await msg.nak(delay=1.0)
             return
         self.counts["durable_admitted"] += 1
+        self.failures.pop(key, None)
         ADMITTED.labels(self.tenant_label(tenant), "true").inc()
 
     async def has_result(self, tenant: str, request_id: str) -> bool:
@@ -514,32 +520,41 @@ class Admission:
             tick = time.monotonic()
             self.clock += min(tick - last_tick, 2 * interval)
             last_tick = tick
-            now = self.clock
-            lost = [(key, held) for watched in (self.held, self.generates)
-                    for key, held in watched.items()
-                    if now - max(held.since, self.last_reported.get(key, -math.inf))
-                    > self.lease_s]
-            for key, held in lost:
-                held.since = now  # not lost again before another lease has passed
-            # One that priority does not take is tried again after another lease.
-            await asyncio.gather(*(self.hand_on(key, held) for key, held in lost
-                                   if held.item is not None))
-            for key, held in [(k, h) for k, h in lost if h.item is None]:
-                log.warning("durable request lost with its holder; redelivering",
-                            tenant=key[0], request_id=key[1])
-                self.counts["durable_redelivered"] += 1
-                del self.held[key]
-                self.last_reported.pop(key, None)
-                await _quietly(held.msg.nak())
-            for key in [k for k, seen in self.last_reported.items()
-                        if k not in self.held and k not in self.generates
-                        and now - seen > self.lease_s]:
-                del self.last_reported[key]  # no longer reported (or reported after its Done)
-            if tick - last_progress >= progress_every:
-                last_progress = tick
-                for held in list(self.held.values()):
-                    if held.msg is not None:
-                        await _quietly(held.msg.in_progress())
+            try:
+                await self.watch_over()
+                if tick - last_progress >= progress_every:
+                    last_progress = tick
+                    for held in list(self.held.values()):
+                        if held.msg is not None:
+                            await _quietly(held.msg.in_progress())
+            except Exception:  # a bug must not end failover and in-progress acks for good
+                log.exception("keep-alive failed; continuing")
+
+    async def watch_over(self) -> None:
+        """Hand on (or back to JetStream) every watched request no service has reported for a
+        lease. Its Done may arrive while this awaits: then it is left alone."""
+        now = self.clock
+        lost = [(key, held) for watched in (self.held, self.generates)
+                for key, held in watched.items()
+                if now - max(held.since, self.last_reported.get(key, -math.inf)) > self.lease_s]
+        for key, held in lost:
+            held.since = now  # not lost again before another lease has passed
+        # One that priority does not take is tried again after another lease.
+        await asyncio.gather(*(self.hand_on(key, held) for key, held in lost
+                               if held.item is not None))
+        for key, held in [(k, h) for k, h in lost if h.item is None]:
+            if self.held.get(key) is not held:
+                continue  # done (acked) while the others were handed on
+            log.warning("durable request lost with its holder; redelivering",
+                        tenant=key[0], request_id=key[1])
+            self.counts["durable_redelivered"] += 1
+            del self.held[key]
+            self.last_reported.pop(key, None)
+            await _quietly(held.msg.nak())
+        for key in [k for k, seen in self.last_reported.items()
+                    if k not in self.held and k not in self.generates
+                    and now - seen > self.lease_s]:
+            del self.last_reported[key]  # no longer reported (or reported after its Done)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 
 import msgspec
@@ -17,6 +18,8 @@ from services.batcher.registry import ExecutorRegistry
 from shared.bus import (
     Outbox,
     add_micro_service,
+    cancel_all,
+    chunked,
     json_encode,
     payload_budget,
     serve_forever,
@@ -26,14 +29,17 @@ from shared.config import JetserveConfig
 from shared.messages import (
     AssignReply,
     Heartbeat,
+    Holding,
     KvDump,
     KvEvent,
     NextReply,
     NextRequest,
     SubmitReply,
+    Unassign,
     WorkItem,
     decoder,
     encode,
+    holding_entry_bytes,
 )
 from shared.metrics import StatsCollector, register, unregister
 from shared.protocol import Error
@@ -67,7 +73,13 @@ class BatcherService:
         self.dumps: set[asyncio.Task] = set()  # KvDump requests in flight
         self.room = asyncio.Event()  # set when an executor may have free slots
         self.beat = asyncio.Event()  # set on every heartbeat
-        self.counts = dict(pulled=0, assigned=0, overtaking=0, requeued=0, executors_lost=0)
+        self.counts = dict(pulled=0, assigned=0, overtaking=0, requeued=0, executors_lost=0,
+                           unassigned=0)
+        # Requests pulled from priority and not yet taken by an executor or back in the queue:
+        # reported as held, so admission never takes a slow assignment for a lost request.
+        self.holding: dict[tuple[str, str], WorkItem] = {}
+        self.assignments = itertools.count()
+        self.instance = secrets.token_hex(4)
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
         self.collector = StatsCollector(self.read_metrics)
@@ -81,7 +93,8 @@ class BatcherService:
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         await self.nc.subscribe(self.subjects.kv_events, cb=self.on_kv_event)
         self.tasks = [asyncio.create_task(self.dispatch_loop(), name="dispatch"),
-                      asyncio.create_task(self.liveness_loop(), name="liveness")]
+                      asyncio.create_task(self.liveness_loop(), name="liveness"),
+                      asyncio.create_task(self.report_holding(), name="holding")]
         if self.config.scheduler.batch_level.overtaking_dispatch:
             self.tasks.append(asyncio.create_task(self.overtake_loop(), name="overtake"))
 
@@ -90,9 +103,7 @@ class BatcherService:
         # inside a loop times out can be lost, and the loop would go on (a SIGTERMed batcher
         # hung here).
         self.stopping = True
-        for task in [*self.tasks, *self.dumps]:
-            task.cancel()
-        await asyncio.gather(*self.tasks, *self.dumps, return_exceptions=True)
+        await cancel_all([*self.tasks, *self.dumps])
         await stop_micro_service(self.nc, self.service)
         unregister(self.collector)
 
@@ -110,6 +121,7 @@ class BatcherService:
                 "assigned": "Assignments an executor accepted",
                 "overtaking": "Requests sent beyond an executor's room to overtake",
                 "requeued": "Requests sent back to priority (assignment failed)",
+                "unassigned": "Assignments withdrawn after their executor did not answer in time",
                 "executors_lost": "Executors forgotten after their heartbeats stopped"}
         return [("gauge", "executors_alive", "Executors heard from within the heartbeat timeout",
                  {}, len(self.registry.executors)),
@@ -173,6 +185,19 @@ class BatcherService:
         finally:
             await sub.unsubscribe()
 
+    async def report_holding(self) -> None:
+        """Tell admission which requests are on their way to an executor, every heartbeat
+        interval, as priority and executors report theirs."""
+        while True:
+            await asyncio.sleep(self.config.distributed.heartbeat_interval_s)
+            try:
+                for part in chunked(list(self.holding), holding_entry_bytes,
+                                    payload_budget(self.nc)):
+                    await self.nc.publish(self.subjects.holding,
+                                          encode(Holding(holder="batcher", requests=part)))
+            except Exception:  # missing one report is survivable; a dead loop is not
+                log.exception("holding report failed")
+
     async def liveness_loop(self) -> None:
         distributed = self.config.distributed
         while True:
@@ -222,7 +247,7 @@ class BatcherService:
         items = _next_reply.decode(reply.data).items
         self.counts["pulled"] += len(items)
         if items:
-            await asyncio.gather(*(self.assign(item) for item in items))
+            await asyncio.gather(*(self.hold_and_assign(item) for item in items))
 
     async def overtake_once(self) -> None:
         now = time.monotonic()
@@ -243,7 +268,7 @@ class BatcherService:
             return
         for item in _next_reply.decode(reply.data).items:
             self.counts["pulled"] += 1
-            if not await self.assign(item, overtaking=True):
+            if not await self.hold_and_assign(item, overtaking=True):
                 # Its executor's threshold moved, or it serves another model: until the next
                 # heartbeat, pulling again would hand out the same request again.
                 await self.next_beat()
@@ -255,6 +280,16 @@ class BatcherService:
             await asyncio.wait_for(self.beat.wait(), SUSPEND_S)
         except TimeoutError:
             pass
+
+    async def hold_and_assign(self, item: WorkItem, overtaking: bool = False) -> bool:
+        """`assign`, reporting the request as held here until an executor or priority has it."""
+        key = (item.tenant, item.request_id)
+        self.holding[key] = item
+        try:
+            return await self.assign(item, overtaking)
+        finally:
+            if self.holding.get(key) is item:
+                del self.holding[key]
 
     async def assign(self, item: WorkItem, overtaking: bool = False) -> bool:
         """Send `item` to an executor (beyond its room, if `overtaking` and it outranks what is
@@ -281,12 +316,15 @@ class BatcherService:
                             "candidates": list(route), "cached_blocks": list(route.values()),
                             }) as span:
             item.trace = carrier_of(span)
+            item.assignment = f"{self.instance}-{next(self.assignments)}"
             try:
                 reply = await self.nc.request(self.subjects.executor_assign(executor), encode(item),
                                               timeout=self.timeout, headers=item.trace)
                 answer = _assign_reply.decode(reply.data)
             except Exception as exc:  # no answer, or an error reply without an AssignReply
                 answer = AssignReply(accepted=False, reason=repr(exc))
+                # It may still take it, late: withdrawn, so it cannot run beside its requeue.
+                await self.unassign(executor, item)
             if answer.accepted:
                 self.counts["assigned"] += 1
                 return True
@@ -296,6 +334,15 @@ class BatcherService:
         self.registry.unsend(executor, suspend_until=time.monotonic() + SUSPEND_S)
         await self.requeue(item)
         return False
+
+    async def unassign(self, executor: str, item: WorkItem) -> None:
+        self.counts["unassigned"] += 1
+        try:
+            await self.nc.publish(self.subjects.executor_unassign(executor), encode(
+                Unassign(item.tenant, item.request_id, item.assignment)))
+        except Exception as exc:  # disconnected: the executor is likely cut off as well
+            log.warning("could not withdraw an assignment", executor=executor,
+                        request_id=item.request_id, error=repr(exc))
 
     async def requeue(self, item: WorkItem) -> None:
         self.counts["requeued"] += 1

@@ -8,6 +8,7 @@ import itertools
 import os
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
@@ -18,10 +19,11 @@ from services.executor.batch_size import BatchSizeController, Interval, p99
 from services.executor.engine import Engine, Output
 from shared.bus import (
     Outbox,
+    add_micro_service,
+    cancel_all,
+    cancelled_completion,
     chunked,
     payload_budget,
-    add_micro_service,
-    cancelled_completion,
     serve_forever,
     stop_micro_service,
 )
@@ -36,6 +38,7 @@ from shared.messages import (
     KvEvent,
     Progress,
     Revoke,
+    Unassign,
     WorkItem,
     decoder,
     encode,
@@ -61,6 +64,8 @@ log = structlog.get_logger()
 
 _item = decoder(WorkItem)
 _revoke = decoder(Revoke)
+_unassign = decoder(Unassign)
+UNASSIGNED_KEPT = 10_000  # withdrawn assignments remembered in case theirs arrives later
 HEARTBEAT_MIN_GAP_S = 0.005  # load changes are reported at once, but not more often than this
 
 # vLLM's names (`vllm:` there, `jetserve:` here), labelled by model and executor.
@@ -129,6 +134,8 @@ class ExecutorService:
         self.running: dict[str, _Running] = {}  # by engine_id
         self.outputs: asyncio.Queue[tuple[WorkItem, Output]] = asyncio.Queue()
         self.cancels = RecentCancels()
+        # Assignments the batcher gave up on before they arrived here (their tokens, oldest first).
+        self.unassigned: OrderedDict[str, None] = OrderedDict()
         self.load_changed = asyncio.Event()
         self.idle = asyncio.Event()  # set when the last running request ends
         self.draining = False  # stopping: heartbeats advertise no room
@@ -136,7 +143,7 @@ class ExecutorService:
         self.kv_seq = 0  # the last KvEvent published
         self.started_at = time.time()
         self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0, id_in_use=0,
-                           client_gone=0, resumed=0, revoked=0)
+                           client_gone=0, resumed=0, revoked=0, unassigned=0)
         self.probes: dict[str, str] = {}  # _Running.probe -> engine key
         self.probe_ids = itertools.count()
         self.finished: list[Finished] = []  # reported with the next heartbeat
@@ -169,6 +176,7 @@ class ExecutorService:
         await self.nc.subscribe(f"{self.gone_inbox}.*", cb=self.on_client_gone)
         await self.nc.subscribe(self.subjects.kv_dump(self.name), cb=self.on_kv_dump)
         await self.nc.subscribe(self.subjects.revoke, cb=self.on_revoke)
+        await self.nc.subscribe(self.subjects.executor_unassign(self.name), cb=self.on_unassign)
         self.load_changed.set()  # the first heartbeat goes out at once
         self.tasks = [asyncio.create_task(self.publish_loop(), name="publish"),
                       asyncio.create_task(self.heartbeat_loop(), name="heartbeat")]
@@ -194,9 +202,7 @@ class ExecutorService:
             await asyncio.wait_for(self.outputs.join(), 10)  # what the aborts produced
         except TimeoutError:
             log.warning("outputs still unsent at shutdown", pending=self.outputs.qsize())
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await cancel_all(self.tasks)
         await self.engine.stop()
         unregister(self.collector)
 
@@ -271,16 +277,22 @@ class ExecutorService:
         key = engine_id(item)
         if self.draining:
             return AssignReply(accepted=False, reason="draining")
+        if item.assignment in self.unassigned:  # it arrived after the batcher gave it up
+            del self.unassigned[item.assignment]
+            return AssignReply(accepted=False, reason="the batcher gave this assignment up")
         self.assigned_total += 1
         self.load_changed.set()
         running = self.running.get(key)
         if running is not None and item.attempt > running.item.attempt:
             self.drop(key)  # handed on while this executor ran an earlier attempt: run this one
             running = None
-        if running is not None and item.durable:
-            # Delivered again while it runs here. (Were the id a generate's, admission hands it
-            # back to JetStream once nothing reports it, after that one ends.)
+        if running is not None and (item.durable or _same_request(item, running.item)):
+            # Delivered again while it runs here: a durable request (were the id a generate's,
+            # admission hands it back to JetStream once nothing reports it, after that one
+            # ends), or an assignment the batcher gave up on and sent again. It runs under the
+            # latest assignment now: withdrawing an earlier one leaves it running.
             self.counts["duplicates"] += 1
+            running.item.assignment = item.assignment
             return AssignReply(accepted=True)
         if running is not None:  # a generate reusing the id of one that runs: answer at once
             self.counts["id_in_use"] += 1
@@ -340,6 +352,22 @@ class ExecutorService:
             self.drop(key)
             log.warning("dropped a request handed on to another executor", request=key,
                         attempt=running.item.attempt)
+
+    async def on_unassign(self, msg) -> None:
+        """The batcher gave up waiting for this executor's answer to an assignment and queued the
+        request again: drop it if it runs here under that assignment, else refuse the
+        assignment when (if) it arrives."""
+        unassign = _unassign.decode(msg.data)
+        key = f"{unassign.tenant}/{unassign.request_id}"
+        running = self.running.get(key)
+        self.counts["unassigned"] += 1
+        if running is not None and running.item.assignment == unassign.assignment:
+            self.drop(key)
+            log.warning("dropped an assignment the batcher gave up on", request=key)
+            return
+        self.unassigned[unassign.assignment] = None
+        while len(self.unassigned) > UNASSIGNED_KEPT:
+            self.unassigned.popitem(last=False)
 
     def drop(self, key: str) -> None:
         """End a running request here without any output: another attempt owns it now. What the
@@ -587,6 +615,11 @@ class ExecutorService:
         take = next(chunked(self.finished, finished_bytes, payload_budget(self.nc) // 2), [])
         self.finished = self.finished[len(take):]
         return take
+
+
+def _same_request(a: WorkItem, b: WorkItem) -> bool:
+    """Whether two assignments carry the same admitted request (not one reusing its id)."""
+    return (a.arrival_time, a.reply_to, a.attempt) == (b.arrival_time, b.reply_to, b.attempt)
 
 
 def finished_report(item: WorkItem, output: Completion | Error) -> Finished:

@@ -16,6 +16,7 @@ from services.priority.scheduler import MISSED_MS, RequestScheduler
 from shared.bus import (
     Outbox,
     add_micro_service,
+    cancel_all,
     cancelled_completion,
     chunked,
     payload_budget,
@@ -98,9 +99,7 @@ class PriorityService:
         """Stop taking work; whoever waits here is told now rather than left to time out
         (durable requests are not: admission has them run again)."""
         await stop_micro_service(self.nc, self.service)
-        for task in [*self.tasks, *self.pulls]:
-            task.cancel()
-        await asyncio.gather(*self.tasks, *self.pulls, return_exceptions=True)
+        await cancel_all([*self.tasks, *self.pulls])
         unregister(self.collector)
         for item in self.queue.pop_all():
             if not item.durable:

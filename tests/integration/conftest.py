@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -75,6 +77,25 @@ async def finish_order_with_a_late_urgent_request(
     tasks.append(asyncio.create_task(run(make("urgent", 60, priority=9))))
     await asyncio.gather(*tasks)
     return finished
+
+
+async def sigterm_services(stack: Stack, bound_s: float) -> dict[str, tuple[int | None, float]]:
+    """SIGTERM every service of `stack` (not its nats-server) at once: each one's exit code
+    (None: still running after `bound_s`) and how long it took to exit."""
+    services = {n: p for n, p in stack.processes.items() if n != "nats-server"}
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    took: dict[str, float] = {}
+
+    async def wait(name, process):
+        await process.wait()
+        took[name] = loop.time() - start
+
+    for process in services.values():
+        process.send_signal(signal.SIGTERM)
+    await asyncio.wait([asyncio.ensure_future(wait(n, p)) for n, p in services.items()],
+                       timeout=bound_s)
+    return {n: (p.returncode, round(took.get(n, math.inf), 2)) for n, p in services.items()}
 
 
 @contextlib.asynccontextmanager

@@ -1,4 +1,5 @@
-"""SIGTERM drains: an executor asked to stop finishes what it runs, takes nothing new, exits 0."""
+"""SIGTERM drains: an executor asked to stop finishes what it runs, takes nothing new, exits 0;
+every service told to stop, stops, within a bound."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import signal
 
 import pytest
 
+from shared.bus import STOP_GRACE_S
 from shared.client import JetserveClient
-from shared.protocol import Completion, GenerateRequest
-from tests.integration.conftest import running_stack
+from shared.protocol import Completion, Error, GenerateRequest
+from tests.integration.conftest import TINY_STACK, running_stack, sigterm_services
 
 
 @pytest.mark.asyncio
@@ -43,3 +45,23 @@ async def test_services_told_to_stop_stop_even_with_the_nats_server_gone(tmp_pat
                            timeout=15)
         codes = {n: p.returncode for n, p in services.items()}
         assert codes == {n: 0 for n in services}, codes
+
+
+async def test_every_service_sigtermed_under_load_stops_within_its_bound(tmp_path):
+    """Forty requests of 1,500 tokens run when every service is told to stop at once: each
+    exits 0 within its drain plus STOP_GRACE_S, and every request gets an answer (those still
+    running when the executor's drain times out end `cancelled`, with their tokens so far)."""
+    bound = TINY_STACK["distributed.drain_timeout_s"] + STOP_GRACE_S
+    async with running_stack(tmp_path) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="load") as client:
+            requests = [client.generate(GenerateRequest(prompt=f"load {i}", max_tokens=1500,
+                                                        ignore_eos=True), timeout=60)
+                        for i in range(40)]
+            answers = asyncio.gather(*requests, return_exceptions=True)
+            await asyncio.sleep(1.0)
+            stopped = await sigterm_services(stack, bound)
+            outputs = await answers
+    assert all(code == 0 and took <= bound for code, took in stopped.values()), stopped
+    assert all(isinstance(o, (Completion, Error)) for o in outputs), outputs
+    assert all(isinstance(o, Completion) and o.finish_reason == "cancelled" and o.token_ids
+               for o in outputs), outputs

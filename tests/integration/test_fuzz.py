@@ -13,11 +13,11 @@ import random
 import msgspec
 import pytest
 
-from shared.bus import discover
+from shared.bus import STOP_GRACE_S, discover
 from shared.client import JetserveClient
 from shared.protocol import Completion, Delta, Error, GenerateRequest
 from shared.subjects import RESULTS_STREAM
-from tests.integration.conftest import running_stack
+from tests.integration.conftest import TINY_STACK, running_stack, sigterm_services
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
@@ -41,6 +41,9 @@ def random_json(rng: random.Random, depth: int = 0):
         return [random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))]
     return {rng.choice(list(FIELDS) + ["type", "extra", ""]): random_json(rng, depth + 1)
             for _ in range(rng.randint(0, 4))}
+
+# How long a service told to stop may take: its drain, then the grace every service has.
+BOUND_S = TINY_STACK["distributed.drain_timeout_s"] + STOP_GRACE_S
 
 
 def hostile(rng: random.Random, i: int) -> bytes:
@@ -132,6 +135,9 @@ async def test_hostile_payloads_get_exactly_one_answer_each_and_break_nothing(tm
                                            timeout=30)
         infos_after = {i["id"] for i in await discover(nc, "INFO", wait_s=0.5)}
         alive = all(p.returncode is None for p in stack.processes.values())
+        # Told to stop after all that, every service stops, within its bound (the batcher once
+        # never did, and only SIGKILL ended it).
+        stopped = await sigterm_services(stack, BOUND_S)
     missing = [i for i in range(generates) if i not in finals]
     assert not missing, f"{len(missing)} generates unanswered, e.g. {missing[:5]}"
     twice = {i: f for i, f in finals.items() if len(f) != 1}
@@ -145,3 +151,4 @@ async def test_hostile_payloads_get_exactly_one_answer_each_and_break_nothing(tm
     assert any(isinstance(o, Completion) for o in outputs)  # the valid ones among them ran
     assert isinstance(completion, Completion) and len(completion.token_ids) == 4
     assert infos_after == infos_before and alive
+    assert all(code == 0 and took <= BOUND_S for code, took in stopped.values()), stopped

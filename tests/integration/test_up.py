@@ -77,3 +77,35 @@ async def test_up_serves_until_sigterm(tmp_path):
     assert up.returncode == 0, rest.decode()[-2000:]
     assert "jetserve: stopped" in rest.decode()
     assert processes_using(url) == []
+
+
+@pytest.mark.asyncio
+async def test_up_sigkilled_leaves_no_process_behind(tmp_path):
+    """`jetserve up` killed outright (SIGKILL: no handler runs) still leaves nothing running:
+    its services and its nats-server are told to stop when it dies, and do."""
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    env = {**os.environ, "JETSERVE_KV_CACHE__NUM_BLOCKS": "256"}
+    up = await asyncio.create_subprocess_exec(
+        *jetserve_command(), "up", "--nats-port", str(port), "--state-dir", str(tmp_path),
+        "--model", "dummy:tiny", env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    try:
+        while True:
+            line = (await asyncio.wait_for(up.stdout.readline(), 120)).decode()
+            assert line, "jetserve up exited"
+            if line.startswith("jetserve ready"):
+                break
+        assert len(processes_using(url)) == 5  # nats-server, three services, an executor
+    finally:
+        up.kill()
+    for _ in range(300):
+        if not processes_using(url):
+            break
+        await asyncio.sleep(0.1)
+    left = processes_using(url)
+    for pid in left:  # (only when the test fails: not to leave them running either)
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+    # Its children held its stdout: the pipe closes once they are gone.
+    await asyncio.wait_for(up.wait(), 30)

@@ -6,14 +6,10 @@ Error saying why, and admission is told it is done, so it is not run again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
 
 import msgspec
-import nats
 import pytest
 
-from services.stack import free_port, nats_server_binary
 from shared.bus import Outbox, ensure_streams
 from shared.config import JetserveConfig, NatsSection
 from shared.messages import Done, WorkItem, decoder
@@ -26,34 +22,9 @@ from shared.protocol import (
     Usage,
 )
 from shared.subjects import RESULTS_STREAM, Subjects
+from tests.nats_server import nats_server
 
 decode_output = msgspec.json.Decoder(Completion | Error).decode
-
-
-@contextlib.asynccontextmanager
-async def nats_server(directory, **settings):
-    """A JetStream-enabled nats-server (with `settings` in its config file) and a connection."""
-    port = free_port()
-    conf = directory / "nats-server.conf"
-    conf.write_text("".join(f"{key}: {value}\n" for key, value in settings.items()))
-    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js",
-                               "-sd", str(directory), "-c", str(conf)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    nc = None
-    try:
-        for _ in range(100):
-            try:
-                nc = await nats.connect(f"nats://127.0.0.1:{port}", connect_timeout=1,
-                                        allow_reconnect=False)
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
-        yield nc
-    finally:
-        if nc is not None:
-            await nc.close()
-        server.terminate()
-        server.wait(10)
 
 
 @pytest.fixture
