@@ -122,7 +122,7 @@ def test_the_engine_splits_the_memory_and_picks_the_pool_by_priority():
 
 
 def prompts() -> list[list[int]]:
-    return [[(97 * i + 13 * n) % 40000 + 17 for i in range(n)] for n in (3, 20, 45, 70)]
+    return [[(97 * i + 13 * n) % 40000 + 17 for i in range(n)] for n in (3, 20, 45)]
 
 
 async def run(backend: str, priorities: list[int], **kv) -> list[list[int]]:
@@ -142,10 +142,12 @@ async def run(backend: str, priorities: list[int], **kv) -> list[list[int]]:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 async def test_each_pool_gives_the_tokens_of_an_engine_with_that_cache_alone(backend):
-    priorities = [9, 1]
-    full = await run(backend, priorities)
-    int8 = await run(backend, priorities, kv_cache_dtype="int8")
-    mixed = await run(backend, priorities, kv_compress_below_priority=5)
+    # Each engine alone runs only the requests it is compared on (greedy tokens do not depend
+    # on what else is in the batch: test_engine's alone-equals-together).
+    full = await run(backend, [9])
+    int8 = await run(backend, [1], kv_cache_dtype="int8")
+    mixed = await run(backend, [9, 1], kv_compress_below_priority=5)
     assert all(len(t) == 6 for t in mixed)
-    assert mixed[:4] == full[:4]  # priority 9: the model's dtype
-    assert mixed[4:] == int8[4:]  # priority 1: int8
+    n = len(prompts())
+    assert mixed[:n] == full  # priority 9: the model's dtype
+    assert mixed[n:] == int8  # priority 1: int8

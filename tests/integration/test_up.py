@@ -69,6 +69,7 @@ async def test_up_serves_until_sigterm(tmp_path):
                    for pid in processes_using(url)
                    if b"services.executor" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert threads == [True, True], threads
+        await asyncio.sleep(3.0)  # idle, as a newcomer's `make up` mostly is
     finally:
         if up.returncode is None:
             up.send_signal(signal.SIGTERM)
@@ -77,6 +78,12 @@ async def test_up_serves_until_sigterm(tmp_path):
     assert up.returncode == 0, rest.decode()[-2000:]
     assert "jetserve: stopped" in rest.decode()
     assert processes_using(url) == []
+    # Serving, idling and stopping are normal: none of it is a warning or an error.
+    logged = "".join(lines) + rest.decode()
+    unusual = [line for line in logged.splitlines()
+               if any(level in line.lower() for level in ('"level": "warning"', '"level": "error"',
+                                                           "[wrn]", "[err]"))]
+    assert unusual == [], unusual
 
 
 @pytest.mark.asyncio
