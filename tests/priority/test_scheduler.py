@@ -4,7 +4,7 @@ import pytest
 
 from services.priority.scheduler import RequestScheduler
 from shared.config import RequestLevel
-from shared.messages import Finished, WorkItem
+from shared.messages import DISPATCH_BYTES, Finished, WorkItem
 from shared.protocol import GenerateRequest
 
 
@@ -309,3 +309,23 @@ def test_push_outs_under_a_flood_reuse_one_ranking_and_skip_what_left_since():
     sched.push(item("h9", tenant="heavy", priority=1))  # after the ranking: not yet a candidate
     assert sched.push_out_for(item("l1", tenant="light"), 0.1)[0].request_id == "h1"
     assert sched.push_out_for(item("l2", tenant="light"), 0.5)[0].request_id == "h9"  # re-ranked
+
+
+@pytest.mark.parametrize("policy, tenants", [("priority", ["t"]), ("adaptive", ["a", "b"])])
+def test_a_pull_stops_at_its_byte_budget_and_always_takes_the_best(policy, tenants):
+    """A pull's reply is one message: requests stop being added where their encoded sizes
+    reach `max_bytes` (here four and a half requests' worth), in the order the pull would take
+    them, by one selection or pick by pick (fairness between backlogged tenants); the best
+    request goes even when it alone is over the budget. Those left stay queued, uncharged."""
+    sched = RequestScheduler(RequestLevel(policy=policy))
+    for i in range(10):
+        sched.push(item(f"r{i}", tenant=tenants[i % len(tenants)], arrival=i * 0.01,
+                        prompt_len=1000))
+    size = int(sched.queue.sizes()[0])
+    assert size >= 1000 + DISPATCH_BYTES  # 1,000 token ids, and room for what dispatch adds
+    taken = sched.pop(10, now=1.0, max_bytes=4.5 * size)
+    assert [d.item.request_id for d in taken] == ["r0", "r1", "r2", "r3"]
+    assert len(sched.queue) == 6
+    assert sum(sched.counters.counters.values()) == 4 * (1000 + 2 * 100)
+    [alone] = sched.pop(10, now=1.0, max_bytes=10)
+    assert alone.item.request_id == "r4"
