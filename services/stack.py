@@ -4,14 +4,12 @@ services as child processes. `jetserve up`, the integration tests and the benchm
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import shutil
 import signal
 import socket
 import sys
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -83,9 +81,10 @@ class Stack:
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
             output = open(log_dir / f"{name}.log", "ab")
+        # Through services.with_parent: it stops when this process dies, whatever kills it.
         self.processes[name] = await asyncio.create_subprocess_exec(
-            *argv, env=env or self._env(), stdout=output, stderr=output, start_new_session=True,
-            preexec_fn=_stop_with_parent(os.getpid()))
+            sys.executable, "-m", "services.with_parent", str(os.getpid()), *argv,
+            env=env or self._env(), stdout=output, stderr=output, start_new_session=True)
         if output:
             output.close()  # the child has its own copy
 
@@ -173,25 +172,6 @@ class Stack:
         if "nats-server" in self.processes:
             await _terminate([self.processes["nats-server"]], 10.0)
         self.processes.clear()
-
-
-def _stop_with_parent(parent: int) -> Callable[[], None] | None:
-    """For a child, before it runs: on Linux, SIGTERM it when the process that started it dies
-    (PR_SET_PDEATHSIG), so no service or nats-server outlives a `jetserve up` or a test that
-    was SIGKILLed. Elsewhere None (nothing to do before exec)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def before_exec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # it died before the line above: too late to be told
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return before_exec
-
-
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 async def _quiet(_exc: Exception) -> None:
