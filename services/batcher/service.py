@@ -202,10 +202,16 @@ class BatcherService:
         distributed = self.config.distributed
         while True:
             await asyncio.sleep(distributed.heartbeat_interval_s)
+            # One whose last heartbeat said it was stopping (no room: it drains) left on purpose.
+            stopping = {name for name, s in self.registry.executors.items()
+                        if s.heartbeat.max_num_seqs == 0}
             for name in self.registry.expire(time.monotonic(), distributed.heartbeat_timeout_s):
                 self.counts["executors_lost"] += 1
-                log.warning("executor lost: no heartbeat", executor=name,
-                            timeout_s=distributed.heartbeat_timeout_s)
+                if name in stopping:
+                    log.info("executor left: it stopped", executor=name)
+                else:
+                    log.warning("executor lost: no heartbeat", executor=name,
+                                timeout_s=distributed.heartbeat_timeout_s)
 
     async def dispatch_loop(self) -> None:
         """Pull only as many requests as executors have room for: the rest keep waiting at
