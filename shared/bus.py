@@ -159,9 +159,15 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
 async def _reconcile(js: JetStreamContext, current: StreamConfig, wanted: StreamConfig) -> None:
     def value(config: StreamConfig, name: str):
         v = getattr(config, name)
-        return getattr(v, "value", v) if not isinstance(v, list) else sorted(v)
+        if isinstance(v, list):
+            return sorted(v)
+        if name in ("max_age", "duplicate_window") and v is not None:
+            v = round(v * 1e9)  # the server keeps nanoseconds
+        return None if v in (-1, 0) else getattr(v, "value", v)  # unlimited, as the server says
 
-    differ = [f for f in MANAGED_STREAM_FIELDS if value(current, f) != value(wanted, f)]
+    # Only what jetserve sets is compared: an operator's other limits stay as they are.
+    differ = [f for f in MANAGED_STREAM_FIELDS
+              if getattr(wanted, f) is not None and value(current, f) != value(wanted, f)]
     if not differ:
         return
     for name in differ:
@@ -318,24 +324,19 @@ class Outbox:
         An output that cannot be delivered (larger than the server's max_payload; a result
         store that refuses it: disk full, stream limits) is replaced by an `internal` Error
         saying why. Admission is told either way: a request whose answer cannot be delivered
-        ends, rather than running again every lease. (An Error that cannot be stored either
-        goes to the request's stream subject and the log.)"""
+        ends, rather than running again every lease. A server or JetStream that is only away
+        (a timeout, no responders) raises instead, with no Done: the lease hands it on."""
         try:
             await self._deliver(item, output, headers)
         except Exception as exc:
+            if not _refused_for_good(exc):
+                raise  # a server or JetStream away for now: no Done, the lease retries it
             log.error("output not delivered; answering with an Error", tenant=item.tenant,
                       request_id=item.request_id, error=repr(exc))
             error = Error(request_id=item.request_id, code="internal",
                           message=f"the {type(output).__name__.lower()} could not be delivered: "
                                   f"{undeliverable(exc, self.nc)}")
-            try:
-                await self._deliver(item, error, headers)
-            except Exception as again:
-                log.error("error not delivered either", tenant=item.tenant,
-                          request_id=item.request_id, error=repr(again))
-                if item.durable:
-                    await self.nc.publish(self.subjects.stream(item.tenant, item.request_id),
-                                          json_encode(error))
+            await self._deliver(item, error, headers)  # failing too: no Done, retried
         if done:
             await self.nc.publish(self.subjects.admission_done, encode(Done(
                 request_id=item.request_id, tenant=item.tenant, durable=item.durable)))
@@ -350,6 +351,13 @@ class Outbox:
             await self.nc.publish(item.reply_to, json_encode(output), headers=headers)
             if item.request.stream:
                 await self.nc.publish(item.reply_to, b"")  # end of a request-many stream
+
+
+def _refused_for_good(exc: Exception) -> bool:
+    """Whether delivering again would fail the same way: too large for the server, or refused
+    by the result store (a stream limit, no space); not a server or JetStream away for now."""
+    return isinstance(exc, MaxPayloadError) or (
+        isinstance(exc, APIError) and not isinstance(exc, ServiceUnavailableError))
 
 
 def undeliverable(exc: Exception, nc: Client) -> str:
