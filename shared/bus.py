@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import socket
 import threading
@@ -75,14 +76,22 @@ class NatsUnreachable(Exception):
 
 async def connect(section: NatsSection, name: str) -> Client:
     """A connection that keeps reconnecting once made (a restarting nats-server is not a
-    reason to die); NatsUnreachable when none answers within `section.connect_wait_s`."""
+    reason to die); NatsUnreachable when none answers within `section.connect_wait_s`, or at
+    once when the server refuses the credentials (waiting would not change them)."""
     connected = False
+    url = redacted(section.url)
+    last_error: list[Exception] = []  # while connecting: the latest reason it failed
+    refused = asyncio.get_running_loop().create_future()
 
     async def on_error(exc: Exception) -> None:
         if connected:
             log.warning("nats error", error=repr(exc))
-        else:  # while connecting: retried until connect_wait_s, then an error of its own
-            log.info("nats server not answering yet", url=section.url, error=repr(exc))
+            return
+        # While connecting: retried until connect_wait_s, then an error of its own.
+        last_error[:] = [exc]
+        if _refused_credentials(exc) and not refused.done():
+            refused.set_result(exc)
+        log.info("nats server not answering yet", url=url, error=repr(exc))
 
     async def on_disconnect() -> None:
         if nc.is_closed or nc.is_draining:  # this service is stopping: expected
@@ -94,20 +103,44 @@ async def connect(section: NatsSection, name: str) -> Client:
         log.info("nats reconnected")
 
     nc = Client()
+    connecting = asyncio.ensure_future(nc.connect(
+        section.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        connect_timeout=min(5.0, section.connect_wait_s), allow_reconnect=True,
+        error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect))
     try:
-        await asyncio.wait_for(nc.connect(
-            section.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-            connect_timeout=min(5.0, section.connect_wait_s), allow_reconnect=True,
-            error_cb=on_error, disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect), section.connect_wait_s)
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
+        await asyncio.wait([connecting, refused], timeout=section.connect_wait_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if refused.done():
+            raise NatsUnreachable(f"the NATS server at {url} refused this connection's "
+                                  f"credentials ({refused.result()}): check the user, password "
+                                  f"or token in nats.url")
+        if not connecting.done():
+            reason = f": last error {last_error[0]!r}" if last_error else ""
+            raise NatsUnreachable(f"no NATS server answered at {url} within "
+                                  f"nats.connect_wait_s ({section.connect_wait_s:g} s){reason}")
+        try:
+            connecting.result()
+        except (OSError, nats.errors.Error) as exc:
+            raise NatsUnreachable(f"could not connect to NATS at {url}: {exc!r}") \
+                from None
+    except BaseException:
+        connecting.cancel()
+        refused.cancel()
         with contextlib.suppress(Exception):
             await nc.close()
-        raise NatsUnreachable(
-            f"no NATS server answered at {section.url} within nats.connect_wait_s "
-            f"({section.connect_wait_s:g} s): {exc!r}") from None
+        raise
+    refused.cancel()
     connected = True
     return nc
+
+
+def redacted(url: str) -> str:
+    """The URL(s) without credentials, fit for a log line."""
+    return re.sub(r"//[^/@,]*@", "//***@", url)
+
+
+def _refused_credentials(exc: Exception) -> bool:
+    return isinstance(exc, nats.errors.Error) and "authorization violation" in str(exc).lower()
 
 
 class StreamMismatch(Exception):

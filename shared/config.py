@@ -350,11 +350,12 @@ def check_timing(config: JetserveConfig) -> None:
     third of `ack_wait_s`, looked at once an interval."""
     interval = config.distributed.heartbeat_interval_s
     lease = config.distributed.heartbeat_timeout_s
-    if lease <= 2 * interval:
+    if lease < 3 * interval:
         raise ConfigError(
-            f"distributed.heartbeat_timeout_s ({lease:g}) must be more than twice "
+            f"distributed.heartbeat_timeout_s ({lease:g}) must be at least three times "
             f"distributed.heartbeat_interval_s ({interval:g}): holders report once an interval, "
-            f"and a lease one late report outlasts takes live holders for dead")
+            f"admission looks once an interval, and a lease shorter than one late report plus "
+            f"both takes live holders for dead")
     ack_wait = config.nats.ack_wait_s
     if ack_wait < 3 * interval:
         raise ConfigError(

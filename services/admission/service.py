@@ -188,8 +188,6 @@ class Admission:
             prompt = await asyncio.get_running_loop().run_in_executor(
                 self.tokenize_pool, prompt_token_ids, self.tokenizer, request, self.vocab_size)
         check_limits(request, len(prompt), self.max_model_len, self.vocab_size)
-        if self.buckets is not None:
-            self.check_rate(tenant, len(prompt) + request.max_tokens)
         now = time.time()
         request = msgspec.structs.replace(
             request, prompt=None, messages=None, prompt_token_ids=prompt, model=self.model_name,
@@ -199,6 +197,9 @@ class Admission:
                         deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None,
                         block_hashes=block_hashes(prompt, self.config.kv_cache.block_size))
         self.check_message_sizes(item)
+        # Last: a request refused for any other reason takes nothing from its tenant's tokens.
+        if self.buckets is not None:
+            self.check_rate(tenant, len(prompt) + request.max_tokens)
         return item
 
     def check_message_sizes(self, item: WorkItem) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import os
 import socket
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -126,11 +127,12 @@ def engine_id(item: WorkItem) -> str:
 
 
 class ExecutorService:
-    def __init__(self, config: JetserveConfig, nc, js, tracer, name: str):
+    def __init__(self, config: JetserveConfig, nc, js, tracer, name: str,
+                 engine: Engine | None = None):
         self.config, self.nc, self.tracer, self.name = config, nc, tracer, name
         self.subjects = Subjects(config.nats.prefix)
         self.outbox = Outbox(nc, js, self.subjects)
-        self.engine = Engine(config.engine_config(name))
+        self.engine = engine or Engine(config.engine_config(name))
         self.running: dict[str, _Running] = {}  # by engine_id
         self.outputs: asyncio.Queue[tuple[WorkItem, Output]] = asyncio.Queue()
         self.cancels = RecentCancels()
@@ -584,7 +586,7 @@ class ExecutorService:
             waiting=self.num_waiting,
             assigned_total=self.assigned_total, free_kv_blocks=blocks.num_free_blocks,
             total_kv_blocks=blocks.num_blocks, step_ms=step_ms, started_at=self.started_at,
-            finished=self.take_finished(), tenants=dict(self.tenant_load),
+            finished=self.take_finished(), tenants=self.tenants_report(),
             overtake_above=None if self.draining else scheduler.overtake_above(),
             room_tokens=self.advertised_room)
 
@@ -608,6 +610,15 @@ class ExecutorService:
         reports += [Holding(holder=self.name, requests=[], progress=part)
                     for part in chunked(progress, progress_bytes, budget)]
         return reports
+
+    def tenants_report(self) -> dict[str, int]:
+        """The requests each tenant has here, the busiest tenants first, as many as fit a quarter
+        of a heartbeat's payload (tenant names are up to 64 bytes; a small max_payload and
+        hundreds of tenants would not fit whole)."""
+        busiest = sorted(self.tenant_load.items(), key=lambda entry: -entry[1])
+        fits = next(chunked(busiest, lambda entry: len(entry[0].encode()) + 8,
+                            payload_budget(self.nc) // 4), [])
+        return dict(fits)
 
     def take_finished(self) -> list[Finished]:
         """The requests finished since the last beat, as many as fit half a heartbeat's payload
@@ -635,7 +646,18 @@ def finished_report(item: WorkItem, output: Completion | Error) -> Finished:
 
 async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
     name = args.name or f"executor-{socket.gethostname()}-{os.getpid()}"
-    service = ExecutorService(config, nc, js, tracer, name)
+    # The model loads on a thread, so a SIGTERM meanwhile is heard: nothing is held yet, and
+    # the executor stops at once rather than after a load that may take minutes.
+    loading = asyncio.ensure_future(asyncio.to_thread(Engine, config.engine_config(name)))
+    told_to_stop = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loading, told_to_stop], return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("stopped while loading the model", executor=name)
+        await nc.close()
+        sys.stdout.flush()
+        os._exit(0)  # the loading thread cannot be interrupted, and nothing waits on it
+    told_to_stop.cancel()
+    service = ExecutorService(config, nc, js, tracer, name, engine=loading.result())
     await service.start()
     log.info("serving", executor=name, model=service.engine.model_name,
              kv_blocks=service.engine.block_manager.num_blocks)

@@ -68,3 +68,20 @@ async def test_rate_limit_is_per_tenant(admission):
     assert error.value.code == "rate_limited" and "retry in" in error.value.message
     assert 0 < error.value.retry_after_s <= 10  # 90 tokens short at 10 tokens/s
     await admission.admit("light", payload(prompt="x", max_tokens=100), durable=False)
+
+
+async def test_a_request_refused_for_its_size_takes_none_of_the_rate(tmp_path):
+    """The size check (a result of 200 tokens cannot fit a 16 KiB max_payload) comes before the
+    rate limit: the refused request takes none of the tenant's 300-token burst."""
+    from tests.nats_server import nats_server
+
+    config = load_config(None, {"JETSERVE_MODEL__NAME": "dummy:tiny",
+                                "JETSERVE_SCHEDULER__REQUEST_LEVEL__RATE_LIMIT_TOKENS_PER_S": "1",
+                                "JETSERVE_SCHEDULER__REQUEST_LEVEL__RATE_LIMIT_BURST_TOKENS":
+                                    "300"})
+    async with nats_server(tmp_path, max_payload=16384) as nc:
+        admission = Admission(config, nc=nc, js=None, tracer=None)
+        with pytest.raises(ProtocolError) as error:
+            await admission.admit("t", payload(prompt="x", max_tokens=200), durable=False)
+        assert error.value.code == "invalid_request" and "max_payload 16384" in error.value.message
+        await admission.admit("t", payload(prompt="x", max_tokens=150), durable=False)

@@ -46,3 +46,53 @@ async def test_jetstream_off_is_a_clear_error(tmp_path):
     assert code != 0
     assert "admission: JetStream is not enabled on the NATS server" in output, output[-2000:]
     assert "Traceback" not in output
+
+
+async def test_refused_credentials_are_a_clear_error_at_once():
+    port = free_port()
+    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port),
+                               "--auth", "the-right-token"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        code, output, took = await run_service(
+            "batcher", {"nats.url": f"nats://wrong-token@127.0.0.1:{port}",
+                        "nats.connect_wait_s": 30})
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert code != 0 and took < 20, (code, took)  # not after the 30 s connect wait
+    assert "refused this connection's credentials" in output, output[-2000:]
+    assert "Authorization Violation" in output
+    assert "wrong-token" not in output  # credentials stay out of the logs
+    assert "Traceback" not in output
+
+
+async def test_sigterm_while_the_model_loads_stops_at_once(tmp_path):
+    """The model loads on a thread: a SIGTERM meanwhile is heard, and the executor (holding
+    nothing yet) exits at once instead of loading, starting, then draining."""
+    port = free_port()
+    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js",
+                               "-sd", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, **env_overrides({"monitoring.metrics_port.executor": 0,
+                                          "nats.url": f"nats://127.0.0.1:{port}"})}
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.executor", env=env, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+        output = b""
+        while b'"starting"' not in output:  # connected; the model (SmolLM2) loads next
+            line = await asyncio.wait_for(process.stdout.readline(), 60)
+            assert line, output.decode()[-2000:]
+            output += line
+        process.terminate()
+        told = time.monotonic()
+        rest, _ = await asyncio.wait_for(process.communicate(), 60)
+        took = time.monotonic() - told
+    finally:
+        server.terminate()
+        server.wait(10)
+    output = (output + rest).decode()
+    assert process.returncode == 0 and took < 5, (process.returncode, took, output[-2000:])
+    assert "stopped while loading the model" in output and '"serving"' not in output

@@ -28,8 +28,8 @@ def test_yaml_then_environment(tmp_path):
     ({"JETSERVE_SCHEDULER__REQUEST_LEVEL__MAX_PENDING_REQUESTS": "0"},
      "$.scheduler.request_level.max_pending_requests"),
     # Timings under which live holders would be taken for dead: each names both keys.
-    ({"JETSERVE_DISTRIBUTED__HEARTBEAT_TIMEOUT_S": "2"},
-     "distributed.heartbeat_timeout_s (2) must be more than twice "
+    ({"JETSERVE_DISTRIBUTED__HEARTBEAT_TIMEOUT_S": "2.5"},
+     "distributed.heartbeat_timeout_s (2.5) must be at least three times "
      "distributed.heartbeat_interval_s (1)"),
     ({"JETSERVE_DISTRIBUTED__HEARTBEAT_INTERVAL_S": "2", "JETSERVE_NATS__ACK_WAIT_S": "5",
       "JETSERVE_DISTRIBUTED__HEARTBEAT_TIMEOUT_S": "10"},
