@@ -29,6 +29,7 @@ class RequestRecord:
     error: str | None = None  # the Error's code
     queue_wait_ms: float | None = None  # the Completion's: waiting at priority, server clock
     scheduled_ms: float | None = None  # the Completion's: from admission to its first step
+    server_ttft_ms: float | None = None  # the Completion's: from admission to its first token
     cached_tokens: int = 0  # the Completion's: prompt tokens found in the prefix cache
     preemptions: int = 0  # the Completion's: times the executor preempted it
     recomputed_tokens: int = 0  # the Completion's: KV computed again after preemptions
@@ -150,6 +151,10 @@ def latency_figures(records: list[RequestRecord], duration_s: float,
                                        if r.queue_wait_ms is not None]),
         "executor_queue_ms": distribution([r.executor_queue_ms / 1e3 for r in done
                                            if r.executor_queue_ms is not None]),
+        # TTFT on the server's clock, from admission: the client's TTFT less its hop to
+        # admission, the first token's way back, and the client's own delays.
+        "server_ttft_ms": distribution([r.server_ttft_ms / 1e3 for r in done
+                                        if r.server_ttft_ms is not None]),
         "preemptions": sum(r.preemptions for r in done),
         "recomputed_tokens": sum(r.recomputed_tokens for r in done),
     }

@@ -176,6 +176,8 @@ def tenant_figures(summary: dict, tenant: str) -> dict:
     return {"ttft_p50_ms": g["ttft_ms"]["p50"], "ttft_p99_ms": g["ttft_ms"]["p99"],
             "completed": g["completed"], "sent": g["requests"], "failed": g["failed"],
             "global_queue_p50_ms": g["queue_wait_ms"]["p50"],
+            "server_ttft_p50_ms": (g.get("server_ttft_ms") or {}).get("p50"),
+            "server_ttft_p99_ms": (g.get("server_ttft_ms") or {}).get("p99"),
             "executor_queue_p50_ms": (g.get("executor_queue_ms") or {}).get("p50")}
 
 

@@ -256,6 +256,7 @@ class StreamReceiver:
             record.finish_reason = output.finish_reason
             record.queue_wait_ms = output.scheduling.queue_wait_ms
             record.scheduled_ms = output.metrics.queue_ms
+            record.server_ttft_ms = output.metrics.ttft_ms
             record.cached_tokens = output.usage.cached_tokens
             record.preemptions = output.scheduling.preemptions
             record.recomputed_tokens = output.scheduling.recomputed_tokens
@@ -294,9 +295,17 @@ class StreamReceiver:
 
 
 async def sample_queue(nc, clock, records, timeline: list[dict], stop: asyncio.Event,
-                       progress: bool, total: int, executors: dict[str, dict]) -> None:
+                       progress: bool, total: int, executors: dict[str, dict],
+                       receiver: StreamReceiver) -> None:
+    """Every SAMPLE_EVERY_S: priority's queue depth, requests outstanding, tokens received, each
+    executor's batch, and the load generator's own backlog (stream messages received and not yet
+    handled; this client's event loop lag): a client that falls behind inflates what it
+    measures, and the timeline says when."""
     while not stop.is_set():
         depth = None
+        asked = clock()
+        await asyncio.sleep(0)
+        loop_lag_ms = 1e3 * (clock() - asked)
         try:
             reply = await nc.request("$SRV.STATS.priority", b"", timeout=1.0)
             depth = next((ep["data"]["queue_depth"] for ep in json.loads(reply.data)["endpoints"]
@@ -306,7 +315,9 @@ async def sample_queue(nc, clock, records, timeline: list[dict], stop: asyncio.E
         done = sum(1 for r in records if r.end_time is not None)
         timeline.append({"t": clock(), "queue_depth": depth, "outstanding": len(records) - done,
                          "output_tokens": sum(sum(r.delta_tokens) for r in records),
-                         "executors": {name: dict(e) for name, e in executors.items()}})
+                         "executors": {name: dict(e) for name, e in executors.items()},
+                         "client_backlog": receiver.sub.pending_msgs,
+                         "client_loop_lag_ms": loop_lag_ms})
         if progress:
             errors = sum(1 for r in records if r.error)
             bar = "#" * int(30 * done / max(1, total))
@@ -343,7 +354,8 @@ async def run(args, url: str) -> dict:
 
     beats = await nc.subscribe(subjects.heartbeat, cb=on_heartbeat)
     sampler = asyncio.create_task(sample_queue(nc, clock, records, timeline, stop,
-                                               not args.no_progress, len(planned), executors))
+                                               not args.no_progress, len(planned), executors,
+                                               receiver))
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     tasks = []
 

@@ -195,6 +195,23 @@ class Revoke(msgspec.Struct, array_like=True):
     attempt: int
 
 
+class Backpressure(msgspec.Struct):
+    """Priority to admission while its waiting queue is full: each tenant whose new requests it
+    would refuse (the tenants holding the most of the queue), with the highest priority it would
+    refuse of that tenant (a newcomer of a higher class could take the place of one of the
+    tenant's own lower-class requests). Admission refuses those at once, before any other work:
+    a flood costs it little, and what other tenants send is not held up behind the flood.
+    Published on every change and each heartbeat interval while it lasts; an empty `tenants`
+    ends it, and admission forgets one not renewed within three intervals."""
+
+    tenants: dict[str, int] = {}
+
+
+def backpressure_entry_bytes(entry: tuple[str, int]) -> int:
+    """An upper bound on the bytes one (tenant, priority) adds to a Backpressure."""
+    return len(entry[0].encode()) + 4
+
+
 class Unassign(msgspec.Struct, array_like=True):
     """The batcher to one executor: it gave up waiting for that executor's answer to an
     assignment and put the request back in the queue. The executor drops it if it runs it, and

@@ -74,6 +74,11 @@ class Subjects:
         return f"{self.prefix}.internal.revoke"
 
     @property
+    def backpressure(self) -> str:
+        """Priority to admission: the tenants whose new requests a full queue refuses."""
+        return f"{self.prefix}.internal.admission.backpressure"
+
+    @property
     def admission_done(self) -> str:
         return f"{self.prefix}.internal.admission.done"
 

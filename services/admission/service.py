@@ -21,6 +21,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgspec
 import structlog
@@ -30,6 +31,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 from nats.micro import Request
 
+from services.admission.intake import FairIntake
 from services.admission.rate_limit import TokenBuckets
 from shared.block_hash import block_hashes
 from shared.preprocess import check_limits, check_prompt_size, prompt_token_ids
@@ -49,6 +51,7 @@ from shared.bus import (
 from shared.config import JetserveConfig
 from shared.messages import (
     DISPATCH_BYTES,
+    Backpressure,
     Done,
     Holding,
     Revoke,
@@ -82,8 +85,10 @@ _submit_reply = decoder(SubmitReply)
 _done = decoder(Done)
 _holding = decoder(Holding)
 _item = decoder(WorkItem)
+_backpressure = decoder(Backpressure)
 DURABLE_FETCH_BATCH = 64
-MAX_IN_FLIGHT = 4096  # generate requests being admitted at once
+ADMIT_WORKERS = 256  # generate requests being admitted at once
+INTAKE_CAPACITY = 4096  # generate requests waiting to be admitted (services/admission/intake.py)
 TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
 # A result's bytes besides its tokens' text and ids: ids, usage, metrics, scheduling, model.
 RESULT_BYTES = 2048
@@ -125,16 +130,19 @@ class Admission:
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
-                           resumed_tokens=0, generates_handed_on=0)
+                           resumed_tokens=0, generates_handed_on=0, refused_at_once=0)
         self.errors_by_code: dict[str, int] = {}
         self.failures: dict[tuple[str, str], int] = {}  # durable requests admission failed on
         self.tasks: list[asyncio.Task] = []
-        self.generate_tasks: set[asyncio.Task] = set()
-        self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.intake: FairIntake = FairIntake(INTAKE_CAPACITY)
+        self.admitting = 0  # generate requests taken from the intake and not yet answered
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.collector = StatsCollector(self.read_metrics)
         register(self.collector)
         self.tenant_label = TenantLabels()
+        # Priority's latest Backpressure: tenant -> the highest priority its full queue refuses.
+        self.backpressure: dict[str, int] = {}
+        self.backpressure_at = 0.0  # time.monotonic() of that report
 
     async def start(self) -> None:
         await ensure_streams(self.js, self.config)
@@ -144,6 +152,7 @@ class Admission:
                                         handler=self.on_generate)
         await self.nc.subscribe(self.subjects.admission_done, cb=self.on_done)
         await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)
+        await self.nc.subscribe(self.subjects.backpressure, cb=self.on_backpressure)
         # Created, or brought up to this config (its limits are editable) if it exists.
         consumer = await self.js.add_consumer(REQUESTS_STREAM, ConsumerConfig(
             name=ADMISSION_CONSUMER, durable_name=ADMISSION_CONSUMER,
@@ -157,26 +166,35 @@ class Admission:
         hear_first = 2 * self.config.distributed.heartbeat_interval_s if consumer.num_ack_pending \
             else 0.0
         self.tasks = [asyncio.create_task(self.durable_loop(hear_first), name="durable"),
-                      asyncio.create_task(self.keep_alive_loop(), name="keep-alive")]
+                      asyncio.create_task(self.keep_alive_loop(), name="keep-alive"),
+                      *(asyncio.create_task(self.admit_loop(), name="admit")
+                        for _ in range(ADMIT_WORKERS))]
 
     async def stop(self) -> None:
         # No new requests; those being admitted finish.
         await stop_micro_service(self.nc, self.service)
-        if self.generate_tasks:
-            await asyncio.wait(self.generate_tasks, timeout=self.config.nats.request_timeout_s)
+        give_up = time.monotonic() + self.config.nats.request_timeout_s
+        while (len(self.intake) or self.admitting) and time.monotonic() < give_up:
+            await asyncio.sleep(0.02)
         await cancel_all(self.tasks)
+        for tenant, (msg, _) in self.intake.drain():  # still waiting at the timeout: told, not dropped
+            await self.refuse(msg, tenant, Error(
+                request_id=None, code="overloaded",
+                message="admission is stopping and did not reach this request; retry"))
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
         unregister(self.collector)
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:
         return {**self.counts, "durable_held": len(self.held),
-                "generates_in_flight": len(self.generates), "errors": self.errors_by_code,
+                "generates_in_flight": len(self.generates), "intake_waiting": len(self.intake),
+                "admitting": self.admitting, "errors": self.errors_by_code,
                 "model": self.model_name}
 
     # --------------------------------------------------------------------------- validation
 
-    async def admit(self, tenant: str, payload: bytes, durable: bool) -> WorkItem:
+    async def admit(self, tenant: str, payload: bytes, durable: bool,
+                    received_at: float | None = None) -> WorkItem:
         """A valid, tokenized WorkItem, or a ProtocolError that names the field or limit.
 
         Every check that needs no tokens comes first (a prompt that must be too long is refused
@@ -188,7 +206,7 @@ class Admission:
             prompt = await asyncio.get_running_loop().run_in_executor(
                 self.tokenize_pool, prompt_token_ids, self.tokenizer, request, self.vocab_size)
         check_limits(request, len(prompt), self.max_model_len, self.vocab_size)
-        now = time.time()
+        now = time.time() if received_at is None else received_at  # its arrival, for every clock
         request = msgspec.structs.replace(
             request, prompt=None, messages=None, prompt_token_ids=prompt, model=self.model_name,
             request_id=request.request_id or f"req-{secrets.token_hex(8)}",
@@ -282,27 +300,90 @@ class Admission:
 
     # ---------------------------------------------------------------------- request / reply
 
+    async def on_backpressure(self, msg) -> None:
+        try:
+            self.backpressure = _backpressure.decode(msg.data).tenants
+        except msgspec.DecodeError:
+            log.warning("undecodable backpressure report ignored")
+            return
+        self.backpressure_at = time.monotonic()
+
+    def refused_at_once(self, tenant: str, payload: bytes) -> Error | None:
+        """The `overloaded` Error for a request priority's full queue would refuse (its tenant
+        holds the most of the queue, and it is of no higher class than what it would displace),
+        or None. Decided before any other work, so a tenant's flood costs admission little and
+        what other tenants send is not held up behind it in admission's own backlog."""
+        ceiling = self.backpressure.get(tenant)
+        if ceiling is None:
+            return None
+        if time.monotonic() - self.backpressure_at > 3 * self.config.distributed.heartbeat_interval_s:
+            self.backpressure = {}  # not renewed: priority's queue has room, or priority is gone
+            return None
+        try:
+            head = _head.decode(payload)
+        except msgspec.DecodeError:
+            return None  # not valid: the full checks answer it, naming the field
+        if head.priority > ceiling:
+            return None
+        return Error(request_id=head.request_id, code="overloaded",
+                     message=f"the waiting queue is full and tenant {tenant!r} holds the most of "
+                             f"it: a request of priority {head.priority} would only take the "
+                             f"place of one of its own; retry later")
+
     async def on_generate(self, request: Request) -> None:
-        """Each request is admitted in its own task, so one slow hop never holds up the rest;
-        past MAX_IN_FLIGHT the subscription waits (NATS buffers)."""
-        await self.in_flight.acquire()
-        task = asyncio.create_task(self.generate(request._msg))
-        self.generate_tasks.add(task)
-        task.add_done_callback(self._generate_done)
+        """Only queued here, in its tenant's line of the intake (or refused at once): the
+        subscription is read as fast as requests come, and the backlog, when admission cannot
+        keep up, forms in the flooding tenant's line rather than in front of everyone."""
+        msg = request._msg
+        tenant = self.subjects.tenant_of(msg.subject)
+        if self.backpressure and (error := self.refused_at_once(tenant, msg.data)) is not None:
+            self.counts["refused_at_once"] += 1
+            await self.refuse(msg, tenant, error)
+            return
+        refused = self.intake.put(tenant, (msg, time.time()))
+        if refused is not None:
+            self.counts["refused_at_once"] += 1
+            refused = refused[0]
+            await self.refuse(refused, self.subjects.tenant_of(refused.subject), Error(
+                request_id=None, code="overloaded",
+                message=f"admission's intake is full ({INTAKE_CAPACITY} requests waiting to be "
+                        f"admitted) and this request's tenant has the most of them; retry later"))
 
-    def _generate_done(self, task: asyncio.Task) -> None:
-        self.generate_tasks.discard(task)
-        self.in_flight.release()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("generate failed", error=repr(task.exception()))
+    async def admit_loop(self) -> None:
+        """One worker: the intake's next request (tenants in turn), admitted to its answer."""
+        while True:
+            _, (msg, received_at) = await self.intake.get()
+            self.admitting += 1
+            try:
+                await self.generate(msg, received_at)
+            except Exception as exc:  # generate answers its own errors; this is a bug
+                log.error("generate failed", error=repr(exc))
+            finally:
+                self.admitting -= 1
 
-    async def generate(self, msg) -> None:
+    async def refuse(self, msg, tenant: str, error: Error) -> None:
+        """Answer a request with `error` before any other work (and end its stream)."""
+        try:
+            head = _head.decode(msg.data)
+            request_id, stream = head.request_id, head.stream
+        except msgspec.DecodeError:
+            request_id, stream = _peek(msg.data)
+        self.count_error(error.code, tenant)
+        if msg.reply:
+            error = msgspec.structs.replace(error, request_id=request_id)
+            await self.nc.publish(msg.reply, json_encode(error),
+                                  headers=service_error_headers(error))
+            if stream:  # the sentinel ends the stream
+                await self.nc.publish(msg.reply, b"")
+
+    async def generate(self, msg, received_at: float | None = None) -> None:
         tenant = self.subjects.tenant_of(msg.subject)
         with self.tracer.start_as_current_span(
                 "admission", context=context_from(msg.headers), kind=SpanKind.SERVER,
                 attributes={"tenant": tenant}) as span:
             try:
-                item = await self.admit(tenant, msg.data, durable=False)
+                item = await self.admit(tenant, msg.data, durable=False,
+                                        received_at=received_at)
                 span.set_attributes({"request_id": item.request_id,
                                      "prompt_tokens": item.num_prompt_tokens})
                 item.reply_to = msg.reply
@@ -574,6 +655,18 @@ async def _quietly(ack) -> None:
         await ack
     except Exception as exc:  # the server will redeliver anyway
         log.warning("ack failed", error=repr(exc))
+
+
+class _Head(msgspec.Struct):
+    """What a refusal before validation needs of a request: its id, whether it streams, and
+    its class (msgspec skips the rest without building it)."""
+
+    request_id: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    stream: bool = False
+    priority: Annotated[int, msgspec.Meta(ge=0, le=10)] = 5
+
+
+_head = msgspec.json.Decoder(_Head)
 
 
 def _peek(payload: bytes) -> tuple[str | None, bool]:

@@ -19,6 +19,7 @@ from shared.messages import DISPATCH_BYTES, Finished, WorkItem, encode
 
 
 MISSED_MS = 1e9  # the TTFT a request that never got a token counts as
+MAX_PRIORITY = 10  # GenerateRequest.priority's upper bound
 VICTIMS_S = 0.2  # how long a full queue's ranking of requests to push out is reused
 RATE_WINDOW_S = 10.0  # the recent dispatch rate is counted over this long
 
@@ -132,6 +133,37 @@ class RequestScheduler:
         head, tenant = min(heads)
         victims.by_tenant[tenant].popleft()
         return self.remove(head[2][1], tenant), "share"
+
+    def refused_tenants(self, now: float) -> dict[str, int]:
+        """While the queue is full: the tenants whose newcomers `push_out_for` refuses, each
+        with the highest priority it refuses (a newcomer above it takes the place of a request
+        of a lower class). Those are the tenants holding the most of the queue (within one
+        request of the largest: nobody holds enough more to give way to them); the rest push
+        a request of the largest out. Empty when any waiting request is hopeless (a newcomer
+        of any tenant would take its place), or when the queue has room."""
+        backlog = self.counters.backlog
+        if not self.queue.full or not backlog:
+            return {}
+        victims = self._victims(now)
+        if any(key in self.queue for key in victims.hopeless):
+            return {}
+        largest = max(backlog.values())
+        # Only tenants within one of the largest; each refuses up to the lowest class waiting
+        # of any tenant holding at least as much (those are within one of the largest too).
+        held = sorted(((n, tenant) for tenant, n in backlog.items() if n >= largest - 1),
+                      reverse=True)
+        refused: dict[str, int] = {}
+        floor = MAX_PRIORITY
+        for i, (n, tenant) in enumerate(held):
+            if i == 0 or n != held[i - 1][0]:  # a new level: all holding as much count
+                for m, other in held[i:]:
+                    if m != n:
+                        break
+                    head = victims.head(other, self.queue)
+                    if head is not None:
+                        floor = min(floor, head[0])
+            refused[tenant] = floor
+        return refused
 
     def _victims(self, now: float) -> _Victims:
         if self._victim_cache is not None and now - self._victim_cache.at < VICTIMS_S:

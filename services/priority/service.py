@@ -26,12 +26,14 @@ from shared.bus import (
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
 from shared.messages import (
+    Backpressure,
     Heartbeat,
     Holding,
     NextReply,
     NextRequest,
     SubmitReply,
     WorkItem,
+    backpressure_entry_bytes,
     decoder,
     encode,
     holding_entry_bytes,
@@ -54,6 +56,7 @@ _item = decoder(WorkItem)
 _next = decoder(NextRequest)
 _heartbeat = decoder(Heartbeat)
 EXPIRY_CHECK_S = 0.05  # how late a waiting request may learn that its deadline passed
+BACKPRESSURE_CHECK_S = 0.1  # how often a full queue's refused tenants are looked at
 QUEUE_WAIT = histogram("priority_queue_wait_seconds",
                        "Time in priority's waiting queue, from admission to dispatch",
                        ("priority",), TTFT_BUCKETS)
@@ -93,7 +96,8 @@ class PriorityService:
         self.service = service
         self.tasks = [asyncio.create_task(self.report_holding(), name="holding"),
                       asyncio.create_task(self.expiry_loop(), name="expiry"),
-                      asyncio.create_task(self.feedback_loop(), name="class-feedback")]
+                      asyncio.create_task(self.feedback_loop(), name="class-feedback"),
+                      asyncio.create_task(self.backpressure_loop(), name="backpressure")]
 
     async def stop(self) -> None:
         """Stop taking work; whoever waits here is told now rather than left to time out
@@ -119,6 +123,30 @@ class PriorityService:
                                           encode(Holding(holder="priority", requests=part)))
             except Exception:  # missing one report is survivable; a dead loop is not
                 log.exception("holding report failed")
+
+    async def backpressure_loop(self) -> None:
+        """Tell admission which tenants' new requests the full queue refuses (Backpressure), on
+        every change and each interval while it lasts, so it refuses them before any work."""
+        sent: dict[str, int] = {}
+        sent_at = 0.0
+        while True:
+            await asyncio.sleep(BACKPRESSURE_CHECK_S)
+            try:
+                refused = self.scheduler.refused_tenants(time.time())
+                renew = bool(refused) and time.monotonic() - sent_at >= self.heartbeat_interval_s
+                if refused == sent and not renew:
+                    continue
+                # Within one message: the tenants holding the most first (hundreds of tenants
+                # with a full queue's share each could outgrow a small max_payload).
+                order = sorted(refused.items(), key=lambda e: -self.scheduler.counters.backlog
+                               .get(e[0], 0))
+                fits = next(chunked(order, backpressure_entry_bytes,
+                                    payload_budget(self.nc) // 2), [])
+                await self.nc.publish(self.subjects.backpressure,
+                                      encode(Backpressure(tenants=dict(fits))))
+                sent, sent_at = refused, time.monotonic()
+            except Exception:  # a report missed is survivable; a dead loop is not
+                log.exception("backpressure report failed")
 
     def stats(self) -> dict:
         return {"queue_depth": len(self.queue), "queue_by_priority": self.queue.depth_by_priority(),

@@ -329,3 +329,26 @@ def test_a_pull_stops_at_its_byte_budget_and_always_takes_the_best(policy, tenan
     assert sum(sched.counters.counters.values()) == 4 * (1000 + 2 * 100)
     [alone] = sched.pop(10, now=1.0, max_bytes=10)
     assert alone.item.request_id == "r4"
+
+
+def test_refused_tenants_are_those_push_out_for_would_refuse():
+    """What priority tells admission to refuse at once agrees with `push_out_for`: for every
+    tenant and class, a newcomer is refused by one exactly when the other refuses it."""
+    sched = RequestScheduler(RequestLevel(max_pending_requests=8))
+    assert sched.refused_tenants(0.0) == {}  # room: nobody
+    for i in range(5):
+        sched.push(item(f"h{i}", tenant="heavy", priority=3 if i else 1))
+    for i in range(2):
+        sched.push(item(f"m{i}", tenant="mid", priority=5))
+    assert sched.refused_tenants(0.0) == {}
+    sched.push(item("l0", tenant="light", priority=7))
+    refused = sched.refused_tenants(0.0)
+    assert refused == {"heavy": 1}  # heavy holds the most; above its lowest class it displaces
+    probes = [(tenant, priority) for tenant in ("heavy", "mid", "light", "new")
+              for priority in (0, 1, 2, 5, 10)]
+    for now, (tenant, priority) in enumerate(probes, start=1):  # each ranks the queue afresh
+        assert sched.refused_tenants(float(now)) == refused
+        pushed, _ = sched.push_out_for(item("x", tenant=tenant, priority=priority), float(now))
+        assert (pushed is None) == (priority <= refused.get(tenant, -1)), (tenant, priority)
+        if pushed is not None:  # put back: each probe sees the same queue
+            sched.push(pushed, past_bound=True)

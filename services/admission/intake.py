@@ -1,0 +1,70 @@
+"""Generate requests waiting to be admitted: one line per tenant, taken in turn.
+
+Admission reads requests off its subscription as fast as they come and puts them here; a fixed
+set of workers admits them, taking one tenant's oldest request after another's. When admission
+cannot keep up (a flood from one tenant), the backlog forms in the flooding tenant's line, and
+a request of any other tenant is taken within one turn, not after the whole flood. Full, the
+latest request of the tenant with the longest line is refused to make room (longest-queue drop:
+one tenant's flood cannot lock the others out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class FairIntake(Generic[T]):
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.lines: dict[str, deque[T]] = {}  # tenant -> its requests, oldest first
+        self.turns: deque[str] = deque()  # tenants with requests, in the order they are served
+        self.size = 0
+        self._waiting = asyncio.Semaphore(0)  # one release per request queued: wakes one worker
+
+    def __len__(self) -> int:
+        return self.size
+
+    def put(self, tenant: str, item: T) -> T | None:
+        """Queue `item`; what had to be refused for it (the latest of the longest line, or
+        `item` itself when its own tenant's line is the longest), or None."""
+        refused = None
+        if self.size >= self.capacity:
+            longest = max(self.lines, key=lambda t: len(self.lines[t]))
+            if len(self.lines[longest]) <= len(self.lines.get(tenant, ())) + 1:
+                return item
+            refused = self.lines[longest].pop()
+            self.size -= 1
+        line = self.lines.get(tenant)
+        if line is None:
+            line = self.lines[tenant] = deque()
+            self.turns.append(tenant)
+        line.append(item)
+        self.size += 1
+        if refused is None:  # one more request (a swap leaves the count, and its wake-up, as is)
+            self._waiting.release()
+        return refused
+
+    def _take(self) -> tuple[str, T]:
+        """The next tenant's oldest request (one must wait)."""
+        tenant = self.turns.popleft()
+        line = self.lines[tenant]
+        item = line.popleft()
+        self.size -= 1
+        if line:
+            self.turns.append(tenant)
+        else:
+            del self.lines[tenant]
+        return tenant, item
+
+    async def get(self) -> tuple[str, T]:
+        """The next request, waiting for one (each queued request wakes one waiter)."""
+        await self._waiting.acquire()
+        return self._take()
+
+    def drain(self) -> list[tuple[str, T]]:
+        """Everything still waiting, taken out (once nobody calls `get` any more)."""
+        return [self._take() for _ in range(self.size)]

@@ -1,0 +1,45 @@
+"""Admission's intake: tenants in turn, and a full intake refuses from the longest line."""
+
+import asyncio
+
+from services.admission.intake import FairIntake
+
+
+async def test_tenants_are_taken_in_turn_not_in_arrival_order():
+    intake = FairIntake(capacity=100)
+    for i in range(50):
+        assert intake.put("heavy", f"h{i}") is None
+    intake.put("light", "l0")
+    intake.put("light", "l1")
+    taken = [(await intake.get())[1] for _ in range(5)]
+    assert taken == ["h0", "l0", "h1", "l1", "h2"]  # light waits one turn, not 50 requests
+    assert len(intake) == 47
+
+
+async def test_a_full_intake_refuses_the_latest_of_the_longest_line():
+    intake = FairIntake(capacity=4)
+    for i in range(4):
+        intake.put("heavy", f"h{i}")
+    assert intake.put("heavy", "h4") == "h4"  # its own line is the longest: the newcomer goes
+    assert intake.put("light", "l0") == "h3"  # another tenant's newcomer takes h3's place
+    assert len(intake) == 4
+    assert [(await intake.get())[1] for _ in range(4)] == ["h0", "l0", "h1", "h2"]
+
+
+async def test_each_request_wakes_one_waiting_worker():
+    intake = FairIntake(capacity=10)
+    got: list[str] = []
+
+    async def worker():
+        got.append((await intake.get())[1])
+
+    workers = [asyncio.create_task(worker()) for _ in range(3)]
+    await asyncio.sleep(0)
+    intake.put("a", "x")
+    intake.put("b", "y")
+    await asyncio.sleep(0.01)
+    assert sorted(got) == ["x", "y"] and sum(w.done() for w in workers) == 2
+    intake.put("a", "z")  # a swap at capacity would not add a wake-up; this adds one
+    await asyncio.wait(workers, timeout=1)
+    assert sorted(got) == ["x", "y", "z"] and len(intake) == 0
+    assert intake.drain() == []
