@@ -296,7 +296,7 @@ class StreamReceiver:
 
 async def sample_queue(nc, clock, records, timeline: list[dict], stop: asyncio.Event,
                        progress: bool, total: int, executors: dict[str, dict],
-                       receiver: StreamReceiver) -> None:
+                       receivers: list[StreamReceiver]) -> None:
     """Every SAMPLE_EVERY_S: priority's queue depth, requests outstanding, tokens received, each
     executor's batch, and the load generator's own backlog (stream messages received and not yet
     handled; this client's event loop lag): a client that falls behind inflates what it
@@ -316,7 +316,7 @@ async def sample_queue(nc, clock, records, timeline: list[dict], stop: asyncio.E
         timeline.append({"t": clock(), "queue_depth": depth, "outstanding": len(records) - done,
                          "output_tokens": sum(sum(r.delta_tokens) for r in records),
                          "executors": {name: dict(e) for name, e in executors.items()},
-                         "client_backlog": receiver.sub.pending_msgs,
+                         "client_backlog": sum(r.sub.pending_msgs for r in receivers),
                          "client_loop_lag_ms": loop_lag_ms})
         if progress:
             errors = sum(1 for r in records if r.error)
@@ -341,9 +341,17 @@ async def run(args, url: str) -> dict:
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     stop = asyncio.Event()
-    receiver = StreamReceiver(nc, clock, lambda r: nc.publish(subjects.cancel(r.tenant),
-                                                              _encode(Cancel(r.request_id))))
-    await receiver.start()
+    # Each tenant is a client of its own, on its own connection, as tenants are: one tenant's
+    # token streams do not queue in front of another's on one socket.
+    tenant_clients = {}
+    receivers: dict[str, StreamReceiver] = {}
+    for tenant in dict.fromkeys(tenant for _, tenant in planned):
+        tenant_clients[tenant] = await JetserveClient.connect(url)
+        conn = tenant_clients[tenant].nc
+        receivers[tenant] = StreamReceiver(
+            conn, clock, lambda r, conn=conn: conn.publish(subjects.cancel(r.tenant),
+                                                            _encode(Cancel(r.request_id))))
+        await receivers[tenant].start()
     # Each executor's batch limit and batch, from its heartbeats (default subject prefix).
     executors: dict[str, dict] = {}
 
@@ -355,13 +363,13 @@ async def run(args, url: str) -> dict:
     beats = await nc.subscribe(subjects.heartbeat, cb=on_heartbeat)
     sampler = asyncio.create_task(sample_queue(nc, clock, records, timeline, stop,
                                                not args.no_progress, len(planned), executors,
-                                               receiver))
+                                               list(receivers.values())))
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     tasks = []
 
     async def send(request, record, tenant):
         try:
-            await receiver.send(subjects.generate(tenant), request, record)
+            await receivers[tenant].send(subjects.generate(tenant), request, record)
         finally:
             if limit:
                 limit.release()
@@ -381,12 +389,15 @@ async def run(args, url: str) -> dict:
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=args.drain_timeout)
         # Reported as outstanding, not dropped; cancelled so they do not hold slots.
-        await receiver.cancel_open()
+        for receiver in receivers.values():
+            await receiver.cancel_open()
         await asyncio.gather(*pending, return_exceptions=True)
     stop.set()
     await sampler
     await beats.unsubscribe()
-    await receiver.stop()
+    for tenant, receiver in receivers.items():
+        await receiver.stop()
+        await tenant_clients[tenant].close()
     await nc_client.close()
     ends = [r.end_time for r in records if r.end_time is not None]
     duration = max(ends) if ends else clock()

@@ -152,6 +152,18 @@ async def test_a_full_queue_makes_room_for_a_lighter_tenant_and_a_higher_class(t
             await wait_for_stat(heavy, "priority", "queue_depth", 2)
             refused = await heavy.generate(request("q-2", 8, priority=1), timeout=10)
             assert isinstance(refused, Error) and refused.code == "overloaded"
+            # Priority tells admission that its queue is full and heavy holds it: heavy's
+            # priority-1 requests are then refused by admission, before any other work.
+            for attempt in range(100):
+                again = await heavy.generate(request(f"again-{attempt}", 8, priority=1),
+                                             timeout=10)
+                assert isinstance(again, Error) and again.code == "overloaded"
+                if "holds the most of it" in again.message:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("admission never refused heavy's flood at once")
+            assert (await service_stats(heavy, "admission"))["refused_at_once"] >= 1
             newcomer = asyncio.create_task(light.generate(request("l-0", 8), timeout=60))
             pushed = await asyncio.wait_for(queued[1], 10)  # heavy's latest made room
             assert isinstance(pushed, Error) and pushed.code == "overloaded"
