@@ -177,7 +177,7 @@ class Admission:
         while (len(self.intake) or self.admitting) and time.monotonic() < give_up:
             await asyncio.sleep(0.02)
         await cancel_all(self.tasks)
-        for tenant, (msg, _) in self.intake.drain():  # still waiting at the timeout: told, not dropped
+        for tenant, msg in self.intake.drain():  # still waiting at the timeout: told, not dropped
             await self.refuse(msg, tenant, Error(
                 request_id=None, code="overloaded",
                 message="admission is stopping and did not reach this request; retry"))
@@ -193,8 +193,7 @@ class Admission:
 
     # --------------------------------------------------------------------------- validation
 
-    async def admit(self, tenant: str, payload: bytes, durable: bool,
-                    received_at: float | None = None) -> WorkItem:
+    async def admit(self, tenant: str, payload: bytes, durable: bool) -> WorkItem:
         """A valid, tokenized WorkItem, or a ProtocolError that names the field or limit.
 
         Every check that needs no tokens comes first (a prompt that must be too long is refused
@@ -206,7 +205,7 @@ class Admission:
             prompt = await asyncio.get_running_loop().run_in_executor(
                 self.tokenize_pool, prompt_token_ids, self.tokenizer, request, self.vocab_size)
         check_limits(request, len(prompt), self.max_model_len, self.vocab_size)
-        now = time.time() if received_at is None else received_at  # its arrival, for every clock
+        now = time.time()
         request = msgspec.structs.replace(
             request, prompt=None, messages=None, prompt_token_ids=prompt, model=self.model_name,
             request_id=request.request_id or f"req-{secrets.token_hex(8)}",
@@ -340,10 +339,9 @@ class Admission:
             self.counts["refused_at_once"] += 1
             await self.refuse(msg, tenant, error)
             return
-        refused = self.intake.put(tenant, (msg, time.time()))
+        refused = self.intake.put(tenant, msg)
         if refused is not None:
             self.counts["refused_at_once"] += 1
-            refused = refused[0]
             await self.refuse(refused, self.subjects.tenant_of(refused.subject), Error(
                 request_id=None, code="overloaded",
                 message=f"admission's intake is full ({INTAKE_CAPACITY} requests waiting to be "
@@ -352,10 +350,10 @@ class Admission:
     async def admit_loop(self) -> None:
         """One worker: the intake's next request (tenants in turn), admitted to its answer."""
         while True:
-            _, (msg, received_at) = await self.intake.get()
+            _, msg = await self.intake.get()
             self.admitting += 1
             try:
-                await self.generate(msg, received_at)
+                await self.generate(msg)
             except Exception as exc:  # generate answers its own errors; this is a bug
                 log.error("generate failed", error=repr(exc))
             finally:
@@ -376,14 +374,13 @@ class Admission:
             if stream:  # the sentinel ends the stream
                 await self.nc.publish(msg.reply, b"")
 
-    async def generate(self, msg, received_at: float | None = None) -> None:
+    async def generate(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)
         with self.tracer.start_as_current_span(
                 "admission", context=context_from(msg.headers), kind=SpanKind.SERVER,
                 attributes={"tenant": tenant}) as span:
             try:
-                item = await self.admit(tenant, msg.data, durable=False,
-                                        received_at=received_at)
+                item = await self.admit(tenant, msg.data, durable=False)
                 span.set_attributes({"request_id": item.request_id,
                                      "prompt_tokens": item.num_prompt_tokens})
                 item.reply_to = msg.reply
