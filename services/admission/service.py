@@ -173,14 +173,19 @@ class Admission:
     async def stop(self) -> None:
         # No new requests; those being admitted finish.
         await stop_micro_service(self.nc, self.service)
-        give_up = time.monotonic() + self.config.nats.request_timeout_s
-        while (len(self.intake) or self.admitting) and time.monotonic() < give_up:
+        wait_s = self.config.nats.request_timeout_s
+        give_up = time.monotonic() + wait_s
+        while len(self.intake) and time.monotonic() < give_up:
             await asyncio.sleep(0.02)
-        await cancel_all(self.tasks)
-        for tenant, msg in self.intake.drain():  # still waiting at the timeout: told, not dropped
+        for tenant, msg in self.intake.drain():  # still waiting: told, not dropped
             await self.refuse(msg, tenant, Error(
                 request_id=None, code="overloaded",
                 message="admission is stopping and did not reach this request; retry"))
+        # Those being admitted finish: each hop has its own timeout, so one more is enough.
+        give_up = time.monotonic() + wait_s
+        while self.admitting and time.monotonic() < give_up:
+            await asyncio.sleep(0.02)
+        await cancel_all(self.tasks)
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
         unregister(self.collector)
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -318,9 +323,8 @@ class Admission:
         if time.monotonic() - self.backpressure_at > 3 * self.config.distributed.heartbeat_interval_s:
             self.backpressure = {}  # not renewed: priority's queue has room, or priority is gone
             return None
-        try:
-            head = _head.decode(payload)
-        except msgspec.DecodeError:
+        head = _decode_head(payload)
+        if head is None:
             return None  # not valid: the full checks answer it, naming the field
         if head.priority > ceiling:
             return None
@@ -335,6 +339,12 @@ class Admission:
         keep up, forms in the flooding tenant's line rather than in front of everyone."""
         msg = request._msg
         tenant = self.subjects.tenant_of(msg.subject)
+        if not TENANT_PATTERN.fullmatch(tenant):  # not a line of its own in the intake
+            await self.refuse(msg, tenant, Error(
+                request_id=None, code="invalid_request",
+                message=f"tenant {tenant!r} (the subject's last token) must match "
+                        f"[A-Za-z0-9_-]{{1,64}}"))
+            return
         if self.backpressure and (error := self.refused_at_once(tenant, msg.data)) is not None:
             self.counts["refused_at_once"] += 1
             await self.refuse(msg, tenant, error)
@@ -361,18 +371,19 @@ class Admission:
 
     async def refuse(self, msg, tenant: str, error: Error) -> None:
         """Answer a request with `error` before any other work (and end its stream)."""
-        try:
-            head = _head.decode(msg.data)
-            request_id, stream = head.request_id, head.stream
-        except msgspec.DecodeError:
-            request_id, stream = _peek(msg.data)
+        head = _decode_head(msg.data)
+        request_id, stream = (head.request_id, head.stream) if head else _peek(msg.data)
         self.count_error(error.code, tenant)
-        if msg.reply:
-            error = msgspec.structs.replace(error, request_id=request_id)
+        if not msg.reply:
+            return
+        error = msgspec.structs.replace(error, request_id=request_id)
+        try:
             await self.nc.publish(msg.reply, json_encode(error),
                                   headers=service_error_headers(error))
             if stream:  # the sentinel ends the stream
                 await self.nc.publish(msg.reply, b"")
+        except Exception as exc:  # the connection is failing: nothing else to tell it by
+            log.warning("could not answer a refused request", error=repr(exc))
 
     async def generate(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)
@@ -664,6 +675,15 @@ class _Head(msgspec.Struct):
 
 
 _head = msgspec.json.Decoder(_Head)
+
+
+def _decode_head(payload: bytes) -> _Head | None:
+    """The request's head, or None when it is not valid (the full checks then name why)."""
+    try:
+        check_nesting(payload)
+        return _head.decode(payload)
+    except (ProtocolError, msgspec.DecodeError):
+        return None
 
 
 def _peek(payload: bytes) -> tuple[str | None, bool]:

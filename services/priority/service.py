@@ -104,6 +104,10 @@ class PriorityService:
         (durable requests are not: admission has them run again)."""
         await stop_micro_service(self.nc, self.service)
         await cancel_all([*self.tasks, *self.pulls])
+        try:  # admission stops refusing on this queue's account at once
+            await self.nc.publish(self.subjects.backpressure, encode(Backpressure()))
+        except Exception as exc:
+            log.info("could not withdraw backpressure", error=repr(exc))
         unregister(self.collector)
         for item in self.queue.pop_all():
             if not item.durable:
@@ -127,7 +131,7 @@ class PriorityService:
     async def backpressure_loop(self) -> None:
         """Tell admission which tenants' new requests the full queue refuses (Backpressure), on
         every change and each interval while it lasts, so it refuses them before any work."""
-        sent: dict[str, int] = {}
+        sent: dict[str, int] | None = None  # the first look always reports (a restart: none)
         sent_at = 0.0
         while True:
             await asyncio.sleep(BACKPRESSURE_CHECK_S)

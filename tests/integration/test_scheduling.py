@@ -164,6 +164,10 @@ async def test_a_full_queue_makes_room_for_a_lighter_tenant_and_a_higher_class(t
             else:
                 raise AssertionError("admission never refused heavy's flood at once")
             assert (await service_stats(heavy, "admission"))["refused_at_once"] >= 1
+            # A hostile payload from the refused tenant still gets one answer, naming the limit.
+            nested = b'{"prompt": "x", "n": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+            reply = await heavy.nc.request("llm.generate.heavy", nested, timeout=10)
+            assert b"invalid_request" in reply.data and b"nest" in reply.data, reply.data
             newcomer = asyncio.create_task(light.generate(request("l-0", 8), timeout=60))
             pushed = await asyncio.wait_for(queued[1], 10)  # heavy's latest made room
             assert isinstance(pushed, Error) and pushed.code == "overloaded"
