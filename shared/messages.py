@@ -207,9 +207,10 @@ class Backpressure(msgspec.Struct):
     tenants: dict[str, int] = {}
 
 
-def backpressure_entry_bytes(entry: tuple[str, int]) -> int:
-    """An upper bound on the bytes one (tenant, priority) adds to a Backpressure."""
-    return len(entry[0].encode()) + 4
+def tenant_entry_bytes(entry: tuple[str, int]) -> int:
+    """An upper bound on the bytes one tenant and a small integer add to a map of them (a
+    Heartbeat's `tenants`, a Backpressure's)."""
+    return len(entry[0].encode()) + 8
 
 
 class Unassign(msgspec.Struct, array_like=True):

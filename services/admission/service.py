@@ -374,16 +374,19 @@ class Admission:
         head = _decode_head(msg.data)
         request_id, stream = (head.request_id, head.stream) if head else _peek(msg.data)
         self.count_error(error.code, tenant)
+        await self.answer_error(msg, msgspec.structs.replace(error, request_id=request_id), stream)
+
+    async def answer_error(self, msg, error: Error, stream: bool) -> None:
+        """Send a generate request's Error to its reply subject (and end its stream)."""
         if not msg.reply:
             return
-        error = msgspec.structs.replace(error, request_id=request_id)
         try:
             await self.nc.publish(msg.reply, json_encode(error),
                                   headers=service_error_headers(error))
             if stream:  # the sentinel ends the stream
                 await self.nc.publish(msg.reply, b"")
         except Exception as exc:  # the connection is failing: nothing else to tell it by
-            log.warning("could not answer a refused request", error=repr(exc))
+            log.warning("could not answer a request's error", error=repr(exc))
 
     async def generate(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)
@@ -423,11 +426,7 @@ class Admission:
                 return
             span.set_attribute("error", error.code)
             self.count_error(error.code, tenant)
-            if msg.reply:
-                await self.nc.publish(msg.reply, json_encode(error),
-                                      headers=service_error_headers(error))
-                if _peek(msg.data)[1]:  # it asked for a stream: the sentinel ends it
-                    await self.nc.publish(msg.reply, b"")
+            await self.answer_error(msg, error, stream=_peek(msg.data)[1])
 
     # ------------------------------------------------------------------------ durable path
 

@@ -46,6 +46,7 @@ from shared.messages import (
     finished_bytes,
     holding_entry_bytes,
     progress_bytes,
+    tenant_entry_bytes,
 )
 from shared.metrics import (
     ITL_BUCKETS,
@@ -616,8 +617,7 @@ class ExecutorService:
         of a heartbeat's payload (tenant names are up to 64 bytes; a small max_payload and
         hundreds of tenants would not fit whole)."""
         busiest = sorted(self.tenant_load.items(), key=lambda entry: -entry[1])
-        fits = next(chunked(busiest, lambda entry: len(entry[0].encode()) + 8,
-                            payload_budget(self.nc) // 4), [])
+        fits = next(chunked(busiest, tenant_entry_bytes, payload_budget(self.nc) // 4), [])
         return dict(fits)
 
     def take_finished(self) -> list[Finished]:

@@ -33,10 +33,10 @@ from shared.messages import (
     NextRequest,
     SubmitReply,
     WorkItem,
-    backpressure_entry_bytes,
     decoder,
     encode,
     holding_entry_bytes,
+    tenant_entry_bytes,
 )
 from shared.metrics import (
     TTFT_BUCKETS,
@@ -144,7 +144,7 @@ class PriorityService:
                 # with a full queue's share each could outgrow a small max_payload).
                 order = sorted(refused.items(), key=lambda e: -self.scheduler.counters.backlog
                                .get(e[0], 0))
-                fits = next(chunked(order, backpressure_entry_bytes,
+                fits = next(chunked(order, tenant_entry_bytes,
                                     payload_budget(self.nc) // 2), [])
                 await self.nc.publish(self.subjects.backpressure,
                                       encode(Backpressure(tenants=dict(fits))))
