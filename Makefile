@@ -5,6 +5,11 @@ PY := $(VENV)/bin/python
 # The venv's bin first: torch builds the CPU attention kernel with the ninja installed there.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed
+# Test workers: much of the suite waits on services and timeouts, so two workers on two cores
+# take ~8 minutes where one takes ~13. Each worker runs whole test files (module fixtures load
+# the model once). TEST_JOBS=0 runs everything in one process.
+TEST_JOBS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 .PHONY: up test test-fast bench schema gpu-check clean
 
@@ -23,10 +28,10 @@ up: $(STAMP)
 	$(VENV)/bin/jetserve up
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m loadtest.engine_bench --result-json results/engine_bench.json
