@@ -22,7 +22,7 @@ import pytest
 from shared.bus import discover
 from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest
-from shared.subjects import Subjects
+from shared.subjects import RESULTS_STREAM, Subjects
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +138,7 @@ async def test_the_compose_stack_runs_in_containers(stack):
                 names = []
             await asyncio.sleep(2)
         assert len(names) == 2, f"executors joined: {names}"
+        print(f"both executors joined {time.monotonic() - deadline + 600:.0f} s after up")
         assert len(set(names)) == 2  # each replica named after its own container's hostname
 
         # Podman 4.3 runs healthchecks on systemd timers, which a container host without systemd
@@ -168,12 +169,18 @@ async def test_the_compose_stack_runs_in_containers(stack):
             for target in targets:
                 if target["health"] == "up":
                     up.setdefault(target["labels"]["job"], set()).add(target["scrapeUrl"])
-            return up if all(up.get(f"jetserve-{kind}") for kind in JETSERVE) else None
+            # DNS service discovery finds both executor replicas.
+            if all(up.get(f"jetserve-{kind}") for kind in JETSERVE) and \
+                    len(up["jetserve-executor"]) == 2:
+                return up
+            raise AssertionError(f"targets up so far: {up}")  # until() reports the latest
 
-        up = await until("Prometheus scraping every service", scraped, timeout=120, every=2)
-        assert len(up["jetserve-executor"]) == 2, up  # DNS service discovery found both replicas
+        up = await until("Prometheus scraping every service and both executors", scraped,
+                         timeout=120, every=2)
 
-        # A durable request whose executor is SIGKILLed mid-run still gets its one result.
+        # A durable request whose executor is SIGKILLed mid-run still gets exactly one result
+        # (podman restarts the container, `restart: unless-stopped`; the other executor or the
+        # restarted one runs the request again).
         request = GenerateRequest(request_id="podman-durable", prompt="Tell a long story.",
                                   max_tokens=96, temperature=0.0, ignore_eos=True)
         await client.submit(request)
@@ -200,6 +207,8 @@ async def test_the_compose_stack_runs_in_containers(stack):
         result = await client.result("podman-durable", timeout=300)
         assert isinstance(result, Completion), result
         assert result.usage.completion_tokens == 96
+        await asyncio.sleep(2)  # room for a second result, were one to come
+        assert (await client.js.stream_info(RESULTS_STREAM)).state.messages == 1
 
     # One request's spans from all four services reached the trace stand-in.
     def one_trace():
