@@ -46,7 +46,7 @@ USER jetserve
 # The CPU kernels, built now for this processor kind (a minute) rather than at an executor's first
 # start; a different processor rebuilds them there once. An empty volume mounted on the cache
 # starts with them.
-RUN python -c "from kernels import cpu_ops; cpu_ops.load()"
+RUN python -c "import sys; from kernels import cpu_ops; sys.exit(cpu_ops.load() is None)"
 # Converted model files and kernel builds are cached here: mount a volume to keep them.
 VOLUME ["/home/jetserve/.cache/jetserve"]
 

@@ -36,14 +36,21 @@ def take(request: ExportTraceServiceRequest) -> None:
 
 class Receiver(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 (http.server's name)
-        length = int(self.headers.get("Content-Length") or 0)
-        if self.path != "/v1/traces" or not 0 < length <= MAX_BODY:
-            self.send_error(404 if self.path != "/v1/traces" else 413)
+        if self.path != "/v1/traces":
+            self.send_error(404, "only /v1/traces is served")
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self.send_error(411, "a Content-Length is required")
+            return
+        if not 0 < length <= MAX_BODY:
+            self.send_error(413, f"a body of 1 to {MAX_BODY} bytes is taken")
             return
         try:
             take(ExportTraceServiceRequest.FromString(self.rfile.read(length)))
-        except Exception as exc:  # not an OTLP export: say so, keep serving
-            self.send_error(400, f"not an OTLP trace export: {exc}")
+        except Exception:  # not an OTLP export: say so, keep serving
+            self.send_error(400, "not an OTLP/HTTP protobuf trace export")
             return
         body = ExportTraceServiceResponse().SerializeToString()
         self.send_response(200)

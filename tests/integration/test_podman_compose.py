@@ -17,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nats.js.errors
 import pytest
 
 from shared.bus import discover
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 JETSERVE = ("admission", "priority", "batcher", "executor")
 NATS_URL = "nats://127.0.0.1:4222"  # compose.yaml publishes these on the host
 BUILD_TIMEOUT_S = 1800  # the first build installs torch and compiles the CPU kernels
-DOWN_BOUND_S = 60  # each container's stop timeout is 10 s; podman-compose stops them in turn
+DOWN_BOUND_S = 60  # 10 s stop timeouts (podman-compose stops all at once), then the leftovers
 
 
 def podman_usable() -> str | None:
@@ -42,6 +43,10 @@ def podman_usable() -> str | None:
     probe = subprocess.run(["podman", "image", "exists", base], capture_output=True)
     if probe.returncode != 0:
         return f"podman has no base image {base} (deploy/local/setup-podman.sh makes it)"
+    probe = subprocess.run(["podman", "run", "--rm", base, "true"], capture_output=True,
+                           text=True, timeout=120)
+    if probe.returncode != 0:
+        return f"podman cannot run a container here: {probe.stderr.strip()[-500:]}"
     return None
 
 
@@ -74,45 +79,68 @@ async def until(what: str, probe, timeout: float, every: float = 1.0):
     raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")
 
 
+def remove_project(project: str) -> None:
+    """Remove what podman-compose 1.6's `down` leaves of a project: the replicas `--scale` added,
+    what they depend on, the project's pod, networks and volumes (docs/operations.md)."""
+    label = f"label=io.podman.compose.project={project}"
+
+    def listed(*what: str) -> list[str]:
+        return run("podman", *what, "--filter", label, check=False).stdout.split()
+
+    replicas = listed("ps", "-a", "-q", "--filter", "label=com.docker.compose.service=executor")
+    if replicas:
+        run("podman", "rm", "-f", "-t", "10", *replicas, check=False)
+    if rest := listed("ps", "-a", "-q"):
+        run("podman", "rm", "-f", "-t", "10", *rest, check=False)
+    run("podman", "pod", "rm", "-f", "--ignore", f"pod_{project}", check=False)
+    networks = set(listed("network", "ls", "--format", "{{.Name}}")) | {f"{project}_default"}
+    run("podman", "network", "rm", "-f", *networks, check=False)
+    if volumes := listed("volume", "ls", "-q"):
+        run("podman", "volume", "rm", "-f", *volumes, check=False)
+
+
+def remove_stale_projects() -> None:
+    """Projects of earlier runs whose pytest process is gone (killed mid-test): they hold the
+    ports compose.yaml publishes."""
+    names = run("podman", "ps", "-a", "--format",
+                "{{index .Labels \"io.podman.compose.project\"}}", check=False).stdout.split()
+    networks = run("podman", "network", "ls", "--format", "{{.Name}}", check=False).stdout.split()
+    for project in set(names) | {n.removesuffix("_default") for n in networks}:
+        pid = project.removeprefix("jetserve-test-")
+        if pid != project and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            remove_project(project)
+
+
 @pytest.fixture
 def stack():
     reason = podman_usable()
     if reason:
         pytest.skip(reason)
+    remove_stale_projects()
     build = run("bash", "deploy/local/build.sh", timeout=BUILD_TIMEOUT_S)
     print(build.stdout)
     project = f"jetserve-test-{os.getpid()}"
     compose = ("podman-compose", "-p", project, "-f", "compose.yaml",
                "-f", "deploy/local/compose.podman.yaml")
-    run(*compose, "up", "-d", "--no-build", "--scale", "executor=2", timeout=300)
     try:
+        run(*compose, "up", "-d", "--no-build", "--scale", "executor=2", timeout=300)
         yield compose, project
     finally:
-        logs = run("podman", "ps", "-a", "--filter", f"label=io.podman.compose.project={project}",
+        label = f"label=io.podman.compose.project={project}"
+        logs = run("podman", "ps", "-a", "--filter", label,
                    "--format", "{{.Names}} {{.Status}}", check=False)
         print(logs.stdout)
         start = time.monotonic()
-        down = run(*compose, "down", "-v", timeout=600, check=False)
-        # podman-compose 1.6's `down` removes the containers the file names (one per service),
-        # not the replicas `--scale` added, nor what those depend on, nor the project's empty
-        # pod: remove those too, as docs/operations.md tells a user to.
-        label = f"label=io.podman.compose.project={project}"
-        extra = run("podman", "ps", "-a", "-q", "--filter", label, "--filter",
-                    "label=com.docker.compose.service=executor", check=False).stdout.split()
-        if extra:
-            run("podman", "rm", "-f", "-t", "10", *extra, check=False)
-        rest = run("podman", "ps", "-a", "-q", "--filter", label, check=False).stdout.split()
-        if rest:
-            run("podman", "rm", "-f", "-t", "10", *rest, check=False)
-        run("podman", "pod", "rm", "-f", "--ignore", f"pod_{project}", check=False)
+        run(*compose, "down", "-v", timeout=600, check=False)
+        remove_project(project)
         took = time.monotonic() - start
         left = run("podman", "ps", "-a", "-q", "--filter", label, check=False).stdout.split()
-        volumes = run("podman", "volume", "ls", "-q", "--filter", label, check=False).stdout.split()
-        if volumes:
-            run("podman", "volume", "rm", "-f", *volumes, check=False)
-        assert down.returncode == 0, down.stderr[-3000:]
         assert not left, f"containers left after down: {left}"
         assert took < DOWN_BOUND_S, f"compose down took {took:.0f} s"
+
+
+def inspect(container: str, template: str) -> str:
+    return run("podman", "inspect", "--format", template, container).stdout.strip()
 
 
 def containers(project: str) -> dict[str, str]:
@@ -178,11 +206,11 @@ async def test_the_compose_stack_runs_in_containers(stack):
         up = await until("Prometheus scraping every service and both executors", scraped,
                          timeout=120, every=2)
 
-        # A durable request whose executor is SIGKILLed mid-run still gets exactly one result
-        # (podman restarts the container, `restart: unless-stopped`; the other executor or the
-        # restarted one runs the request again).
+        # A durable request whose executor is SIGKILLed mid-run still gets its one result, with
+        # the tokens an undisturbed run gives (podman restarts the container, `restart:
+        # unless-stopped`; the other executor or the restarted one runs the request again).
         request = GenerateRequest(request_id="podman-durable", prompt="Tell a long story.",
-                                  max_tokens=96, temperature=0.0, ignore_eos=True)
+                                  max_tokens=512, temperature=0.0, ignore_eos=True)
         await client.submit(request)
 
         async def holder() -> str | None:
@@ -199,16 +227,30 @@ async def test_the_compose_stack_runs_in_containers(stack):
                 break
             await asyncio.sleep(0.5)
         assert host, "no executor reported the durable request running"
-        hostnames = {run("podman", "inspect", "--format", "{{.Config.Hostname}}", name
-                         ).stdout.strip(): name
-                     for name, service in containers(project).items() if service == "executor"}
-        pid = run("podman", "inspect", "--format", "{{.State.Pid}}", hostnames[host]).stdout.strip()
+        executors_now = await asyncio.to_thread(containers, project)
+        hostnames = {}
+        for name, service in executors_now.items():
+            if service == "executor":
+                hostname = await asyncio.to_thread(inspect, name, "{{.Config.Hostname}}")
+                hostnames[hostname] = name
+        victim = hostnames[host]
+        state = await asyncio.to_thread(inspect, victim, "{{.State.Running}} {{.State.Pid}}")
+        running, pid = state.split()
+        assert running == "true" and int(pid) > 1, state  # never os.kill(0): the process group
+        subject = Subjects("llm").results("podman", "podman-durable")
+        with pytest.raises(nats.js.errors.NotFoundError):  # still running when it is killed
+            await client.js.get_last_msg(RESULTS_STREAM, subject)
         os.kill(int(pid), 9)  # the container dies with its first process
         result = await client.result("podman-durable", timeout=300)
         assert isinstance(result, Completion), result
-        assert result.usage.completion_tokens == 96
-        await asyncio.sleep(2)  # room for a second result, were one to come
-        assert (await client.js.stream_info(RESULTS_STREAM)).state.messages == 1
+        assert result.usage.completion_tokens == 512
+        after = await asyncio.to_thread(inspect, victim, "{{.State.Pid}}")
+        assert after != pid, "the killed executor's container still has its first process"
+        undisturbed = await client.generate(GenerateRequest(
+            request_id="podman-undisturbed", prompt=request.prompt, max_tokens=512,
+            temperature=0.0, ignore_eos=True), timeout=300)
+        assert isinstance(undisturbed, Completion), undisturbed
+        assert result.token_ids == undisturbed.token_ids
 
     # One request's spans from all four services reached the trace stand-in.
     def one_trace():
