@@ -190,8 +190,8 @@ class StreamReceiver:
     """Every request's stream on one subscription (`<inbox>.<n>`), each message handled by one
     callback: what a client needs at thousands of deltas a second, where a subscription, an
     async generator and a timed wait per request would make the load generator the bottleneck
-    (DESIGN's public protocol, streaming generate: deltas, then the Completion or Error, then
-    an empty sentinel). A stream that restarts (the request continued on another executor)
+    (docs/protocol.md, streaming generate: deltas, then the Completion or Error, then an empty
+    sentinel). A stream that restarts (the request continued on another executor)
     counts each token once (docs/protocol.md)."""
 
     def __init__(self, nc, clock, cancel, idle_timeout_s: float = 120.0):

@@ -111,7 +111,7 @@ NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
 class RequestLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Admission and the global queue: its order (DESIGN §6, docs/scheduling.md) and its limits."""
+    """Admission and the global queue: its order (docs/scheduling.md) and its limits."""
 
     max_pending_requests: Annotated[int, msgspec.Meta(ge=1)] = 10_000
     # Per-tenant token bucket over prompt + max_tokens; None turns rate limiting off.

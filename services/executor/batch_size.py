@@ -1,4 +1,4 @@
-"""The load-aware batch size (DESIGN §6): each executor's limit on concurrent sequences, moved
+"""The load-aware batch size (docs/scheduling.md): each executor's limit on concurrent sequences, moved
 by a controller that looks back over one interval at a time.
 
 Every `interval_s` the executor hands the controller what it saw (`Interval`): requests waiting

@@ -1,4 +1,4 @@
-"""The simulated forward pass (`--model sim:<profile>`, DESIGN §8): the engine, its scheduler,
+"""The simulated forward pass (`--model sim:<profile>`, docs/scheduling.md "Simulated executors"): the engine, its scheduler,
 block manager and prefix cache run as they do for a real model, but a step is a sleep as long as
 a cost model says that batch would take on the profile's hardware, and the sampled tokens are
 synthetic. A sim executor uses almost no CPU, so many of them fit on one machine.

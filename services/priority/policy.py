@@ -1,4 +1,4 @@
-"""The request-level order (DESIGN §6): fcfs, strict priority, or the adaptive score.
+"""The request-level order (docs/scheduling.md): fcfs, strict priority, or the adaptive score.
 
 Pure functions of the waiting requests (as parallel numpy arrays, so a pull scores 10,000
 requests in one vectorised pass), the clock, the tenants' fairness terms, the class weights and
@@ -164,7 +164,7 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     first = aged & ~over_share & ~late
     terms["aged"] = first.astype(float)
     key = np.where(first, AGED + waited, np.where(late, score - HOPELESS, score))
-    if first.any():  # deadlines at stake go ahead of the aged (DESIGN: classes' promises first)
+    if first.any():  # deadlines at stake go ahead of the aged (classes' promises first)
         # At stake, and not already hopeless (those stay behind, aged ones included).
         at_stake = critical(slack, service, cfg.time_window) & ~late
         terms["critical"] = at_stake.astype(float)

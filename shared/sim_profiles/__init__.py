@@ -1,4 +1,4 @@
-"""Simulated executors' profiles (`--model sim:<profile>`, DESIGN §8): one JSON file each, here.
+"""Simulated executors' profiles (`--model sim:<profile>`, docs/scheduling.md "Simulated executors"): one JSON file each, here.
 A profile is the step-time cost model of one model on one machine, the layer sizes the engine
 reports, and the sources it was built from; `services/executor/sim.py` runs it.
 
