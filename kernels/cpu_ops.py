@@ -1,6 +1,7 @@
 """The CPU kernels (C++ in kernels/cpu/): decode and prefill attention over the paged cache,
 matmuls over fp32, int8 and int4 weights, and the fused element-wise ops. Built on first use with torch's extension
-loader, once per version of their source, into the user's cache directory.
+loader, once per version of their source, into a build directory given to `load` (by default
+`$XDG_CACHE_HOME/jetserve/cpu-kernels`, beside the converted models: one cache volume).
 
 The build directory is keyed by the sources, the compiler flags, torch and the processor, not by
 the checkout, so every checkout of one version shares one build. A file lock (released by the
@@ -51,10 +52,9 @@ def build_key(sources: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-def cache_root() -> Path:
-    from shared.model_files import weights_cache_root
-
-    return weights_cache_root(None) / "cpu-kernels"  # beside converted models: one cache volume
+def default_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jetserve" / "cpu-kernels"
 
 
 def build(name: str, files: list[Path], root: Path):
@@ -93,13 +93,16 @@ def build(name: str, files: list[Path], root: Path):
     return module
 
 
-def load():
-    """The compiled module, or None if it cannot be built here (said once, with the reason)."""
+def load(root: Path | None = None):
+    """The compiled module, built under `root` (default_root() when None) if no build of these
+    sources is there, or None if it cannot be built here (said once, with the reason). The
+    first call's root is the one used."""
     global _module, _failed
     with _lock:
         if _module is None and not _failed:
             try:
-                _module = build("jetserve_cpu", sorted(SOURCE_DIR.glob("*.[ch]*")), cache_root())
+                _module = build("jetserve_cpu", sorted(SOURCE_DIR.glob("*.[ch]*")),
+                                root or default_root())
             except Exception as exc:  # no compiler, no headers: the torch path still works
                 log.warning("CPU kernels unavailable, using the slower torch path: %s", exc)
                 _failed = True

@@ -42,13 +42,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
-    def num_params(self) -> int:
-        h, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * f + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
-
 
 # Shapes for `dummy:<name>`: random weights, the default model's tokenizer.
 DUMMY_SHAPES: dict[str, dict] = {

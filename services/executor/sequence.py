@@ -79,10 +79,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
-
     def sort_key(self) -> tuple[bool, float, int]:
         """Scheduling order: aged first, then higher score, then earlier arrival."""
         return (not self.aged, -self.score, self.arrival_index)
