@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the compose stack's images with podman on a machine that reaches package registries but
-# no image registry: jetserve:latest from the repository's Dockerfile on BASE (a local Debian
+# no image registry: jetserve-control:latest (admission, priority, batcher) and jetserve:latest
+# (the executor) from the repository's Dockerfile on BASE (a local Debian
 # bookworm, made by setup-podman.sh), torch's CPU wheel from TORCH_FIND_LINKS when that folder
 # exists (else from torch's CPU index), then the stand-ins for nats, jaeger and prometheus.
 # Prints each image's build time and size. Run from anywhere; safe to run again (layers cached).
@@ -33,6 +34,7 @@ build() {  # tag, then podman build arguments
         "$(podman image inspect --format '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1 / 1e6}')"
 }
 
+build jetserve-control:latest --target control-plane
 build jetserve:latest "${torch[@]}"
 for target in nats jaeger prometheus; do
     build "localhost/jetserve-standin-$target:local" -f deploy/local/standins.Dockerfile \

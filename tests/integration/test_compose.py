@@ -48,8 +48,13 @@ def test_compose_file_follows_the_compose_specification():
     assert {"nats", "jaeger", "prometheus", *JETSERVE} <= set(services)
     for name in JETSERVE:
         service = services[name]
-        assert service["image"] == "jetserve:latest" and service["healthcheck"]["test"][:4] == \
-            ["CMD", "python", "-m", "shared.health"]
+        # The executor runs the full image; the control plane its own, without torch.
+        image, target = (("jetserve:latest", None) if name == "executor"
+                         else ("jetserve-control:latest", "control-plane"))
+        build = service["build"]
+        assert service["image"] == image
+        assert (build if isinstance(build, str) else build.get("target")) == (target or ".")
+        assert service["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "shared.health"]
         assert service["environment"]["OTEL_SERVICE_NAME"] == name
     assert "--name" not in services["executor"]["command"]  # replicas name themselves
     gpu = services["executor-gpu"]

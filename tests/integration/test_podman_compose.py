@@ -174,6 +174,14 @@ async def test_the_compose_stack_runs_in_containers(stack):
         running = containers(project)
         assert sorted(set(running.values())) == sorted(
             {"nats", "jaeger", "prometheus", *JETSERVE}), running
+        images = dict(line.split() for line in run(
+            "podman", "ps", "--filter", f"label=io.podman.compose.project={project}",
+            "--format", "{{.Names}} {{.Image}}").stdout.splitlines() if line.strip())
+        for name, service in running.items():  # the control plane runs the image without torch
+            if service in ("admission", "priority", "batcher"):
+                assert images[name].endswith("/jetserve-control:latest"), (name, images[name])
+            elif service == "executor":
+                assert images[name].endswith("/jetserve:latest"), (name, images[name])
         for name, service in running.items():
             if service in ("jaeger", "prometheus"):
                 continue  # compose.yaml gives them no healthcheck
