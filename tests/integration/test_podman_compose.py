@@ -218,7 +218,7 @@ async def test_the_compose_stack_runs_in_containers(stack):
         # the tokens an undisturbed run gives (podman restarts the container, `restart:
         # unless-stopped`; the other executor or the restarted one runs the request again).
         request = GenerateRequest(request_id="podman-durable", prompt="Tell a long story.",
-                                  max_tokens=512, temperature=0.0, ignore_eos=True)
+                                  max_tokens=256, temperature=0.0, ignore_eos=True)
         await client.submit(request)
 
         async def holder() -> str | None:
@@ -251,11 +251,11 @@ async def test_the_compose_stack_runs_in_containers(stack):
         os.kill(int(pid), 9)  # the container dies with its first process
         result = await client.result("podman-durable", timeout=300)
         assert isinstance(result, Completion), result
-        assert result.usage.completion_tokens == 512
+        assert result.usage.completion_tokens == 256
         after = await asyncio.to_thread(inspect, victim, "{{.State.Pid}}")
         assert after != pid, "the killed executor's container still has its first process"
         undisturbed = await client.generate(GenerateRequest(
-            request_id="podman-undisturbed", prompt=request.prompt, max_tokens=512,
+            request_id="podman-undisturbed", prompt=request.prompt, max_tokens=256,
             temperature=0.0, ignore_eos=True), timeout=300)
         assert isinstance(undisturbed, Completion), undisturbed
         assert result.token_ids == undisturbed.token_ids
