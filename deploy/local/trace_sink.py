@@ -34,7 +34,19 @@ def take(request: ExportTraceServiceRequest) -> None:
                               "parent_id": span.parent_span_id.hex()})
 
 
-class Receiver(BaseHTTPRequestHandler):
+class Handler(BaseHTTPRequestHandler):
+    def reply(self, content_type: str, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class Receiver(Handler):
     def do_POST(self):  # noqa: N802 (http.server's name)
         if self.path != "/v1/traces":
             self.send_error(404, "only /v1/traces is served")
@@ -52,34 +64,18 @@ class Receiver(BaseHTTPRequestHandler):
         except Exception:  # not an OTLP export: say so, keep serving
             self.send_error(400, "not an OTLP/HTTP protobuf trace export")
             return
-        body = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.reply("application/x-protobuf", ExportTraceServiceResponse().SerializeToString())
 
 
-class Query(BaseHTTPRequestHandler):
+class Query(Handler):
     def do_GET(self):  # noqa: N802
         url = urlparse(self.path)
         if url.path != "/api/spans":
             self.send_error(404, "only /api/spans is served")
             return
         service = (parse_qs(url.query).get("service") or [None])[0]
-        body = json.dumps([s for s in list(spans)
-                           if service is None or s["service"] == service]).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.reply("application/json", json.dumps(
+            [s for s in list(spans) if service is None or s["service"] == service]).encode())
 
 
 def main() -> None:
