@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.keys import RequestKey
 from shared.protocol import Error, GenerateRequest
 
 
@@ -50,6 +51,10 @@ class WorkItem(msgspec.Struct, kw_only=True):
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def key(self) -> RequestKey:
+        return RequestKey(self.tenant, self.request.request_id)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,11 +16,9 @@ service still reports (this admission restarted) is held again, not admitted a s
 from __future__ import annotations
 
 import asyncio
-import math
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Annotated
 
 import msgspec
@@ -32,6 +30,7 @@ from nats.js.errors import NotFoundError
 from nats.micro import Request
 
 from services.admission.intake import FairIntake
+from services.admission.ledger import Ledger, Watched
 from services.admission.rate_limit import TokenBuckets
 from shared.block_hash import block_hashes
 from shared.preprocess import check_limits, check_prompt_size, prompt_token_ids
@@ -49,6 +48,7 @@ from shared.bus import (
     stop_micro_service,
 )
 from shared.config import JetserveConfig
+from shared.keys import RequestKey
 from shared.messages import (
     DISPATCH_BYTES,
     Backpressure,
@@ -118,21 +118,15 @@ class Admission:
         limits = config.scheduler.request_level
         self.buckets = (TokenBuckets(limits.rate_limit_tokens_per_s, limits.rate_limit_burst_tokens)
                         if limits.rate_limit_tokens_per_s else None)
-        self.held: dict[tuple[str, str], _Held] = {}  # (tenant, request_id) -> its message
-        # Generates handed to priority and not yet answered (their Done not seen), each with a
-        # copy to hand on, as durable requests are, if the service holding it dies.
-        self.generates: dict[tuple[str, str], _Held] = {}
-        # Silence is timed on a clock that a stalled event loop does not advance by more than
-        # two heartbeat intervals: reports queued during the stall are read before anything
-        # they vouch for is declared lost.
-        self.clock = 0.0
-        self.last_reported: dict[tuple[str, str], float] = {}  # clock of a holder's last report
+        # Every request handed to priority and not yet ended, and who last reported holding it.
+        self.ledger = Ledger(config.distributed.heartbeat_timeout_s,
+                             config.distributed.heartbeat_interval_s)
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
                            resumed_tokens=0, generates_handed_on=0, refused_at_once=0)
         self.errors_by_code: dict[str, int] = {}
-        self.failures: dict[tuple[str, str], int] = {}  # durable requests admission failed on
+        self.failures: dict[RequestKey, int] = {}  # durable requests admission failed on
         self.tasks: list[asyncio.Task] = []
         self.intake: FairIntake = FairIntake(INTAKE_CAPACITY)
         self.admitting = 0  # generate requests taken from the intake and not yet answered
@@ -191,8 +185,8 @@ class Admission:
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:
-        return {**self.counts, "durable_held": len(self.held),
-                "generates_in_flight": len(self.generates), "intake_waiting": len(self.intake),
+        return {**self.counts, "durable_held": len(self.ledger.held),
+                "generates_in_flight": len(self.ledger.generates), "intake_waiting": len(self.intake),
                 "admitting": self.admitting, "errors": self.errors_by_code,
                 "model": self.model_name}
 
@@ -293,7 +287,7 @@ class Admission:
                  "checkpoints) after their holder went silent", {},
                  self.counts["durable_handed_on"] + self.counts["generates_handed_on"]),
                 ("gauge", "durable_held", "Durable requests admitted and not yet finished", {},
-                 len(self.held))]
+                 len(self.ledger.held))]
 
     def count_error(self, code: str, tenant: str) -> None:
         self.counts["rejected"] += 1
@@ -399,21 +393,17 @@ class Admission:
                                      "prompt_tokens": item.num_prompt_tokens})
                 item.reply_to = msg.reply
                 item.trace = carrier_of(span)
-                key = (tenant, item.request_id)
-                # Watched over like a durable request, from before priority has it (its Done may
-                # come back before priority's reply does). One reusing the id of a generate
-                # still watched is not: priority or the executor refuses it.
-                watched = bool(msg.reply) and key not in self.generates
-                if watched:
-                    self.generates[key] = _Held(None, self.clock, encode(item))
+                # Watched over like a durable request (one without a reply subject has nobody
+                # to answer: not handed on).
+                watched = bool(msg.reply) and self.ledger.watch(item.key, encode(item))
                 try:
                     error = await self.to_priority(item)
                 except BaseException:
                     if watched:
-                        del self.generates[key]
+                        self.ledger.unwatch(item.key, durable=False)
                     raise
                 if error is not None and watched:
-                    del self.generates[key]
+                    self.ledger.unwatch(item.key, durable=False)
             except ProtocolError as exc:
                 error = exc.to_error(_peek(msg.data)[0])
             except Exception as exc:  # a bug, not bad input: still an answer, never a hang
@@ -451,7 +441,7 @@ class Admission:
         """A bug, not bad input: retry a few times, then store an `internal` Error as its result."""
         tenant = self.subjects.tenant_of(msg.subject)
         request_id = (msg.headers or {}).get("Nats-Msg-Id") or _peek(msg.data)[0]
-        key = (tenant, request_id or "")
+        key = RequestKey(tenant, request_id or "")
         failures = self.failures[key] = self.failures.get(key, 0) + 1
         log.exception("durable request failed", subject=msg.subject, failures=failures)
         try:
@@ -461,7 +451,7 @@ class Admission:
             error = Error(request_id=request_id, code="internal",
                           message=f"admission failed {failures} times: {exc!r}")
             await self.outbox.store_result(tenant, request_id, error)
-            self.held.pop(key, None)
+            self.ledger.unwatch(key, durable=True)
             del self.failures[key]
             await msg.ack()
         except Exception:
@@ -479,19 +469,15 @@ class Admission:
             self.count_error("invalid_request", tenant)
             await msg.term()
             return
-        key = (tenant, claimed_id)
-        if key in self.held:
-            self.held[key].msg = msg  # redelivered while still running: keep the new handle
+        key = RequestKey(tenant, claimed_id)
+        if self.ledger.redelivered(key, msg):  # still running: the new handle replaces the old
             return
         if await self.has_result(tenant, claimed_id):
             self.counts["redelivered_with_result"] += 1
             await msg.ack()
             return
-        if self.clock - self.last_reported.get(key, -math.inf) <= self.lease_s:
-            # A service still reports it (this admission restarted, or handed it back while
-            # stalled): hold it again, do not run it a second time.
+        if self.ledger.adopt(key, msg):  # a service still reports it: not run a second time
             self.counts["durable_adopted"] += 1
-            self.held[key] = _Held(msg, self.clock)
             return
         with self.tracer.start_as_current_span(
                 "admission", context=context_from(headers), kind=SpanKind.SERVER,
@@ -514,14 +500,14 @@ class Admission:
                 await msg.ack()
                 return
             item.trace = carrier_of(span)
-            self.held[key] = _Held(msg, self.clock, encode(item))
+            self.ledger.watch(key, encode(item), msg)
             try:
                 error = await self.to_priority(item)
             except BaseException:  # not held after all: its redelivery is admitted again
-                del self.held[key]
+                self.ledger.unwatch(key, durable=True)
                 raise
         if error is not None:  # queue full or priority down: durable, so retry later
-            del self.held[key]
+            self.ledger.unwatch(key, durable=True)
             await msg.nak(delay=1.0)
             return
         self.counts["durable_admitted"] += 1
@@ -537,124 +523,79 @@ class Admission:
 
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)
-        key = (done.tenant, done.request_id)
-        if not done.durable:
-            self.generates.pop(key, None)
-            return
-        held = self.held.pop(key, None)
-        self.last_reported.pop(key, None)
-        if held is not None:  # another admission instance may hold it
+        held = self.ledger.done(RequestKey(done.tenant, done.request_id), done.durable)
+        if held is not None:  # (another admission instance may hold it)
             await held.msg.ack()
             self.counts["durable_acked"] += 1
 
     async def on_holding(self, msg) -> None:
-        now = self.clock
         holding = _holding.decode(msg.data)
-        for tenant, request_id in holding.requests:
-            self.last_reported[(tenant, request_id)] = now
+        self.ledger.reported(holding.requests)
         for progress in holding.progress:
-            key = (progress.tenant, progress.request_id)
-            held = self.held.get(key) or self.generates.get(key)
-            if held is None:
-                continue
-            if progress.attempt < held.attempt:  # a holder taken for dead is still at it
-                await self.revoke(progress.tenant, progress.request_id, progress.attempt)
-            elif progress.attempt == held.attempt and progress.index <= len(held.tokens):
-                del held.tokens[progress.index:]  # (a repeat restates what it holds)
-                held.tokens.extend(progress.token_ids)
+            if self.ledger.checkpoint(RequestKey(progress.tenant, progress.request_id),
+                                      progress.attempt, progress.index, progress.token_ids):
+                await self.revoke(RequestKey(progress.tenant, progress.request_id),
+                                  progress.attempt)
 
-    async def revoke(self, tenant: str, request_id: str, attempt: int) -> None:
-        await _quietly(self.nc.publish(self.subjects.revoke,
-                                       encode(Revoke(tenant, request_id, attempt))))
+    async def revoke(self, key: RequestKey, attempt: int) -> None:
+        await _quietly(self.nc.publish(self.subjects.revoke, encode(Revoke(*key, attempt))))
 
-    async def hand_on(self, key: tuple[str, str], held: _Held) -> bool:
-        """A held request whose holder is gone goes back to priority's queue with the outputs
-        its checkpoints reported, as the next attempt (the JetStream message stays held). False
-        when priority did not take it."""
+    async def hand_on(self, key: RequestKey, held: Watched) -> bool:
+        """A request whose holder is gone goes back to priority's queue with the outputs its
+        checkpoints reported, as the next attempt (a durable one's JetStream message stays
+        held). False when priority did not take it (tried again after another lease)."""
         tokens = held.tokens if self.config.distributed.resume_from_checkpoints else []
         item = msgspec.structs.replace(_item.decode(held.item), attempt=held.attempt + 1,
                                        resume_token_ids=list(tokens))
         try:
             error = await self.to_priority(item)
         except Exception as exc:
-            log.warning("could not hand a durable request on", request_id=key[1],
-                        error=repr(exc))
+            log.warning("could not hand a request on", request=str(key), error=repr(exc))
             return False
         if error is not None:
             return False
-        held.attempt += 1
+        self.ledger.handed_on(held)
         self.counts["durable_handed_on" if item.durable else "generates_handed_on"] += 1
         self.counts["resumed_tokens"] += len(item.resume_token_ids)
         log.warning(f"{'durable request' if item.durable else 'generate'} handed on from a "
-                    f"lost holder", tenant=key[0],
-                    request_id=key[1], attempt=held.attempt, resume_from=len(tokens))
-        await self.revoke(key[0], key[1], held.attempt - 1)
+                    f"lost holder", request=str(key), attempt=held.attempt,
+                    resume_from=len(tokens))
+        await self.revoke(key, held.attempt - 1)
         return True
 
-    @property
-    def lease_s(self) -> float:
-        """How long a held request may go unreported before it counts as lost."""
-        return self.config.distributed.heartbeat_timeout_s
-
     async def keep_alive_loop(self) -> None:
-        """In-progress acks for every held request, well inside ack_wait; a request no service
-        has reported for longer than the heartbeat timeout is handed on from its checkpoint
-        (hand_on), or, when this admission has no copy of it (it adopted it after a restart),
-        handed back to JetStream for redelivery."""
+        """In-progress acks for every held request, well inside ack_wait, and the ledger's lease
+        kept (watch_over)."""
         interval = self.config.distributed.heartbeat_interval_s
         progress_every = self.config.nats.ack_wait_s / 3
         last_progress = last_tick = time.monotonic()
         while True:
             await asyncio.sleep(interval)
             tick = time.monotonic()
-            self.clock += min(tick - last_tick, 2 * interval)
+            self.ledger.tick(tick - last_tick)
             last_tick = tick
             try:
                 await self.watch_over()
                 if tick - last_progress >= progress_every:
                     last_progress = tick
-                    for held in list(self.held.values()):
-                        if held.msg is not None:
-                            await _quietly(held.msg.in_progress())
+                    for held in list(self.ledger.held.values()):
+                        await _quietly(held.msg.in_progress())
             except Exception:  # a bug must not end failover and in-progress acks for good
                 log.exception("keep-alive failed; continuing")
 
     async def watch_over(self) -> None:
-        """Hand on (or back to JetStream) every watched request no service has reported for a
-        lease. Its Done may arrive while this awaits: then it is left alone."""
-        now = self.clock
-        lost = [(key, held) for watched in (self.held, self.generates)
-                for key, held in watched.items()
-                if now - max(held.since, self.last_reported.get(key, -math.inf)) > self.lease_s]
-        for key, held in lost:
-            held.since = now  # not lost again before another lease has passed
-        # One that priority does not take is tried again after another lease.
+        """Hand on every watched request no service has reported for a lease, or, when this
+        admission has no copy of it (it adopted it after a restart), hand it back to JetStream
+        to run from the start. Its Done may arrive while this awaits: then it is left alone."""
+        lost = self.ledger.lost()
         await asyncio.gather(*(self.hand_on(key, held) for key, held in lost
                                if held.item is not None))
-        for key, held in [(k, h) for k, h in lost if h.item is None]:
-            if self.held.get(key) is not held:
-                continue  # done (acked) while the others were handed on
-            log.warning("durable request lost with its holder; redelivering",
-                        tenant=key[0], request_id=key[1])
-            self.counts["durable_redelivered"] += 1
-            del self.held[key]
-            self.last_reported.pop(key, None)
-            await _quietly(held.msg.nak())
-        for key in [k for k, seen in self.last_reported.items()
-                    if k not in self.held and k not in self.generates
-                    and now - seen > self.lease_s]:
-            del self.last_reported[key]  # no longer reported (or reported after its Done)
-
-
-@dataclass
-class _Held:
-    msg: object  # the LLM_REQUESTS message, acked once the result is stored (None: a generate)
-    since: float  # when it was handed to priority (Admission.clock)
-    # The admitted WorkItem, msgpack-encoded (compact: admission may hold many), to hand the
-    # request on if its holder dies; None for one adopted after a restart (redelivered then).
-    item: bytes | None = None
-    tokens: list[int] = field(default_factory=list)  # outputs its checkpoints reported
-    attempt: int = 0
+        for key, held in lost:
+            if held.item is None and self.ledger.give_back(key, held):
+                log.warning("durable request lost with its holder; redelivering",
+                            request=str(key))
+                self.counts["durable_redelivered"] += 1
+                await _quietly(held.msg.nak())
 
 
 async def _quietly(ack) -> None:

@@ -10,7 +10,8 @@ import msgspec
 from nats.js.api import ConsumerConfig
 from nats.js.errors import NotFoundError
 
-from services.admission.service import MAX_FAILURES, Admission, _Held
+from services.admission.ledger import Watched
+from services.admission.service import MAX_FAILURES, Admission
 from shared.bus import ensure_streams
 from shared.config import load_config
 from shared.messages import Done, SubmitReply, WorkItem, encode
@@ -47,14 +48,14 @@ async def test_a_done_during_a_hand_on_leaves_the_watch_running(tmp_path):
         generate = WorkItem(request=GenerateRequest(request_id="gen-1", prompt_token_ids=[1, 2],
                                                     max_tokens=4, model="dummy:tiny"),
                             tenant="acme", arrival_time=0.0, reply_to="client.inbox")
-        admission.generates[("acme", "gen-1")] = _Held(None, 0.0, encode(generate))
-        admission.held[("acme", "durable-1")] = _Held(message, 0.0)
-        admission.clock = admission.lease_s + 1
+        admission.ledger.generates[("acme", "gen-1")] = Watched(None, 0.0, encode(generate))
+        admission.ledger.held[("acme", "durable-1")] = Watched(message, 0.0)
+        admission.ledger.clock = admission.ledger.lease_s + 1
         await admission.watch_over()
         info = await js.consumer_info(REQUESTS_STREAM, "test")
     assert admission.counts["generates_handed_on"] == 1
     assert admission.counts["durable_redelivered"] == 0 and admission.counts["durable_acked"] == 1
-    assert ("acme", "durable-1") not in admission.held
+    assert ("acme", "durable-1") not in admission.ledger.held
     assert info.num_ack_pending == 0 and info.num_redelivered == 0
 
 

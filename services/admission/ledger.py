@@ -1,0 +1,158 @@
+"""Who holds what: admission's ledger of the requests it watches over until they end.
+
+Every admitted request is watched from the moment admission hands it to priority until its
+`Done` comes back: a durable request with its JetStream message (acked only then), a generate
+with nothing to ack. Each holder (priority's queue, the batcher, an executor) names the requests
+it holds in a `Holding` report every heartbeat; an executor adds checkpoints (the outputs so
+far). A watched request that no holder has named for a lease was lost with its holder:
+
+- with a copy of its admitted WorkItem (admitted here): handed on to priority as the next
+  attempt, with its checkpointed outputs, and the earlier attempt revoked (a stalled holder that
+  comes back drops it);
+- without one (adopted after admission restarted): handed back to JetStream, which redelivers it
+  to run from the start.
+
+The lease is timed on `clock`, which the service advances by at most two heartbeat intervals
+per tick: reports queued behind a stalled event loop are read before the stall can make anything
+they vouch for look lost.
+
+This module decides; it does no I/O. `services/admission/service.py` acks, naks, publishes and
+asks priority, as these decisions say. docs/operations.md's failure table is what it implements;
+tests/admission/test_ledger.py walks that table case by case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shared.keys import RequestKey
+
+
+@dataclass
+class Watched:
+    """One watched request."""
+
+    msg: object  # the LLM_REQUESTS message, acked once its result is stored (None: a generate)
+    since: float  # when it was handed to priority or last handed on (Ledger.clock)
+    # The admitted WorkItem, msgpack-encoded (compact: admission may hold many), to hand the
+    # request on if its holder dies; None for one adopted after a restart (redelivered then).
+    item: bytes | None = None
+    tokens: list[int] = field(default_factory=list)  # outputs its checkpoints reported
+    attempt: int = 0
+
+    @property
+    def durable(self) -> bool:
+        return self.msg is not None
+
+
+class Ledger:
+    def __init__(self, lease_s: float, heartbeat_interval_s: float):
+        self.lease_s = lease_s
+        self.max_tick_s = 2 * heartbeat_interval_s
+        self.clock = 0.0
+        self.held: dict[RequestKey, Watched] = {}  # durable requests, by key
+        self.generates: dict[RequestKey, Watched] = {}  # generates not yet answered
+        self.last_reported: dict[RequestKey, float] = {}  # clock of a holder's last report
+
+    def tick(self, elapsed_s: float) -> None:
+        """Time passes: by at most two heartbeat intervals, however long the loop stalled."""
+        self.clock += min(elapsed_s, self.max_tick_s)
+
+    # ------------------------------------------------------------------ taking on requests
+
+    def watch(self, key: RequestKey, item: bytes, msg: object = None) -> bool:
+        """Watch a request about to be handed to priority (from before priority has it: its
+        Done may come back before priority's reply does). False for a generate whose id is
+        already watched: priority or the executor refuses that one, and the first keeps its
+        watch."""
+        watched = self.held if msg is not None else self.generates
+        if msg is None and key in watched:
+            return False
+        watched[key] = Watched(msg, self.clock, item)
+        return True
+
+    def unwatch(self, key: RequestKey, durable: bool) -> None:
+        """Priority did not take it (or handing it over failed): not watched after all."""
+        (self.held if durable else self.generates).pop(key, None)
+
+    def redelivered(self, key: RequestKey, msg: object) -> bool:
+        """JetStream delivers a durable request again. True when it is already held (still
+        running here): the new handle replaces the old and nothing else happens."""
+        held = self.held.get(key)
+        if held is None:
+            return False
+        held.msg = msg
+        return True
+
+    def adopt(self, key: RequestKey, msg: object) -> bool:
+        """A durable request this ledger does not hold, delivered again (admission restarted, or
+        handed it back while stalled): True, and held again without a copy, if a service
+        reported it within the lease (it is still running: not to be run a second time)."""
+        if self.clock - self.last_reported.get(key, -math.inf) > self.lease_s:
+            return False
+        self.held[key] = Watched(msg, self.clock)
+        return True
+
+    # -------------------------------------------------------------------------- reports
+
+    def reported(self, keys) -> None:
+        """A holder named these requests in its heartbeat."""
+        now = self.clock
+        for key in keys:
+            self.last_reported[key] = now
+
+    def checkpoint(self, key: RequestKey, attempt: int, index: int, token_ids: list[int]) -> bool:
+        """An executor's outputs from `index` on for the request's `attempt`. True when that
+        attempt was already handed on (its holder was taken for dead and is still at it): the
+        caller revokes it. A checkpoint of the current attempt replaces what it restates."""
+        watched = self.held.get(key) or self.generates.get(key)
+        if watched is None:
+            return False
+        if attempt < watched.attempt:
+            return True
+        if attempt == watched.attempt and index <= len(watched.tokens):
+            del watched.tokens[index:]
+            watched.tokens.extend(token_ids)
+        return False
+
+    def done(self, key: RequestKey, durable: bool) -> Watched | None:
+        """The request ended (its final answer was sent, or its result stored). For a durable
+        one, what this ledger held, whose message the caller acks (None: another admission
+        holds it)."""
+        if not durable:
+            self.generates.pop(key, None)
+            return None
+        self.last_reported.pop(key, None)
+        return self.held.pop(key, None)
+
+    # ------------------------------------------------------------------------ the lease
+
+    def lost(self) -> list[tuple[RequestKey, Watched]]:
+        """Every watched request no holder has named for a lease, each marked so that it is not
+        lost again before another lease has passed. Those with a copy are to be handed on
+        (`next_attempt`), the others handed back to JetStream (`give_back`). Forgets reports of
+        requests no longer watched."""
+        now = self.clock
+        lost = [(key, watched) for table in (self.held, self.generates)
+                for key, watched in table.items()
+                if now - max(watched.since, self.last_reported.get(key, -math.inf)) > self.lease_s]
+        for _, watched in lost:
+            watched.since = now
+        for key in [k for k, seen in self.last_reported.items()
+                    if k not in self.held and k not in self.generates and now - seen > self.lease_s]:
+            del self.last_reported[key]
+        return lost
+
+    def handed_on(self, watched: Watched) -> None:
+        """Priority took the request's next attempt."""
+        watched.attempt += 1
+
+    def give_back(self, key: RequestKey, watched: Watched) -> bool:
+        """A lost request without a copy goes back to JetStream: True, and no longer held, unless
+        it ended (or was taken on again) since `lost` named it."""
+        if self.held.get(key) is not watched:
+            return False
+        del self.held[key]
+        self.last_reported.pop(key, None)
+        return True
