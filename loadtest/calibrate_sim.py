@@ -1,6 +1,6 @@
 """Refit a sim profile from the real engine on this machine: run a mixed workload through an
 in-process engine, time every model step with its shape, and fit the step cost model of
-services/executor/sim.py by least squares on relative error.
+services/executor/engine/sim.py by least squares on relative error.
 
     python -m loadtest.calibrate_sim --profile smollm2-cpu --result-json results/calibrate.json
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.executor.engine import Engine
-from services.executor.sim import step_features
+from services.executor.engine.llm_engine import Engine
+from services.executor.engine.sim import step_features
 from shared.sim_profiles import PROFILES_DIR
 from shared.config import DEFAULT_MODEL, EngineConfig
 from shared.protocol import Delta, GenerateRequest

@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 from loadtest.datasets import engine_workload
-from services.executor.engine import Engine
+from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
 from shared.config import EngineConfig
 from shared.model_files import ModelConfig, default_gguf_path, load_model_config

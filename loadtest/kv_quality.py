@@ -32,7 +32,7 @@ from pathlib import Path
 import msgspec
 
 from loadtest.quant_quality import agreement, prompts
-from services.executor.engine import Engine
+from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
 from shared.config import EngineConfig
 from shared.protocol import Completion, GenerateRequest

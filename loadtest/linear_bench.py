@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
-from services.executor.linear import pack_panels, pack_quantized, quantize
+from services.executor.engine.linear import pack_panels, pack_quantized, quantize
 from shared.model_files import DUMMY_SHAPES
 
 

@@ -27,7 +27,7 @@ import msgspec
 
 from loadtest.datasets import engine_workload
 from loadtest.engine_bench import percentile
-from services.executor.engine import Engine
+from services.executor.engine.llm_engine import Engine
 from shared.model_files import load_model_config
 from services.stack import Stack, free_port
 from shared.client import JetserveClient

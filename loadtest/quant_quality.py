@@ -21,11 +21,11 @@ from pathlib import Path
 import msgspec
 import torch
 
-from services.executor.attention import SeqSlice, TorchBackend
-from services.executor.engine import Engine
-from services.executor.model import KvSegment, LlamaModel
+from services.executor.engine.attention import SeqSlice, TorchBackend
+from services.executor.engine.llm_engine import Engine
+from services.executor.engine.model import KvSegment, LlamaModel
 from services.executor.run_local import run_requests
-from services.executor.weights import load_model_files
+from services.executor.engine.weights import load_model_files
 from shared.config import EngineConfig
 from shared.protocol import ChatMessage, Completion, GenerateRequest
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from services.priority import policy
-from services.priority.scheduler import RequestScheduler
+from services.priority.request_level import RequestScheduler
 from shared.config import RequestLevel
 from shared.messages import WorkItem
 from shared.protocol import GenerateRequest

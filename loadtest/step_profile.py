@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from services.executor.attention import SeqSlice
-from services.executor.engine import Engine
-from services.executor.model import KvSegment
-from services.executor.sampler import SamplingBatch, sample
-from services.executor.sequence import SamplingParams
+from services.executor.engine.attention import SeqSlice
+from services.executor.engine.llm_engine import Engine
+from services.executor.engine.model import KvSegment
+from services.executor.engine.sampler import SamplingBatch, sample
+from services.executor.engine.sequence import SamplingParams
 from shared.config import EngineConfig
 from shared.model_files import default_gguf_path
 

@@ -19,7 +19,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str = DEFAULT_MODEL  # a name, a GGUF path, an HF directory, or dummy:<shape>
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Weight-only quantization of the matmuls on a CPU (services/executor/linear.py): none,
+    # Weight-only quantization of the matmuls on a CPU (services/executor/engine/linear.py): none,
     # int8, int4, or auto (a GGUF's own blocks: Q4_x stays int4, Q8_0 int8; none otherwise).
     quantization: Quantization = "none"
     # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)

@@ -2,7 +2,7 @@
 once into an HF directory (config, tokenizer files, safetensors) cached for the next start.
 
 Torch-free on purpose: admission reads the config and tokenizer from here, and the control plane
-never imports torch. The executor loads the weights themselves (`services/executor/weights.py`).
+never imports torch. The executor loads the weights themselves (`services/executor/engine/weights.py`).
 
 Model names: a GGUF file, an HF directory (`config.json` + safetensors), `dummy:<shape>` (random
 weights of a known shape) and `sim:<profile>` (a simulated executor, `shared/sim_profiles`).

@@ -1,9 +1,14 @@
 """From a GenerateRequest to prompt token ids, and the limits every request must meet.
 
-Admission runs this at the edge; the engine runs it again for requests handed to it directly.
+Admission runs this once, at the edge, for every request that enters jetserve; the engine's
+`admit` runs the same for a caller that has no admission in front of it (run-local, tests).
 """
 
 from __future__ import annotations
+
+import secrets
+
+import msgspec
 
 from shared.tokenizer import Tokenizer
 from shared.protocol import GenerateRequest, ProtocolError
@@ -60,3 +65,21 @@ def _check_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
     if bad:
         raise ProtocolError("invalid_request", f"`{field}` has id {bad[0]} >= vocab size "
                             f"{vocab_size}")
+
+
+def check_model(request: GenerateRequest, served: str) -> None:
+    if request.model is not None and request.model != served:
+        raise ProtocolError("unknown_model", f"`model` {request.model!r} is not served; "
+                            f"served: {served!r}")
+
+
+def admitted(request: GenerateRequest, prompt: list[int], model: str, max_model_len: int,
+             vocab_size: int) -> GenerateRequest:
+    """The request as every later hop takes it (and trusts): tokenized (its text dropped), within
+    the model's limits, naming the model, with an id and a seed. Raises ProtocolError."""
+    check_limits(request, len(prompt), max_model_len, vocab_size)
+    return msgspec.structs.replace(
+        request, prompt=None, messages=None, prompt_token_ids=prompt, model=model,
+        request_id=request.request_id or f"req-{secrets.token_hex(8)}",
+        seed=request.seed if request.seed is not None else secrets.randbits(63))
+

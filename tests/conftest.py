@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from services.executor.engine import Engine  # noqa: E402
+from services.executor.engine.llm_engine import Engine  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.protocol import Completion, Delta, Error, GenerateRequest  # noqa: E402
 

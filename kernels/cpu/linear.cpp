@@ -1,7 +1,7 @@
 // y = x W^T for the CPU, with W in fp32, int8 or int4 (weight-only quantization, fp32 activations).
 //
 // Every format is stored packed, once at load, in panels of 32 output columns, so each panel is
-// one contiguous stream read in the order the kernel uses it (services/executor/linear.py packs):
+// one contiguous stream read in the order the kernel uses it (services/executor/engine/linear.py packs):
 //   fp32: P  fp32  [N/32, K, 32]                                             w = P
 //   int8: q  int8  [N/32, K, 32],  scale fp32 [N/32, K/32, 32]               w = scale * q
 //   int4: q  uint8 [N/32, K, 16],  scale, min fp32 [N/32, K/32, 32]          w = scale * q + min

@@ -15,7 +15,7 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
                              double scale);
 bool prefill_attention_kernel();
 
-// Weights packed in panels of 32 output columns (services/executor/linear.py, linear.cpp): fp32
+// Weights packed in panels of 32 output columns (services/executor/engine/linear.py, linear.cpp): fp32
 // [N / 32, K, 32]; int8 q [N / 32, K, 32] with fp32 scales [N / 32, K / 32, 32]; int4 q
 // [N / 32, K, 16] with scales and mins. n: the output columns (the last panel may be padding).
 // many_rows: "fp32", "bf16" or "amx", how many rows of x multiply quantized weights (linear.cpp).

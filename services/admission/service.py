@@ -16,7 +16,6 @@ service still reports (this admission restarted) is held again, not admitted a s
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
@@ -33,7 +32,7 @@ from services.admission.intake import FairIntake
 from services.admission.ledger import Ledger, Watched
 from services.admission.rate_limit import TokenBuckets
 from shared.block_hash import block_hashes
-from shared.preprocess import check_limits, check_prompt_size, prompt_token_ids
+from shared.preprocess import admitted, check_model, check_prompt_size, prompt_token_ids
 from shared.tokenizer import Tokenizer
 from shared.model_files import load_model_config, tokenizer_dir
 from shared.bus import (
@@ -203,12 +202,8 @@ class Admission:
         else:
             prompt = await asyncio.get_running_loop().run_in_executor(
                 self.tokenize_pool, prompt_token_ids, self.tokenizer, request, self.vocab_size)
-        check_limits(request, len(prompt), self.max_model_len, self.vocab_size)
+        request = admitted(request, prompt, self.model_name, self.max_model_len, self.vocab_size)
         now = time.time()
-        request = msgspec.structs.replace(
-            request, prompt=None, messages=None, prompt_token_ids=prompt, model=self.model_name,
-            request_id=request.request_id or f"req-{secrets.token_hex(8)}",
-            seed=request.seed if request.seed is not None else secrets.randbits(63))
         item = WorkItem(request=request, tenant=tenant, arrival_time=now, durable=durable,
                         deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None,
                         block_hashes=block_hashes(prompt, self.config.kv_cache.block_size))
@@ -248,9 +243,7 @@ class Admission:
             raise ProtocolError("invalid_request", f"tenant {tenant!r} (the subject's last token) "
                                 f"must match [A-Za-z0-9_-]{{1,64}}")
         request = decode_generate_request(payload)
-        if request.model is not None and request.model != self.model_name:
-            raise ProtocolError("unknown_model", f"`model` {request.model!r} is not served; "
-                                f"served: {self.model_name!r}")
+        check_model(request, self.model_name)
         if durable and (request.request_id is None
                         or not DURABLE_ID_PATTERN.fullmatch(request.request_id)):
             raise ProtocolError("invalid_request", "`request_id` is required on a durable "
@@ -550,7 +543,8 @@ class Admission:
         try:
             error = await self.to_priority(item)
         except Exception as exc:
-            log.warning("could not hand a request on", request=str(key), error=repr(exc))
+            log.warning("could not hand a request on", tenant=key.tenant,
+                        request_id=key.request_id, error=repr(exc))
             return False
         if error is not None:
             return False
@@ -558,8 +552,8 @@ class Admission:
         self.counts["durable_handed_on" if item.durable else "generates_handed_on"] += 1
         self.counts["resumed_tokens"] += len(item.resume_token_ids)
         log.warning(f"{'durable request' if item.durable else 'generate'} handed on from a "
-                    f"lost holder", request=str(key), attempt=held.attempt,
-                    resume_from=len(tokens))
+                    f"lost holder", tenant=key.tenant, request_id=key.request_id,
+                    attempt=held.attempt, resume_from=len(tokens))
         await self.revoke(key, held.attempt - 1)
         return True
 
@@ -593,7 +587,7 @@ class Admission:
         for key, held in lost:
             if held.item is None and self.ledger.give_back(key, held):
                 log.warning("durable request lost with its holder; redelivering",
-                            request=str(key))
+                            tenant=key.tenant, request_id=key.request_id)
                 self.counts["durable_redelivered"] += 1
                 await _quietly(held.msg.nak())
 

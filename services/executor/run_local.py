@@ -12,7 +12,7 @@ from typing import IO
 
 import msgspec
 
-from services.executor.engine import Engine, Output
+from services.executor.engine.llm_engine import Engine, Output
 from shared.config import EngineConfig
 from shared.protocol import (
     Completion,
@@ -83,7 +83,7 @@ async def run_requests(engine: Engine, lines: list[str],
             request = decode_generate_request(line)
             if request.request_id is None:
                 request.request_id = f"line-{index + 1}"
-            engine.add_request(request, sink_for(index))
+            engine.add_request(engine.admit(request), sink_for(index))
         except ProtocolError as exc:
             finish(index, exc.to_error(_request_id_of(line) or f"line-{index + 1}"))
     if remaining:

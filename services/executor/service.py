@@ -17,7 +17,7 @@ import structlog
 from nats.micro import Request
 
 from services.executor.batch_size import BatchSizeController, Interval, p99
-from services.executor.engine import Engine, Output
+from services.executor.engine.llm_engine import Engine, Output
 from shared.bus import (
     Outbox,
     add_micro_service,
@@ -30,6 +30,7 @@ from shared.bus import (
 )
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
+from shared.keys import RequestKey
 from shared.messages import (
     AssignReply,
     Finished,
@@ -122,11 +123,6 @@ class _Running:
         return ms
 
 
-def engine_id(item: WorkItem) -> str:
-    """The engine's key for a request: ids are only unique within a tenant."""
-    return f"{item.tenant}/{item.request_id}"
-
-
 class ExecutorService:
     def __init__(self, config: JetserveConfig, nc, js, tracer, name: str,
                  engine: Engine | None = None):
@@ -134,7 +130,7 @@ class ExecutorService:
         self.subjects = Subjects(config.nats.prefix)
         self.outbox = Outbox(nc, js, self.subjects)
         self.engine = engine or Engine(config.engine_config(name))
-        self.running: dict[str, _Running] = {}  # by engine_id
+        self.running: dict[RequestKey, _Running] = {}
         self.outputs: asyncio.Queue[tuple[WorkItem, Output]] = asyncio.Queue()
         self.cancels = RecentCancels()
         # Assignments the batcher gave up on before they arrived here (their tokens, oldest first).
@@ -147,7 +143,7 @@ class ExecutorService:
         self.started_at = time.time()
         self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0, id_in_use=0,
                            client_gone=0, resumed=0, revoked=0, unassigned=0)
-        self.probes: dict[str, str] = {}  # _Running.probe -> engine key
+        self.probes: dict[str, RequestKey] = {}  # _Running.probe -> the request's key
         self.probe_ids = itertools.count()
         self.finished: list[Finished] = []  # reported with the next heartbeat
         self.tenant_load: dict[str, int] = {}  # requests each tenant has here
@@ -277,7 +273,7 @@ class ExecutorService:
             await request.respond(encode(AssignReply(accepted=False, reason=repr(exc))))
 
     async def take(self, item: WorkItem) -> AssignReply:
-        key = engine_id(item)
+        key = item.key
         if self.draining:
             return AssignReply(accepted=False, reason="draining")
         if item.assignment in self.unassigned:  # it arrived after the batcher gave it up
@@ -312,10 +308,9 @@ class ExecutorService:
                         "prompt_tokens": item.num_prompt_tokens})
         # The engine measures from arrival on its own clock: carry admission's stamp over.
         arrival = time.monotonic() - max(0.0, time.time() - item.arrival_time)
-        request = msgspec.structs.replace(item.request, request_id=key)
         try:
-            self.engine.add_request(request, lambda out, item=item: self.outputs.put_nowait(
-                (item, out)), arrival_time=arrival, score=item.standing,
+            self.engine.add_request(item.request, lambda out, item=item: self.outputs.put_nowait(
+                (item, out)), key=key, arrival_time=arrival, score=item.standing,
                 aging_start=time.monotonic() if item.age_from_dispatch else None,
                 resume_token_ids=item.resume_token_ids)
         except ProtocolError as exc:
@@ -339,7 +334,7 @@ class ExecutorService:
             request_id = decode_cancel(msg.data).request_id
         except ProtocolError:
             return
-        key = f"{tenant}/{request_id}"
+        key = RequestKey(tenant, request_id)
         if key in self.running:
             self.engine.abort(key)
         else:
@@ -349,11 +344,11 @@ class ExecutorService:
         """Admission handed a durable request on after taking this executor for dead (it was
         stalled or cut off): drop the attempt it still runs, without a result."""
         revoke = _revoke.decode(msg.data)
-        key = f"{revoke.tenant}/{revoke.request_id}"
+        key = RequestKey(revoke.tenant, revoke.request_id)
         running = self.running.get(key)
         if running is not None and running.item.attempt <= revoke.attempt:
             self.drop(key)
-            log.warning("dropped a request handed on to another executor", request=key,
+            log.warning("dropped a request handed on to another executor", request=str(key),
                         attempt=running.item.attempt)
 
     async def on_unassign(self, msg) -> None:
@@ -361,18 +356,18 @@ class ExecutorService:
         request again: drop it if it runs here under that assignment, else refuse the
         assignment when (if) it arrives."""
         unassign = _unassign.decode(msg.data)
-        key = f"{unassign.tenant}/{unassign.request_id}"
+        key = RequestKey(unassign.tenant, unassign.request_id)
         running = self.running.get(key)
         self.counts["unassigned"] += 1
         if running is not None and running.item.assignment == unassign.assignment:
             self.drop(key)
-            log.warning("dropped an assignment the batcher gave up on", request=key)
+            log.warning("dropped an assignment the batcher gave up on", request=str(key))
             return
         self.unassigned[unassign.assignment] = None
         while len(self.unassigned) > UNASSIGNED_KEPT:
             self.unassigned.popitem(last=False)
 
-    def drop(self, key: str) -> None:
+    def drop(self, key: RequestKey) -> None:
         """End a running request here without any output: another attempt owns it now. What the
         engine still sends for it finds no running entry and is discarded (`publish`)."""
         running = self.running.pop(key)
@@ -398,7 +393,7 @@ class ExecutorService:
         key = self.probes.get(msg.subject.rsplit(".", 1)[-1])
         if key is not None and self.engine.abort(key):
             self.counts["client_gone"] += 1
-            log.info("streaming client gone; request cancelled", request=key)
+            log.info("streaming client gone; request cancelled", request=str(key))
 
     # ------------------------------------------------------------------------ outputs out
 
@@ -407,15 +402,14 @@ class ExecutorService:
         while True:
             item, output = await self.outputs.get()
             try:
-                await self.publish(item, msgspec.structs.replace(output,
-                                                                 request_id=item.request_id))
+                await self.publish(item, output)
             except Exception:  # one client's output must not stop everyone else's
                 log.exception("could not deliver an output", request_id=item.request_id)
             finally:
                 self.outputs.task_done()
 
     async def publish(self, item: WorkItem, output: Output) -> None:
-        running = self.running.get(engine_id(item))
+        running = self.running.get(item.key)
         if running is None or running.item is not item:
             return  # an attempt dropped for another (drop): its outputs go nowhere
         if isinstance(output, Delta):
@@ -428,7 +422,7 @@ class ExecutorService:
             await self.outbox.delta(item, output,
                                     reply=f"{self.gone_inbox}.{probe}" if probe else None)
             return
-        del self.running[engine_id(item)]
+        del self.running[item.key]
         if running.probe is not None:
             del self.probes[running.probe]
         if self.batch_size is not None and (tpot := running.take_tpot_ms()) is not None:

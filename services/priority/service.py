@@ -12,7 +12,7 @@ import time
 import structlog
 from nats.micro import Request
 
-from services.priority.scheduler import MISSED_MS, RequestScheduler
+from services.priority.request_level import MISSED_MS, RequestScheduler
 from shared.bus import (
     Outbox,
     add_micro_service,

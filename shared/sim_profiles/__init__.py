@@ -1,6 +1,6 @@
 """Simulated executors' profiles (`--model sim:<profile>`, docs/scheduling.md "Simulated executors"): one JSON file each, here.
 A profile is the step-time cost model of one model on one machine, the layer sizes the engine
-reports, and the sources it was built from; `services/executor/sim.py` runs it.
+reports, and the sources it was built from; `services/executor/engine/sim.py` runs it.
 
 Cost model (ms), over the step's sequences:
 

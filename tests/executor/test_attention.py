@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from services.executor.attention import SeqSlice, TorchBackend
+from services.executor.engine.attention import SeqSlice, TorchBackend
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 8, 2, 32

@@ -1,5 +1,5 @@
-from services.executor.block_manager import BlockManager
-from services.executor.sequence import SamplingParams, Sequence
+from services.executor.engine.block_manager import BlockManager
+from services.executor.engine.sequence import SamplingParams, Sequence
 
 
 def seq(tokens, rid="r"):

@@ -9,7 +9,7 @@ import time
 import msgspec
 import pytest
 
-from services.executor.engine import Engine
+from services.executor.engine.llm_engine import Engine
 from shared.protocol import Completion, Delta, Error, GenerateRequest
 from tests.conftest import generate_all, tiny_config
 
@@ -17,6 +17,11 @@ from tests.conftest import generate_all, tiny_config
 def prompts(n, seed=0, low=5, high=80):
     rng = random.Random(seed)
     return [[rng.randrange(17, 49152) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+def add(engine: Engine, request: GenerateRequest, sink, **options):
+    """Admitted (as admission would) and queued."""
+    return engine.add_request(engine.admit(request), sink, **options)
 
 
 def greedy(ids, max_tokens=24, **kw):
@@ -165,7 +170,7 @@ async def test_bad_requests_raise_protocol_errors(tiny_engine, request_kwargs, c
     from shared.protocol import ProtocolError
 
     with pytest.raises(ProtocolError) as info:
-        tiny_engine.add_request(GenerateRequest(**request_kwargs), lambda _: None)
+        tiny_engine.admit(GenerateRequest(**request_kwargs))
     assert info.value.code == code and needle in info.value.message
     assert tiny_engine.num_unfinished == 0
 
@@ -176,7 +181,7 @@ async def test_errors_leave_other_requests_untouched(tiny_engine):
     from shared.protocol import ProtocolError
 
     with pytest.raises(ProtocolError):
-        tiny_engine.add_request(GenerateRequest(prompt=""), lambda _: None)
+        tiny_engine.admit(GenerateRequest(prompt=""))
     [again] = await generate_all(tiny_engine, [good])
     assert again.token_ids == expected.token_ids and not isinstance(again, Error)
 
@@ -249,7 +254,7 @@ async def test_deadline_passed_on_arrival_is_an_error(tiny_engine):
                             deadline_ms=50)
     queue = []
     tiny_engine.start()
-    tiny_engine.add_request(stale, queue.append, arrival_time=time.monotonic() - 1.0)
+    add(tiny_engine, stale, queue.append, arrival_time=time.monotonic() - 1.0)
     await asyncio.sleep(0.05)
     [error] = queue
     assert isinstance(error, Error) and error.code == "deadline_exceeded"
@@ -259,9 +264,9 @@ async def test_deadline_passed_on_arrival_is_an_error(tiny_engine):
 async def test_score_orders_requests_and_reaches_the_completion(tiny_engine):
     queue = []
     for name, score in [("low", 1.0), ("high", 7.5)]:
-        tiny_engine.add_request(greedy([20, 21, 22], max_tokens=4, request_id=name),
-                                queue.append, score=score)
-    assert [s.request_id for s in tiny_engine.scheduler.waiting] == ["high", "low"]
+        add(tiny_engine, greedy([20, 21, 22], max_tokens=4, request_id=name), queue.append,
+            score=score)
+    assert [s.key for s in tiny_engine.scheduler.waiting] == ["high", "low"]
     tiny_engine.start()
     while len(queue) < 2:
         await asyncio.sleep(0.01)
@@ -279,14 +284,14 @@ async def test_aging_bound_at_the_executor():
             if not isinstance(output, Delta):
                 finished.append(output.request_id)
 
-        engine.add_request(greedy([20, 21], max_tokens=1500, request_id="busy"), sink, score=5.0)
+        add(engine, greedy([20, 21], max_tokens=1500, request_id="busy"), sink, score=5.0)
         await asyncio.sleep(0.05)
-        engine.add_request(greedy([22, 23], max_tokens=8, request_id="low"), sink, score=1.0)
+        add(engine, greedy([22, 23], max_tokens=8, request_id="low"), sink, score=1.0)
         await asyncio.sleep(0.5)  # both have waited past the bound now
-        engine.add_request(greedy([24, 25], max_tokens=8, request_id="high"), sink, score=9.0)
+        add(engine, greedy([24, 25], max_tokens=8, request_id="high"), sink, score=9.0)
         await asyncio.sleep(0.1)  # high is fresh: it may neither preempt busy nor pass low
-        assert [s.request_id for s in engine.scheduler.running] == ["busy"]
-        assert [s.request_id for s in engine.scheduler.waiting] == ["low", "high"]
+        assert [s.key for s in engine.scheduler.running] == ["busy"]
+        assert [s.key for s in engine.scheduler.waiting] == ["low", "high"]
         assert engine.scheduler.num_preemptions == 0
         engine.abort("busy")
         while len(finished) < 3:
@@ -301,16 +306,16 @@ async def test_the_aging_bound_can_count_from_dispatch():
     `aging_start`, so it is not aged on arrival and a higher score still goes first."""
     engine = Engine(tiny_config(max_num_seqs=1, max_wait_s=1.0))
     old = time.monotonic() - 10.0
-    engine.add_request(greedy([20, 21], max_tokens=8, request_id="held"), lambda out: None,
-                       arrival_time=old, score=1.0, aging_start=time.monotonic())
-    engine.add_request(greedy([22, 23], max_tokens=8, request_id="aged"), lambda out: None,
-                       arrival_time=old, score=1.0)
+    add(engine, greedy([20, 21], max_tokens=8, request_id="held"), lambda out: None,
+        arrival_time=old, score=1.0, aging_start=time.monotonic())
+    add(engine, greedy([22, 23], max_tokens=8, request_id="aged"), lambda out: None,
+        arrival_time=old, score=1.0)
     await asyncio.sleep(0.5)
-    engine.add_request(greedy([24, 25], max_tokens=8, request_id="high"), lambda out: None,
-                       score=9.0)
-    assert [s.request_id for s in engine.scheduler.waiting] == ["aged", "high", "held"]
+    add(engine, greedy([24, 25], max_tokens=8, request_id="high"), lambda out: None,
+        score=9.0)
+    assert [s.key for s in engine.scheduler.waiting] == ["aged", "high", "held"]
     await asyncio.sleep(0.75)  # held has waited 1.25 s since its start (aged); high 0.75 s
-    waiting = [s.request_id for s in engine.scheduler.waiting]
+    waiting = [s.key for s in engine.scheduler.waiting]
     assert sorted(waiting[:2]) == ["aged", "held"] and waiting[2] == "high"
     for request_id in ("held", "aged", "high"):
         engine.abort(request_id)
@@ -354,15 +359,15 @@ async def test_a_request_resumed_from_a_checkpoint_ends_as_an_undisturbed_run(te
                                   temperature=temperature, seed=1234, ignore_eos=True, stream=True)
         [undisturbed] = await generate_all(engine, [request])
         outputs: list = []
-        engine.add_request(msgspec.structs.replace(request, request_id="resumed"), outputs.append,
-                           resume_token_ids=undisturbed.token_ids[:15])
+        add(engine, msgspec.structs.replace(request, request_id="resumed"), outputs.append,
+            resume_token_ids=undisturbed.token_ids[:15])
         while not outputs or isinstance(outputs[-1], Delta):
             await asyncio.sleep(0.01)
         *deltas, resumed = outputs
         # Ended at once when the checkpoint already holds every output.
         done: list = []
-        engine.add_request(msgspec.structs.replace(request, request_id="finished"), done.append,
-                           resume_token_ids=undisturbed.token_ids)
+        add(engine, msgspec.structs.replace(request, request_id="finished"), done.append,
+            resume_token_ids=undisturbed.token_ids)
     finally:
         await engine.stop()
     assert resumed.token_ids == undisturbed.token_ids and resumed.text == undisturbed.text

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.executor.block_manager import KvPools
-from services.executor.engine import Engine
-from services.executor.scheduler import Scheduler
-from services.executor.sequence import SamplingParams, SeqStatus, Sequence
-from services.executor.triton_backend import TritonBackend
+from services.executor.engine.block_manager import KvPools
+from services.executor.engine.llm_engine import Engine
+from services.executor.engine.scheduler import Scheduler
+from services.executor.engine.sequence import SamplingParams, SeqStatus, Sequence
+from services.executor.engine.triton_backend import TritonBackend
 from shared.protocol import GenerateRequest
 from tests.conftest import generate_all, tiny_config
 
@@ -84,7 +84,7 @@ def test_a_full_pool_does_not_hold_back_the_other():
     sched.add(blocked)
     sched.add(high)
     batch = sched.schedule()
-    assert [item.seq.request_id for item in batch] == ["high", "low"]  # grouped by pool
+    assert [item.seq.key for item in batch] == ["high", "low"]  # grouped by pool
     assert blocked.status is SeqStatus.WAITING and not blocked.block_table
     assert sched.num_preemptions == 0
 
@@ -102,7 +102,7 @@ def test_a_sequence_short_of_blocks_preempts_only_in_its_own_pool():
     # `a` needs a third block: preempting `c`, the lowest score, would free int8 blocks only.
     batch = sched.schedule()
     assert b.status is SeqStatus.WAITING and sched.num_preemptions == 1
-    assert {item.seq.request_id for item in batch} == {"a", "c"}
+    assert {item.seq.key for item in batch} == {"a", "c"}
 
 
 def test_the_engine_splits_the_memory_and_picks_the_pool_by_priority():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.quant_quality import TEXT, agreement, perplexity
-from services.executor.engine import Engine
+from services.executor.engine.llm_engine import Engine
 from shared.config import EngineConfig
 from shared.protocol import ChatMessage, GenerateRequest
 from tests.conftest import generate_all

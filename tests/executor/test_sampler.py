@@ -2,8 +2,8 @@ import math
 
 import torch
 
-from services.executor.sampler import SamplingBatch, sample, token_seed
-from services.executor.sequence import SamplingParams
+from services.executor.engine.sampler import SamplingBatch, sample, token_seed
+from services.executor.engine.sequence import SamplingParams
 
 
 def batch_of(*params, seed=0):

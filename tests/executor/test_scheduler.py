@@ -1,8 +1,8 @@
 import pytest
 
-from services.executor.block_manager import BlockManager
-from services.executor.scheduler import MIN_PREFILL, PACE_INCREASE, PACE_SAFETY, Scheduler
-from services.executor.sequence import SamplingParams, SeqStatus, Sequence
+from services.executor.engine.block_manager import BlockManager
+from services.executor.engine.scheduler import MIN_PREFILL, PACE_INCREASE, PACE_SAFETY, Scheduler
+from services.executor.engine.sequence import SamplingParams, SeqStatus, Sequence
 
 _count = iter(range(10**6))
 

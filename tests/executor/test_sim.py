@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from services.executor.engine import Engine
-from services.executor.sim import synthetic_length, synthetic_token
+from services.executor.engine.llm_engine import Engine
+from services.executor.engine.sim import synthetic_length, synthetic_token
 from shared.sim_profiles import StepCost, load_profile
 from shared.model_files import load_model_config
 from shared.protocol import GenerateRequest
@@ -123,16 +123,16 @@ async def test_a_request_arriving_during_a_step_runs_in_the_next_one():
     engine.start()
     try:
         for request in background:
-            engine.add_request(request, lambda output: None)
+            engine.add_request(engine.admit(request), lambda output: None)
         while engine.stats.steps < 20:  # every background request is decoding
             await asyncio.sleep(0.01)
         for i in range(8):
             await asyncio.sleep(rng.uniform(0.0, 0.03))
             done = asyncio.get_running_loop().create_future()
             first = engine.stats.steps
-            engine.add_request(GenerateRequest(prompt_token_ids=list(range(200, 232)),
-                                               max_tokens=1, seed=1000 + i),
-                               lambda output, done=done: done.done() or done.set_result(None))
+            engine.add_request(engine.admit(GenerateRequest(
+                prompt_token_ids=list(range(200, 232)), max_tokens=1, seed=1000 + i)),
+                lambda output, done=done: done.done() or done.set_result(None))
             await asyncio.wait_for(done, 5)
             elapsed.append(engine.stats.steps - first)
     finally:

@@ -6,7 +6,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from services.executor.engine import Engine
+from services.executor.engine.llm_engine import Engine
 from shared.model_files import default_gguf_path
 from shared.config import EngineConfig
 from shared.protocol import ChatMessage, GenerateRequest

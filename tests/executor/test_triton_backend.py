@@ -3,8 +3,8 @@ Triton interpreter: tiny model, few tokens)."""
 
 from __future__ import annotations
 
-from services.executor.engine import Engine
-from services.executor.triton_backend import TritonBackend
+from services.executor.engine.llm_engine import Engine
+from services.executor.engine.triton_backend import TritonBackend
 from shared.protocol import GenerateRequest
 from tests.conftest import generate_all, tiny_config
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.executor.weights import load_model_files
+from services.executor.engine.weights import load_model_files
 from shared.model_files import (
     ModelConfig,
     converted_gguf_dir,

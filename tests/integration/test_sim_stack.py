@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.executor.sim import synthetic_token
+from services.executor.engine.sim import synthetic_token
 from shared.bus import discover
 from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops, kv_int8, reference
-from services.executor.linear import pack_panels, pack_quantized, quantize
+from services.executor.engine.linear import pack_panels, pack_quantized, quantize
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 
@@ -282,7 +282,7 @@ def test_paged_prefill_attention_names_what_it_refuses(k):
 
 
 def test_dense_linear_packs_what_the_kernel_takes_and_leaves_the_rest_to_torch(k):
-    from services.executor.linear import DenseLinear
+    from services.executor.engine.linear import DenseLinear
 
     ids = torch.tensor([0, 9, 3, 9])
     odd = torch.randn(10, 48)  # 10 output rows: not whole panels of 32

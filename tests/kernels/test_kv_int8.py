@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops, kv_int8, reference
-from services.executor.attention import SeqSlice, TorchBackend
+from services.executor.engine.attention import SeqSlice, TorchBackend
 
 
 def test_round_trip_is_within_half_a_step_of_each_row():
@@ -61,7 +61,7 @@ def test_torch_backend_over_int8_equals_fp32_over_the_dequantized_cache(use_cpu_
 
 
 def test_engine_with_an_int8_cache_holds_more_blocks_and_serves():
-    from services.executor.engine import Engine
+    from services.executor.engine.llm_engine import Engine
     from services.executor.run_local import run_requests
     from shared.config import EngineConfig
     from shared.protocol import Completion

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadtest.step_profile import PARTS, labelled, run_case
-from services.executor.engine import Engine
+from services.executor.engine.llm_engine import Engine
 from tests.conftest import tiny_config
 
 

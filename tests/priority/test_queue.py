@@ -88,7 +88,7 @@ def test_submit_then_cancel_leaves_nothing_behind():
     keeps (rows, the deadline heap) stays bounded by what waits, not by what passed through."""
     import tracemalloc
 
-    from services.priority.scheduler import RequestScheduler
+    from services.priority.request_level import RequestScheduler
 
     scheduler = RequestScheduler(RequestLevel(max_pending_requests=1000))
     prompt = list(range(2000))

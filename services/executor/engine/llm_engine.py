@@ -12,27 +12,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from services.executor.attention import TorchBackend
-from services.executor.block_manager import BlockManager, KvPools
-from services.executor.model import LlamaModel
-from services.executor.model_runner import ModelRunner, kv_cache_bytes_per_block
-from shared.preprocess import check_limits, prompt_token_ids
-from services.executor.request_state import RequestState
-from services.executor.scheduler import Scheduler
-from services.executor.sequence import SamplingParams, Sequence
+from services.executor.engine.attention import TorchBackend
+from services.executor.engine.block_manager import BlockManager, KvPools
+from services.executor.engine.model import LlamaModel
+from services.executor.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from shared.preprocess import admitted, check_model, prompt_token_ids
+from services.executor.engine.request_state import RequestState
+from services.executor.engine.scheduler import Scheduler
+from services.executor.engine.sequence import SamplingParams, Sequence
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.executor.sim import SimRunner
+from services.executor.engine.sim import SimRunner
 from shared.sim_profiles import load_profile
-from services.executor.weights import load_model_files
+from services.executor.engine.weights import load_model_files
 from shared.model_files import load_model_config, tokenizer_dir
 from shared.config import EngineConfig
 from shared.protocol import Completion, Delta, Error, GenerateRequest, ProtocolError
@@ -86,7 +85,7 @@ def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
-        from services.executor.triton_backend import TritonBackend
+        from services.executor.engine.triton_backend import TritonBackend
 
         return TritonBackend(config.block_size, device, dtype)
     return TorchBackend(config.block_size, device, dtype)
@@ -203,11 +202,23 @@ class Engine:
     def tokenize(self, request: GenerateRequest) -> list[int]:
         return prompt_token_ids(self.tokenizer, request, self.model_config.vocab_size)
 
-    def add_request(self, request: GenerateRequest, sink: OutputSink,
+    def admit(self, request: GenerateRequest) -> GenerateRequest:
+        """What admission does, for a caller with no admission in front of it (run-local,
+        tests, `generate`): the request validated, tokenized, within this model's limits, with
+        an id and a seed. Raises ProtocolError naming the field or limit."""
+        request.check()
+        check_model(request, self.model_name)
+        return admitted(request, self.tokenize(request), self.model_name, self.max_model_len,
+                        self.model_config.vocab_size)
+
+    def add_request(self, request: GenerateRequest, sink: OutputSink, key: Hashable = None,
                     arrival_time: float | None = None, score: float | None = None,
                     aging_start: float | None = None,
-                    resume_token_ids: list[int] | None = None) -> str:
-        """Validate and queue a request; its outputs go to `sink`. Raises ProtocolError.
+                    resume_token_ids: list[int] | None = None) -> Hashable:
+        """Queue an admitted request (`admit`'s or admission's, trusted as such) under `key`
+        (default: its request_id), which `abort` and `output_token_ids` take; its outputs go to
+        `sink`, naming its request_id. Raises ProtocolError only for what this engine alone can
+        tell: the key is running already, or the request needs more KV blocks than its pool has.
 
         `resume_token_ids`: the outputs an earlier run of this request had generated (a
         checkpoint from an executor that died). They are taken as this run's first outputs,
@@ -220,15 +231,11 @@ class Engine:
         `aging_start` (monotonic; default: its arrival). With `deadline_ms`
         it ends at arrival + deadline_ms: a `deadline` Completion with what it has generated,
         or a `deadline_exceeded` Error when that is nothing yet."""
-        request.check()
-        if request.model is not None and request.model != self.model_name:
-            raise ProtocolError("unknown_model", f"`model` {request.model!r} is not served here "
-                                f"(this engine serves {self.model_name!r})")
-        request_id = request.request_id or f"req-{secrets.token_hex(8)}"
-        if request_id in self._requests:
-            raise ProtocolError("invalid_request", f"`request_id` {request_id!r} is already running")
-        prompt = self.tokenize(request)
-        check_limits(request, len(prompt), self.max_model_len, self.model_config.vocab_size)
+        key = request.request_id if key is None else key
+        if key in self._requests:
+            raise ProtocolError("invalid_request",
+                                f"`request_id` {request.request_id!r} is already running")
+        prompt = request.prompt_token_ids
         total = len(prompt) + request.max_tokens
         blocks = -(-total // self.config.block_size)
         pool = self.kv_pool_of(request.priority)
@@ -239,15 +246,16 @@ class Engine:
         sampling = SamplingParams(
             max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
             top_k=request.top_k, min_p=request.min_p,
-            seed=request.seed if request.seed is not None else secrets.randbits(63),
+            seed=request.seed,
             stop=tuple(request.stop), stop_token_ids=frozenset(request.stop_token_ids),
             ignore_eos=request.ignore_eos)
-        seq = Sequence(request_id, prompt, sampling, priority=request.priority,
+        seq = Sequence(key, list(prompt), sampling, priority=request.priority,
                        score=score, pool=pool,
                        arrival_index=next(self._arrivals),
                        arrival_time=arrival_time if arrival_time is not None else time.monotonic())
-        state = self._requests[request_id] = RequestState(
-            seq=seq, model=self.model_name, executor=self.config.executor_name,
+        state = self._requests[key] = RequestState(
+            seq=seq, request_id=request.request_id, model=self.model_name,
+            executor=self.config.executor_name,
             detokenizer=IncrementalDetokenizer(self.tokenizer), eos_token_id=self.eos_token_id,
             max_model_len=self.max_model_len, stream=request.stream, sink=sink)
         # Timers, not checks in the step loop: they cost nothing per step.
@@ -273,31 +281,31 @@ class Engine:
         self.scheduler.add(seq)
         if state.finish_reason is not None:  # the checkpoint had ended it: nothing to run
             self._finish(state)
-            return request_id
+            return key
         self._wakeup.set()
-        return request_id
+        return key
 
     def _aged(self, state: RequestState) -> None:
-        if self._requests.get(state.seq.request_id) is state:
+        if self._requests.get(state.seq.key) is state:
             self.scheduler.age(state.seq)
             self._wakeup.set()
 
     def _deadline_passed(self, state: RequestState, deadline_ms: float) -> None:
-        if self._requests.get(state.seq.request_id) is not state:
+        if self._requests.get(state.seq.key) is not state:
             return
         if state.seq.output_token_ids:
             state.finish_reason = "deadline"
             self._finish(state)
         else:
             self._retire(state)
-            state.sink(Error(request_id=state.seq.request_id, code="deadline_exceeded",
+            state.sink(Error(request_id=state.request_id, code="deadline_exceeded",
                              message=f"`deadline_ms` {deadline_ms:g} passed before the first "
                                      f"token was generated"))
         self._wakeup.set()
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, key: Hashable) -> bool:
         """End a request now with finish_reason `cancelled`; False if it is not running here."""
-        state = self._requests.get(request_id)
+        state = self._requests.get(key)
         if state is None:
             return False
         self._finish(state)
@@ -307,7 +315,7 @@ class Engine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         """Queue a request and yield its deltas (when streaming) and then its Completion."""
         queue: asyncio.Queue[Output] = asyncio.Queue()
-        request_id = self.add_request(request, queue.put_nowait)
+        key = self.add_request(self.admit(request), queue.put_nowait)
         try:
             while True:
                 output = await queue.get()
@@ -315,12 +323,12 @@ class Engine:
                 if not isinstance(output, Delta):
                     return
         finally:
-            if request_id in self._requests:  # the consumer went away early
-                self.abort(request_id)
+            if key in self._requests:  # the consumer went away early
+                self.abort(key)
 
-    def output_token_ids(self, request_id: str) -> list[int] | None:
+    def output_token_ids(self, key: Hashable) -> list[int] | None:
         """The outputs a running request has generated so far (None: not running here)."""
-        state = self._requests.get(request_id)
+        state = self._requests.get(key)
         return None if state is None else state.seq.output_token_ids
 
     @property
@@ -405,7 +413,7 @@ class Engine:
         if not batch:
             return None
         for item in batch:
-            state = self._requests[item.seq.request_id]
+            state = self._requests[item.seq.key]
             if state.first_scheduled_time is None:
                 state.first_scheduled_time = now
             if item.samples and item.num_new_tokens == 1:
@@ -437,7 +445,7 @@ class Engine:
 
     def _process(self, step: _Step, sampled: list[int]) -> None:
         for seq, token in zip(step.sampling_seqs, sampled):
-            state = self._requests.get(seq.request_id)
+            state = self._requests.get(seq.key)
             if state is None or state.seq is not seq:
                 continue  # finished earlier (a step past its end, or aborted)
             state.append_token(token)
@@ -453,7 +461,7 @@ class Engine:
         """End every request with an `internal` Error and start from a clean state."""
         for state in list(self._requests.values()):
             self._retire(state)
-            state.sink(Error(request_id=state.seq.request_id, code="internal", message=message))
+            state.sink(Error(request_id=state.request_id, code="internal", message=message))
         self.runner.reset()
         # Blocks are registered when their step is scheduled: the failed steps never wrote them.
         self.block_manager.reset_prefix_cache()
@@ -469,6 +477,6 @@ class Engine:
     def _retire(self, state: RequestState) -> None:
         """Free everything the engine holds for a request that is ending."""
         self.scheduler.finish(state.seq)
-        del self._requests[state.seq.request_id]
+        del self._requests[state.seq.key]
         for timer in state.timers:
             timer.cancel()

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels import kv_int8
-from services.executor.attention import SeqSlice, TorchBackend
-from services.executor.model import KvSegment, LlamaModel
-from services.executor.sampler import SamplingBatch, sample, token_seed
-from services.executor.scheduler import ScheduledSeq
-from services.executor.sequence import SamplingParams
+from services.executor.engine.attention import SeqSlice, TorchBackend
+from services.executor.engine.model import KvSegment, LlamaModel
+from services.executor.engine.sampler import SamplingBatch, sample, token_seed
+from services.executor.engine.scheduler import ScheduledSeq
+from services.executor.engine.sequence import SamplingParams
 from shared.model_files import ModelConfig
 
 

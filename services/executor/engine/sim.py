@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from services.executor.scheduler import ScheduledSeq
+from services.executor.engine.scheduler import ScheduledSeq
 from shared.sim_profiles import SimProfile
 
 FIRST_ORDINARY_TOKEN = 17  # ids below are the default tokenizer's special tokens

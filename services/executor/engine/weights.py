@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from services.executor.linear import QuantizedWeight, quantize
+from services.executor.engine.linear import QuantizedWeight, quantize
 from shared.model_files import (
     ModelConfig,
     gguf_hf_name,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.priority.scheduler import RequestScheduler
+from services.priority.request_level import RequestScheduler
 from shared.config import RequestLevel
 from shared.messages import DISPATCH_BYTES, Finished, WorkItem
 from shared.protocol import GenerateRequest

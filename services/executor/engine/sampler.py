@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.executor.sequence import SamplingParams
+from services.executor.engine.sequence import SamplingParams
 
 
 _MASK64 = (1 << 64) - 1

@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from kernels import kv_int8
-from services.executor.attention import SeqSlice, split_qkv
+from services.executor.engine.attention import SeqSlice, split_qkv
 
 
 @dataclass

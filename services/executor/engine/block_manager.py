@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from services.executor.sequence import Sequence
+from services.executor.engine.sequence import Sequence
 from shared.block_hash import chain_hash
 
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.executor.sequence import Sequence
+from services.executor.engine.sequence import Sequence
 from shared.tokenizer import IncrementalDetokenizer
 from shared.protocol import Completion, Delta, FinishReason, Metrics, Scheduling, Usage
 
@@ -15,6 +15,7 @@ from shared.protocol import Completion, Delta, FinishReason, Metrics, Scheduling
 @dataclass(eq=False)
 class RequestState:
     seq: Sequence
+    request_id: str  # as the client gave it (or admission chose): what every output names
     model: str
     executor: str
     detokenizer: IncrementalDetokenizer
@@ -73,7 +74,7 @@ class RequestState:
             self.emitted_text_len, len(self.text) - self.stop_holdback)
         if len(tokens) == self.emitted_tokens and end == self.emitted_text_len:
             return None
-        delta = Delta(request_id=self.seq.request_id, index=self.emitted_tokens,
+        delta = Delta(request_id=self.request_id, index=self.emitted_tokens,
                       token_ids=tokens[self.emitted_tokens:],
                       text=self.text[self.emitted_text_len:end])
         self.emitted_tokens = len(tokens)
@@ -89,7 +90,7 @@ class RequestState:
         e2e = now - arrival
         ttft = first_token - arrival
         return Completion(
-            request_id=seq.request_id,
+            request_id=self.request_id,
             model=self.model,
             text=self.text,
             token_ids=seq.output_token_ids,

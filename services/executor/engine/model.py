@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.executor.linear import DenseLinear, QuantizedLinear, concat, make_linear
+from services.executor.engine.linear import DenseLinear, QuantizedLinear, concat, make_linear
 from shared.model_files import ModelConfig
 
 Linear = DenseLinear | QuantizedLinear

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
@@ -31,7 +32,7 @@ class SamplingParams:
 
 @dataclass(eq=False)
 class Sequence:
-    request_id: str
+    key: Hashable  # the request's key in its engine (add_request's `key`)
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 5

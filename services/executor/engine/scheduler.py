@@ -26,8 +26,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from services.executor.block_manager import BlockManager
-from services.executor.sequence import SeqStatus, Sequence
+from services.executor.engine.block_manager import BlockManager
+from services.executor.engine.sequence import SeqStatus, Sequence
 
 PACE_DECREASE = 0.8  # the paced budget's factor after a step slower than the pace
 PACE_INCREASE = 16  # tokens it regains after a step comfortably within the pace
