@@ -171,7 +171,7 @@ class Holding(msgspec.Struct):
     continues from there."""
 
     holder: str
-    requests: list[tuple[str, str]]  # (tenant, request_id)
+    requests: list[RequestKey]
     progress: list[Progress] = []
 
 
@@ -180,7 +180,7 @@ def finished_bytes(report: Finished) -> int:
     return len(report.tenant.encode()) + len(report.finish_reason.encode()) + 64
 
 
-def holding_entry_bytes(key: tuple[str, str]) -> int:
+def holding_entry_bytes(key: RequestKey) -> int:
     """An upper bound on the bytes one (tenant, request_id) adds to a Holding."""
     return len(key[0].encode()) + len(key[1].encode()) + 8
 

@@ -14,6 +14,7 @@ from services.admission.ledger import Watched
 from services.admission.service import MAX_FAILURES, Admission
 from shared.bus import ensure_streams
 from shared.config import load_config
+from shared.keys import RequestKey
 from shared.messages import Done, SubmitReply, WorkItem, encode
 from shared.protocol import Error, GenerateRequest
 from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM, Subjects
@@ -48,8 +49,8 @@ async def test_a_done_during_a_hand_on_leaves_the_watch_running(tmp_path):
         generate = WorkItem(request=GenerateRequest(request_id="gen-1", prompt_token_ids=[1, 2],
                                                     max_tokens=4, model="dummy:tiny"),
                             tenant="acme", arrival_time=0.0, reply_to="client.inbox")
-        admission.ledger.generates[("acme", "gen-1")] = Watched(None, 0.0, encode(generate))
-        admission.ledger.held[("acme", "durable-1")] = Watched(message, 0.0)
+        admission.ledger.generates[generate.key] = Watched(None, 0.0, encode(generate))
+        admission.ledger.held[RequestKey("acme", "durable-1")] = Watched(message, 0.0)
         admission.ledger.clock = admission.ledger.lease_s + 1
         await admission.watch_over()
         info = await js.consumer_info(REQUESTS_STREAM, "test")
