@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -13,12 +12,6 @@ import msgspec
 from shared.protocol import ChatMessage, GenerateRequest, decode_generate_request
 
 FIRST_ORDINARY_TOKEN = 17  # SmolLM2's ids below this are special tokens
-
-
-@dataclass
-class BenchRequest:
-    request: GenerateRequest
-    tenant: str = "bench"
 
 
 def random_dataset(n: int, input_range: tuple[int, int], output_range: tuple[int, int],

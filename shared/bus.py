@@ -25,6 +25,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from shared.config import JetserveConfig, NatsSection
+from shared.keys import RequestKey
 from shared.messages import Done, WorkItem, encode
 from shared.protocol import (
     Completion,
@@ -342,7 +343,7 @@ class Outbox:
         try:
             await self.js.publish(self.subjects.results(tenant, request_id), json_encode(output),
                                   headers={**(headers or {}),
-                                           "Nats-Msg-Id": f"{tenant}.{request_id}",
+                                           "Nats-Msg-Id": RequestKey(tenant, request_id).msg_id,
                                            "Nats-Expected-Last-Subject-Sequence": "0"})
         except APIError as exc:
             if exc.err_code != WRONG_LAST_SEQUENCE:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Iterable
+from typing import Literal, NamedTuple
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import structlog
@@ -46,21 +47,29 @@ def histogram(name: str, doc: str, labels: Iterable[str], buckets: tuple[float, 
     return Histogram(PREFIX + name, doc, list(labels), buckets=buckets, registry=registry)
 
 
-class StatsCollector(Collector):
-    """Gauges and counters read at scrape time from a function that returns
-    `[(kind, name, doc, {labels}, value), ...]` (kind "gauge" or "counter"; a counter's name
-    without `_total`). Scrapes arrive on the metrics thread; `read` runs on the event loop that
-    made the collector, so it sees the service's state between two of its steps, never halfway
-    through a change."""
+class Reading(NamedTuple):
+    """One value a service reads out at scrape time (StatsCollector)."""
 
-    def __init__(self, read: Callable[[], list[tuple[str, str, str, dict[str, str], float]]]):
+    kind: Literal["gauge", "counter"]
+    name: str  # without the `jetserve:` prefix (and a counter's without `_total`)
+    doc: str
+    value: float
+    labels: dict[str, str] = {}
+
+
+class StatsCollector(Collector):
+    """Gauges and counters read at scrape time from a function that returns Readings. Scrapes
+    arrive on the metrics thread; `read` runs on the event loop that made the collector, so it
+    sees the service's state between two of its steps, never halfway through a change."""
+
+    def __init__(self, read: Callable[[], list[Reading]]):
         self.read = read
         try:
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self.loop = None
 
-    def _rows(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+    def _rows(self) -> list[Reading]:
         if self.loop is None or not self.loop.is_running():
             return self.read()
 
@@ -74,7 +83,7 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-        for kind, name, doc, labels, value in self._rows():
+        for kind, name, doc, value, labels in self._rows():
             family = families.get(name)
             if family is None:
                 cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily

@@ -59,7 +59,7 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.metrics import StatsCollector, TenantLabels, counter, register, unregister
+from shared.metrics import Reading, StatsCollector, TenantLabels, counter, register, unregister
 from shared.protocol import (
     Error,
     GenerateRequest,
@@ -185,7 +185,8 @@ class Admission:
 
     def stats(self) -> dict:
         return {**self.counts, "durable_held": len(self.ledger.held),
-                "generates_in_flight": len(self.ledger.generates), "intake_waiting": len(self.intake),
+                "generates_in_flight": len(self.ledger.generates),
+                "intake_waiting": len(self.intake),
                 "admitting": self.admitting, "errors": self.errors_by_code,
                 "model": self.model_name}
 
@@ -272,15 +273,16 @@ class Admission:
                          message=f"the priority service is not answering ({type(exc).__name__})")
         return _submit_reply.decode(reply.data).error
 
-    def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
-        return [("counter", "durable_redeliveries",
-                 "Durable requests handed back to JetStream (to run from the start) after their "
-                 "holder went silent", {}, self.counts["durable_redelivered"]),
-                ("counter", "handed_on", "Requests handed on to another executor (from their "
-                 "checkpoints) after their holder went silent", {},
-                 self.counts["durable_handed_on"] + self.counts["generates_handed_on"]),
-                ("gauge", "durable_held", "Durable requests admitted and not yet finished", {},
-                 len(self.ledger.held))]
+    def read_metrics(self) -> list[Reading]:
+        counts = self.counts
+        return [Reading("counter", "durable_redeliveries", "Durable requests handed back to "
+                        "JetStream (to run from the start) after their holder went silent",
+                        counts["durable_redelivered"]),
+                Reading("counter", "handed_on", "Requests handed on to another executor (from "
+                        "their checkpoints) after their holder went silent",
+                        counts["durable_handed_on"] + counts["generates_handed_on"]),
+                Reading("gauge", "durable_held", "Durable requests admitted and not yet finished",
+                        len(self.ledger.held))]
 
     def count_error(self, code: str, tenant: str) -> None:
         self.counts["rejected"] += 1
@@ -307,7 +309,8 @@ class Admission:
         ceiling = self.backpressure.get(tenant)
         if ceiling is None:
             return None
-        if time.monotonic() - self.backpressure_at > 3 * self.config.distributed.heartbeat_interval_s:
+        interval = self.config.distributed.heartbeat_interval_s
+        if time.monotonic() - self.backpressure_at > 3 * interval:
             self.backpressure = {}  # not renewed: priority's queue has room, or priority is gone
             return None
         head = _decode_head(payload)

@@ -15,6 +15,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.batcher.registry import ExecutorRegistry
+from shared.keys import RequestKey
 from shared.bus import (
     Outbox,
     add_micro_service,
@@ -41,7 +42,7 @@ from shared.messages import (
     encode,
     holding_entry_bytes,
 )
-from shared.metrics import StatsCollector, register, unregister
+from shared.metrics import Reading, StatsCollector, register, unregister
 from shared.protocol import Error
 from shared.subjects import Subjects
 from shared.telemetry import carrier_of, context_from
@@ -77,7 +78,7 @@ class BatcherService:
                            unassigned=0)
         # Requests pulled from priority and not yet taken by an executor or back in the queue:
         # reported as held, so admission never takes a slow assignment for a lost request.
-        self.holding: dict[tuple[str, str], WorkItem] = {}
+        self.holding: dict[RequestKey, WorkItem] = {}
         self.assignments = itertools.count()
         self.instance = secrets.token_hex(4)
         self.tasks: list[asyncio.Task] = []
@@ -116,18 +117,18 @@ class BatcherService:
                    "step_ms": round(s.heartbeat.step_ms, 3)}
             for name, s in self.registry.executors.items()}}
 
-    def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+    def read_metrics(self) -> list[Reading]:
         docs = {"pulled": "Requests pulled from priority",
                 "assigned": "Assignments an executor accepted",
                 "overtaking": "Requests sent beyond an executor's room to overtake",
                 "requeued": "Requests sent back to priority (assignment failed)",
                 "unassigned": "Assignments withdrawn after their executor did not answer in time",
                 "executors_lost": "Executors forgotten after their heartbeats stopped"}
-        return [("gauge", "executors_alive", "Executors heard from within the heartbeat timeout",
-                 {}, len(self.registry.executors)),
-                ("gauge", "executor_free_slots", "Requests the executors can take now", {},
-                 self.registry.free_slots()),
-                *(("counter", f"batcher_{name}", docs[name], {}, value)
+        return [Reading("gauge", "executors_alive", "Executors heard from within the heartbeat "
+                        "timeout", len(self.registry.executors)),
+                Reading("gauge", "executor_free_slots", "Requests the executors can take now",
+                        self.registry.free_slots()),
+                *(Reading("counter", f"batcher_{name}", docs[name], value)
                   for name, value in self.counts.items())]
 
     async def on_executors(self, request) -> None:
@@ -289,7 +290,7 @@ class BatcherService:
 
     async def hold_and_assign(self, item: WorkItem, overtaking: bool = False) -> bool:
         """`assign`, reporting the request as held here until an executor or priority has it."""
-        key = (item.tenant, item.request_id)
+        key = item.key
         self.holding[key] = item
         try:
             return await self.assign(item, overtaking)

@@ -50,6 +50,7 @@ from shared.messages import (
     tenant_entry_bytes,
 )
 from shared.metrics import (
+    Reading,
     ITL_BUCKETS,
     REQUEST_BUCKETS,
     TTFT_BUCKETS,
@@ -236,31 +237,32 @@ class ExecutorService:
         (their outputs still queued)."""
         return len(self.running) - len(self.engine.scheduler.running)
 
-    def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+    def read_metrics(self) -> list[Reading]:
         """What the engine already counts, read at scrape time (nothing on the step loop)."""
         scheduler, blocks, engine = self.engine.scheduler, self.engine.block_manager, \
             self.engine.stats
         labels = dict(zip(_LABELS, self.labels))
         return [
-            ("gauge", "num_requests_running", "Requests in the running batch", labels,
-             len(scheduler.running)),
-            ("gauge", "num_requests_waiting", "Requests here waiting for a slot", labels,
-             self.num_waiting),
-            ("gauge", "kv_cache_usage_perc", "KV-cache blocks in use (1 = full)", labels,
-             1 - blocks.num_free_blocks / blocks.num_blocks),
-            *(("gauge", "kv_pool_usage_perc", "KV-cache blocks in use in one pool (1 = full)",
-               {**labels, "pool": dtype}, 1 - free / total)
+            Reading("gauge", "num_requests_running", "Requests in the running batch",
+                    len(scheduler.running), labels),
+            Reading("gauge", "num_requests_waiting", "Requests here waiting for a slot",
+                    self.num_waiting, labels),
+            Reading("gauge", "kv_cache_usage_perc", "KV-cache blocks in use (1 = full)",
+                    1 - blocks.num_free_blocks / blocks.num_blocks, labels),
+            *(Reading("gauge", "kv_pool_usage_perc", "KV-cache blocks in use in one pool "
+                      "(1 = full)", 1 - free / total, {**labels, "pool": dtype})
               for dtype, total, free in self.kv_pools()),
-            ("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-             labels, blocks.prefix_queries),
-            ("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
-             blocks.prefix_hits),
-            ("counter", "num_preemptions", "Requests preempted (recomputed later)", labels,
-             scheduler.num_preemptions),
-            ("counter", "prefill_tokens_computed", "Prompt tokens run through the model "
-             "(prefix-cache hits left out, recomputation after preemption counted)", labels,
-             engine.prompt_tokens),
-            ("counter", "generation_tokens", "Tokens generated", labels, engine.generated_tokens),
+            Reading("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                    "cache", blocks.prefix_queries, labels),
+            Reading("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                    blocks.prefix_hits, labels),
+            Reading("counter", "num_preemptions", "Requests preempted (recomputed later)",
+                    scheduler.num_preemptions, labels),
+            Reading("counter", "prefill_tokens_computed", "Prompt tokens run through the model "
+                    "(prefix-cache hits left out, recomputation after preemption counted)",
+                    engine.prompt_tokens, labels),
+            Reading("counter", "generation_tokens", "Tokens generated", engine.generated_tokens,
+                    labels),
         ]
 
     # ------------------------------------------------------------------------- requests in

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from services.priority import policy
+from shared.keys import RequestKey
 from shared.messages import WorkItem
 
 _COLUMNS = {"priority": np.int64, "seq": np.float64, "arrival": np.float64,
@@ -29,9 +30,9 @@ class WaitingQueue:
         self._rows = max(1, min(capacity, initial_rows))
         self._cols = {name: np.zeros(self._rows, dtype=dtype) for name, dtype in _COLUMNS.items()}
         self._items: list[WorkItem] = []  # row -> item
-        self._row_of: dict[tuple[str, str], int] = {}  # (tenant, request_id) -> row
-        self._seq_of: dict[tuple[str, str], int] = {}
-        self._deadlines: list[tuple[float, int, tuple[str, str]]] = []  # heap
+        self._row_of: dict[RequestKey, int] = {}  # -> row
+        self._seq_of: dict[RequestKey, int] = {}
+        self._deadlines: list[tuple[float, int, RequestKey]] = []  # heap
         self._tenant_ids: dict[str, int] = {}
         self.tenants: list[str] = []  # index -> name
         self._arrivals = itertools.count()
@@ -40,7 +41,7 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def __contains__(self, key: tuple[str, str]) -> bool:
+    def __contains__(self, key: RequestKey) -> bool:
         return key in self._row_of
 
     @property
@@ -59,7 +60,7 @@ class WaitingQueue:
         """`past_bound`: taken even when the queue is full (a request that was here before, or
         one that another made room for). `known`: its demand stands on the tenant's own history,
         not the predictor's prior. `size`: its encoded bytes (what a pull's reply carries)."""
-        key = (item.tenant, item.request_id)
+        key = item.key
         assert (past_bound or not self.full) and key not in self._row_of
         row = len(self._items)
         if row == self._rows:
@@ -96,7 +97,7 @@ class WaitingQueue:
     def _take(self, row: int) -> WorkItem:
         """Remove one row: the last row moves into its place."""
         item = self._items[row]
-        key = (item.tenant, item.request_id)
+        key = item.key
         del self._row_of[key], self._seq_of[key]
         last = len(self._items) - 1
         if row != last:
@@ -142,7 +143,7 @@ class WaitingQueue:
 
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         """Take a request out (a cancel); only its own tenant may."""
-        row = self._row_of.get((tenant, request_id))
+        row = self._row_of.get(RequestKey(tenant, request_id))
         return None if row is None else self._take(row)
 
     def expired(self, now: float) -> list[WorkItem]:

@@ -29,7 +29,7 @@ class _Victims:
     """A full queue's requests ranked for push-out (RequestScheduler.push_out_for)."""
 
     at: float  # when ranked
-    # (tenant, id), earliest deadline first: hopeless, or doomed by the queue ahead of them
+    # RequestKeys, earliest deadline first: hopeless, or doomed by the queue ahead of them
     hopeless: deque = field(default_factory=deque)
     # tenant -> (priority, -arrival seq, (tenant, id)), the lowest class and latest first
     by_tenant: dict[str, deque] = field(default_factory=dict)
@@ -117,7 +117,7 @@ class RequestScheduler:
         while victims.hopeless:
             key = victims.hopeless.popleft()
             if key in self.queue:
-                return self.remove(key[1], key[0]), "hopeless"
+                return self.remove(key.request_id, key.tenant), "hopeless"
         mine = backlog.get(newcomer.tenant, 0)
         largest = max(backlog, key=backlog.get)
         if backlog[largest] > mine + 1:
@@ -183,14 +183,14 @@ class RequestScheduler:
                 late |= waiting.known & (start + service > waiting.deadline
                                          + self.cfg.late_tolerance_s)
             late = np.flatnonzero(late)
-            victims.hopeless.extend((items[r].tenant, items[r].request_id)
+            victims.hopeless.extend(items[r].key
                                     for r in late[np.argsort(waiting.deadline[late])]
                                     if not items[r].durable)
         for row in np.lexsort((-waiting.seq, waiting.priority)):  # lowest class, latest first
             item = items[row]
             if not item.durable:
                 victims.by_tenant.setdefault(item.tenant, deque()).append(
-                    (item.request.priority, -waiting.seq[row], (item.tenant, item.request_id)))
+                    (item.request.priority, -waiting.seq[row], item.key))
         self._victim_cache = victims
         return victims
 

@@ -13,6 +13,7 @@ import structlog
 from nats.micro import Request
 
 from services.priority.request_level import MISSED_MS, RequestScheduler
+from shared.keys import RequestKey
 from shared.bus import (
     Outbox,
     add_micro_service,
@@ -39,6 +40,7 @@ from shared.messages import (
     tenant_entry_bytes,
 )
 from shared.metrics import (
+    Reading,
     TTFT_BUCKETS,
     StatsCollector,
     TenantLabels,
@@ -72,7 +74,7 @@ class PriorityService:
         self.queue = self.scheduler.queue
         self.cancels = RecentCancels()
         self.arrived = asyncio.Event()
-        self.wait_spans: dict[tuple[str, str], Span] = {}  # each waiting request's queue wait
+        self.wait_spans: dict[RequestKey, Span] = {}  # each waiting request's queue wait
         self.counts = dict(submitted=0, dispatched=0, cancelled=0, overloaded=0,
                            deadline_exceeded=0)
         self.distributed = config.distributed
@@ -156,20 +158,22 @@ class PriorityService:
         return {"queue_depth": len(self.queue), "queue_by_priority": self.queue.depth_by_priority(),
                 **self.counts, **self.scheduler.stats(time.time())}
 
-    def read_metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
-        out = [("gauge", "priority_queue_depth", "Requests waiting at priority, by priority",
-                {"priority": p}, n) for p, n in self.queue.depth_by_priority().items()]
-        out += [("counter", f"priority_{name}", f"Requests {name.replace('_', ' ')} at priority",
-                 {}, value) for name, value in self.counts.items()]
-        out.append(("gauge", "executor_load", "Demand over executor slots, from heartbeats", {},
-                    self.scheduler.load))
+    def read_metrics(self) -> list[Reading]:
+        out = [Reading("gauge", "priority_queue_depth", "Requests waiting at priority, by "
+                       "priority", n, {"priority": p})
+               for p, n in self.queue.depth_by_priority().items()]
+        out += [Reading("counter", f"priority_{name}", f"Requests {name.replace('_', ' ')} at "
+                        "priority", value) for name, value in self.counts.items()]
+        out.append(Reading("gauge", "executor_load", "Demand over executor slots, from "
+                           "heartbeats", self.scheduler.load))
         served: dict[tuple[str, str], int] = {}
         for tenant, tokens in self.scheduler.served.items():
             for kind, n in tokens.items():
                 key = (self.tenant_label(tenant), kind.removesuffix("_tokens"))
                 served[key] = served.get(key, 0) + n
-        out += [("counter", "tenant_served_tokens", "Tokens executors reported serving each tenant",
-                 {"tenant": tenant, "kind": kind}, n) for (tenant, kind), n in served.items()]
+        out += [Reading("counter", "tenant_served_tokens", "Tokens executors reported serving "
+                        "each tenant", n, {"tenant": tenant, "kind": kind})
+                for (tenant, kind), n in served.items()]
         return out
 
     async def on_heartbeat(self, msg) -> None:
@@ -200,7 +204,7 @@ class PriorityService:
         for item in self.scheduler.expired(now):
             self.counts["deadline_exceeded"] += 1
             waited_ms = 1e3 * (now - item.arrival_time)
-            span = self.wait_spans.pop((item.tenant, item.request_id))
+            span = self.wait_spans.pop(item.key)
             span.set_attribute("deadline_exceeded", True)
             span.end()
             await self.outbox.final(item, Error(
@@ -225,7 +229,7 @@ class PriorityService:
             await request.respond(encode(SubmitReply()))
             return
         error = None
-        if (item.tenant, item.request_id) in self.queue:
+        if item.key in self.queue:
             if item.durable:  # delivered again while it waits here: it is already queued
                 await request.respond(encode(SubmitReply()))
                 return
@@ -239,7 +243,7 @@ class PriorityService:
         # Room was made, or it is back from the batcher.
         self.scheduler.push(item, past_bound=True, size=len(request.data))
         self.counts["submitted"] += 1
-        self.wait_spans[(item.tenant, item.request_id)] = self.tracer.start_span(
+        self.wait_spans[item.key] = self.tracer.start_span(
             "priority.queue", context=context_from(item.trace),
             attributes={"request_id": item.request_id, "tenant": item.tenant,
                         "priority": item.request.priority})
@@ -255,7 +259,7 @@ class PriorityService:
         if pushed is None:
             self.counts["overloaded"] += 1
             return Error(request_id=newcomer.request_id, code="overloaded", message=full)
-        span = self.wait_spans.pop((pushed.tenant, pushed.request_id))
+        span = self.wait_spans.pop(pushed.key)
         span.set_attribute("pushed_out", why)
         span.end()
         if why == "hopeless":
@@ -309,7 +313,7 @@ class PriorityService:
                                         max_bytes=min(budget, ask.max_bytes or budget))
         for dispatch in dispatches:
             item = dispatch.item
-            span = self.wait_spans.pop((item.tenant, item.request_id))
+            span = self.wait_spans.pop(item.key)
             span.set_attributes({"priority_score": dispatch.score,
                                  "queue_wait_ms": item.queue_wait_ms,
                                  "overtaking_pull": ask.min_standing is not None,
@@ -343,7 +347,7 @@ class PriorityService:
             self.cancels.add(tenant, cancel.request_id)  # it may still be on its way here
             return
         self.counts["cancelled"] += 1
-        span = self.wait_spans.pop((item.tenant, item.request_id))
+        span = self.wait_spans.pop(item.key)
         span.set_attribute("cancelled", True)
         span.end()
         await self.outbox.final(item, cancelled_completion(item))
