@@ -31,7 +31,7 @@ FROM base AS control-plane
 COPY pyproject.toml README.md ./
 COPY services ./services
 COPY shared ./shared
-COPY kernels ./kernels
+COPY jetserve_kernels ./jetserve_kernels
 COPY loadtest ./loadtest
 RUN pip install -q -e .
 USER jetserve
@@ -57,9 +57,9 @@ RUN apt-get update \
 # start, before the rest of the code so that a change elsewhere does not rebuild them; a
 # different processor rebuilds them there once. An empty volume mounted on the cache starts with
 # them.
-COPY kernels ./kernels
+COPY jetserve_kernels ./jetserve_kernels
 USER jetserve
-RUN python -c "import sys; from kernels import cpu_ops; sys.exit(cpu_ops.load() is None)"
+RUN python -c "import sys; from jetserve_kernels import cpu_ops; sys.exit(cpu_ops.load() is None)"
 USER root
 COPY pyproject.toml README.md ./
 COPY services ./services

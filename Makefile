@@ -44,8 +44,8 @@ schema: $(STAMP)
 # --noconftest: tests/conftest.py needs the full install and sets the CPU interpreter.
 gpu-check:
 	python3 -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_kernels.py
-	python3 -m kernels.compile_check --arch 90
-	python3 -m kernels.bench --result-json $${OUT:-results}/kernels_bench.json
+	python3 -m jetserve_kernels.compile_check --arch 90
+	python3 -m jetserve_kernels.bench --result-json $${OUT:-results}/kernels_bench.json
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .jetserve tests/interop/node/node_modules

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from jetserve_kernels import cpu_ops
 from loadtest.linear_bench import times_ms
 from shared.model_files import DUMMY_SHAPES
 

@@ -21,7 +21,7 @@ import numpy as np
 from services.executor.engine.llm_engine import Engine
 from services.executor.engine.sim import step_features
 from shared.sim_profiles import PROFILES_DIR
-from shared.config import DEFAULT_MODEL, EngineConfig
+from shared.config import DEFAULT_MODEL, engine_config
 from shared.protocol import Delta, GenerateRequest
 
 FEATURES = ("base", "per_new_token", "per_kv_token", "per_attn_pair", "per_seq")
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result-json", type=Path)
     args = parser.parse_args(argv)
 
-    config = EngineConfig(model=args.model, max_num_seqs=128, max_num_batched_tokens=512)
+    config = engine_config({"model.name": args.model, "scheduler.batch_level.max_num_seqs": 128,
+                            "scheduler.batch_level.max_num_batched_tokens": 512})
     engine = Engine(config)
     phases = workload(random.Random(args.seed), engine.model_config.vocab_size)
     samples = asyncio.run(measure(engine, phases))

@@ -31,7 +31,7 @@ import torch
 from loadtest.datasets import engine_workload
 from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
-from shared.config import EngineConfig
+from shared.config import EngineConfig, engine_config
 from shared.model_files import ModelConfig, default_gguf_path, load_model_config
 from shared.protocol import ChatMessage, Completion, GenerateRequest
 
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="one engine variant per value (default: none, fp32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    defaults = EngineConfig()
+    defaults = EngineConfig().batch
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=defaults.max_num_batched_tokens)
@@ -228,20 +228,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result-json", default="results/engine_bench.json")
     args = parser.parse_args(argv)
 
-    base = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        attention_backend=args.attention_backend, enable_prefix_caching=False)
+    base = {"model.name": args.model, "model.attention_backend": args.attention_backend,
+            "scheduler.batch_level.max_num_seqs": args.max_num_seqs,
+            "scheduler.batch_level.max_num_batched_tokens": args.max_num_batched_tokens,
+            "kv_cache.enable_prefix_caching": False}
     model_config, _ = load_model_config(args.model)
     points = {n: engine_workload(n, args.seed, model_config.vocab_size) for n in args.sweep}
     matmul = on_own_thread(matmul_flops_per_s)
-    variants = {("engine" if q == "none" else f"engine_{q}"):
-                msgspec.structs.replace(base, quantization=q) for q in args.quantization}
+    variants = {("engine" if q == "none" else f"engine_{q}"): {**base, "model.quantization": q}
+                for q in args.quantization}
     first = next(iter(variants.values()))
     if args.also_backend:
-        variants[f"engine_{args.also_backend}"] = msgspec.structs.replace(
-            first, attention_backend=args.also_backend)
+        variants[f"engine_{args.also_backend}"] = {**first,
+                                                   "model.attention_backend": args.also_backend}
     if args.no_pipeline:
-        variants["engine_no_pipeline"] = msgspec.structs.replace(first, pipeline=False)
+        variants["engine_no_pipeline"] = {**first, "scheduler.token_level.pipeline": False}
+    variants = {name: engine_config(settings) for name, settings in variants.items()}
 
     runs: dict[str, dict] = {}
     for name, config in variants.items():

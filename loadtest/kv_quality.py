@@ -34,13 +34,13 @@ import msgspec
 from loadtest.quant_quality import agreement, prompts
 from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
-from shared.config import EngineConfig
+from shared.config import EngineConfig, engine_config
 from shared.protocol import Completion, GenerateRequest
 
 SEQUENCE_TOKENS = 1024
 HIGH, LOW = 9, 1  # the mixed configuration's two priorities, either side of its bound (5)
-CONFIGS = {"auto": {}, "int8": {"kv_cache_dtype": "int8"},
-           "mixed": {"kv_compress_below_priority": 5}}
+CONFIGS = {"auto": {}, "int8": {"kv_cache.dtype": "int8"},
+           "mixed": {"kv_cache.compress_below_priority": 5}}
 
 
 async def _run(engine: Engine, requests: list[GenerateRequest]) -> tuple[list, float, int, float]:
@@ -88,13 +88,13 @@ def _random_requests(engine: Engine, rng: random.Random, count: int, prompt: int
 
 
 def measure(config: EngineConfig, batch_config: EngineConfig, args) -> dict:
-    mixed = config.kv_compress_below_priority is not None
+    mixed = config.kv_cache.compress_below_priority is not None
 
     async def capacity_and_agreement() -> dict:
         engine = Engine(config)
         try:
             sizes = engine.pool_sizes
-            fits = [n * config.block_size // SEQUENCE_TOKENS for n in sizes]
+            fits = [n * config.kv_cache.block_size // SEQUENCE_TOKENS for n in sizes]
             greedy = [msgspec.structs.replace(p, max_tokens=args.max_tokens, temperature=0.0,
                                               ignore_eos=True,
                                               priority=(HIGH if i % 2 == 0 else LOW) if mixed else 5)
@@ -148,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result-json", default="results/kv_quality.json")
     args = parser.parse_args(argv)
 
-    base = EngineConfig(model=args.model, max_num_seqs=256, cpu_kv_cache_gib=args.budget_gib,
-                        max_model_len=2048, enable_prefix_caching=False)
-    batch_base = msgspec.structs.replace(base, cpu_kv_cache_gib=args.batch_budget_gib,
-                                         max_num_batched_tokens=args.batch_tokens)
+    base = {"model.name": args.model, "scheduler.batch_level.max_num_seqs": 256,
+            "kv_cache.cpu_cache_gib": args.budget_gib, "model.max_model_len": 2048,
+            "kv_cache.enable_prefix_caching": False}
+    batch_base = {**base, "kv_cache.cpu_cache_gib": args.batch_budget_gib,
+                  "scheduler.batch_level.max_num_batched_tokens": args.batch_tokens}
     names = ["auto"] + [n for n in args.configs if n != "auto"]  # auto is the reference
-    results = {name: measure(msgspec.structs.replace(base, **CONFIGS[name]),
-                             msgspec.structs.replace(batch_base, **CONFIGS[name]), args)
+    results = {name: measure(engine_config({**base, **CONFIGS[name]}),
+                             engine_config({**batch_base, **CONFIGS[name]}), args)
                for name in names}
     reference = results["auto"]["tokens"]
     for r in results.values():

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from jetserve_kernels import cpu_ops
 from services.executor.engine.linear import pack_panels, pack_quantized, quantize
 from shared.model_files import DUMMY_SHAPES
 

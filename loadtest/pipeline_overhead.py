@@ -31,7 +31,7 @@ from services.executor.engine.llm_engine import Engine
 from shared.model_files import load_model_config
 from services.stack import Stack, free_port
 from shared.client import JetserveClient
-from shared.config import EngineConfig
+from shared.config import engine_config
 from shared.protocol import Completion, Delta, GenerateRequest
 
 
@@ -79,8 +79,8 @@ def streaming(requests: list[GenerateRequest], prefix: str) -> list[GenerateRequ
             for r in requests]
 
 
-async def run_in_process(config: EngineConfig, load, probes) -> dict:
-    engine = Engine(config)
+async def run_in_process(settings: dict, load, probes) -> dict:
+    engine = Engine(engine_config(settings))
     engine.start()
     try:
         await low_load(engine.generate, streaming(probes[:2], "warm"))  # first-call costs
@@ -90,11 +90,7 @@ async def run_in_process(config: EngineConfig, load, probes) -> dict:
         await engine.stop()
 
 
-async def run_pipeline(config: EngineConfig, load, probes) -> dict:
-    settings = {"model.name": config.model, "kv_cache.num_blocks": config.num_kv_blocks,
-                "kv_cache.block_size": config.block_size,
-                "scheduler.batch_level.max_num_seqs": config.max_num_seqs,
-                "scheduler.batch_level.max_num_batched_tokens": config.max_num_batched_tokens}
+async def run_pipeline(settings: dict, load, probes) -> dict:
     with tempfile.TemporaryDirectory(prefix="jetserve-overhead-") as state:
         stack = Stack(state_dir=state, nats_port=free_port(), settings=settings,
                       log_dir=Path(state) / "logs")
@@ -120,17 +116,17 @@ def main() -> None:
     parser.add_argument("--result-json", type=Path)
     args = parser.parse_args()
 
-    config = EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks,
-                          max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+    settings = {"model.name": args.model, "kv_cache.num_blocks": args.num_kv_blocks,
+                "scheduler.batch_level.max_num_seqs": args.max_num_seqs,
+                "scheduler.batch_level.max_num_batched_tokens": args.max_num_batched_tokens}
     vocab = load_model_config(args.model, weights=False)[0].vocab_size
     load = engine_workload(args.num_requests, args.seed, vocab, prompt_range=(16, 256),
                          output_range=(16, 128))
     probes = [msgspec.structs.replace(r, max_tokens=4)
               for r in engine_workload(args.num_probes, args.seed + 1, vocab, prompt_range=(32, 32))]
 
-    results = {"in_process": asyncio.run(run_in_process(config, load, probes)),
-               "pipeline": asyncio.run(run_pipeline(config, load, probes))}
+    results = {"in_process": asyncio.run(run_in_process(settings, load, probes)),
+               "pipeline": asyncio.run(run_pipeline(settings, load, probes))}
     a, b = results["in_process"], results["pipeline"]
     results["throughput_ratio"] = (b["throughput"]["output_tok_per_s"]
                                    / a["throughput"]["output_tok_per_s"])

@@ -26,7 +26,7 @@ from services.executor.engine.llm_engine import Engine
 from services.executor.engine.model import KvSegment, LlamaModel
 from services.executor.run_local import run_requests
 from services.executor.engine.weights import load_model_files
-from shared.config import EngineConfig
+from shared.config import EngineConfig, engine_config
 from shared.protocol import ChatMessage, Completion, GenerateRequest
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
@@ -138,12 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     text = TEXT.read_text()
-    base = EngineConfig(model=args.model, max_num_seqs=32, enable_prefix_caching=False)
+    base = {"model.name": args.model, "scheduler.batch_level.max_num_seqs": 32,
+            "kv_cache.enable_prefix_caching": False}
     reference = greedy_outputs(base, args.max_tokens)
     results = {}
     for quantization in args.quantization:
         outputs = (reference if quantization == "none" else
-                   greedy_outputs(msgspec.structs.replace(base, quantization=quantization),
+                   greedy_outputs(engine_config({**base, "model.quantization": quantization}),
                                   args.max_tokens))
         ppl, size = perplexity(args.model, quantization, text)
         results[quantization] = {"perplexity": ppl, "matmul_weight_bytes": size,

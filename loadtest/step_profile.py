@@ -28,7 +28,7 @@ from services.executor.engine.llm_engine import Engine
 from services.executor.engine.model import KvSegment
 from services.executor.engine.sampler import SamplingBatch, sample
 from services.executor.engine.sequence import SamplingParams
-from shared.config import EngineConfig
+from shared.config import engine_config
 from shared.model_files import default_gguf_path
 
 # (name, decodes, decode context, prefill tokens)
@@ -83,7 +83,7 @@ def labelled(model):
 
 def step_inputs(engine: Engine, decodes: int, context: int, prefill: int):
     """Tensors of one step: `decodes` sequences at `context`, then one prefill of `prefill`."""
-    runner, bs = engine.runner, engine.config.block_size
+    runner, bs = engine.runner, engine.config.kv_cache.block_size
     vocab = engine.model_config.vocab_size
     next_block = 0
     slices, slots, ids, positions, logits_rows = [], [], [], [], []
@@ -153,8 +153,9 @@ def main() -> None:
     model = args.model or str(default_gguf_path())
     results = {}
     for quantization in args.quantization:
-        engine = Engine(EngineConfig(model=model, quantization=quantization, max_num_seqs=128,
-                                     enable_prefix_caching=False))
+        engine = Engine(engine_config({"model.name": model, "model.quantization": quantization,
+                                       "scheduler.batch_level.max_num_seqs": 128,
+                                       "kv_cache.enable_prefix_caching": False}))
         rows = []
         print(f"\n{quantization} (threads: {torch.get_num_threads()})")
         for name, decodes, context, prefill in CASES:

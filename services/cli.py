@@ -7,7 +7,7 @@ import asyncio
 import os
 import sys
 
-from shared.config import DEFAULT_MODEL, EngineConfig
+from shared.config import DEFAULT_MODEL, EngineConfig, engine_config
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -15,14 +15,14 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="SmolLM2-135M-Instruct (default), dummy:tiny, dummy:llama-3-8b, "
                              "a GGUF file or an HF directory")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.batch.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=defaults.max_num_batched_tokens)
+                        default=defaults.batch.max_num_batched_tokens)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV pool size in blocks (default: what fits the memory budget)")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--block-size", type=int, default=defaults.kv_cache.block_size)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    _quantization_option(parser, defaults.quantization)
+    _quantization_option(parser, defaults.model.quantization)
     parser.add_argument("--no-pipeline", action="store_true",
                         help="run scheduling and output processing between steps, not beside them")
 
@@ -34,12 +34,15 @@ def _quantization_option(parser: argparse.ArgumentParser, default: str | None) -
                              "GGUF's own blocks (default: " + (default or "the config's") + ")")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                        device=args.device, quantization=args.quantization,
-                        pipeline=not args.no_pipeline)
+def engine_config_of(args: argparse.Namespace) -> EngineConfig:
+    return engine_config({"model.name": args.model, "model.device": args.device,
+                          "model.quantization": args.quantization,
+                          "scheduler.batch_level.max_num_seqs": args.max_num_seqs,
+                          "scheduler.batch_level.max_num_batched_tokens":
+                              args.max_num_batched_tokens,
+                          "kv_cache.num_blocks": args.num_kv_blocks,
+                          "kv_cache.block_size": args.block_size,
+                          "scheduler.token_level.pipeline": not args.no_pipeline})
 
 
 def _client_options(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run-local":
         from services.executor import run_local as command
 
-        return command.main(args.requests, engine_config(args), args.progress)
+        return command.main(args.requests, engine_config_of(args), args.progress)
     from services import commands as client_commands
 
     return asyncio.run(getattr(client_commands, args.command.replace("-", "_"))(args))

@@ -11,7 +11,7 @@ import sys
 import msgspec
 
 from services.stack import SERVICES, Stack
-from shared.bus import discover
+from shared.bus import discover, wait_event
 from shared.client import JetserveClient
 from shared.config import ConfigError, load_config
 from shared.protocol import ChatMessage, Completion, Delta, Error, GenerateRequest
@@ -50,14 +50,11 @@ async def up(args) -> int:
         return 1
     print(f"jetserve ready on {stack.url} (model {model}); try: jetserve generate "
           f"\"What is the capital of France?\"   Ctrl-C stops.", flush=True)
-    while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), 1.0)
-        except TimeoutError:
-            dead = [n for n, p in stack.processes.items() if p.returncode is not None]
-            if dead:
-                print(f"jetserve: {', '.join(dead)} exited; stopping", file=sys.stderr)
-                break
+    while not await wait_event(stop, 1.0):
+        dead = [n for n, p in stack.processes.items() if p.returncode is not None]
+        if dead:
+            print(f"jetserve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+            break
     print("jetserve: stopping", flush=True)
     await stack.stop()
     print("jetserve: stopped", flush=True)

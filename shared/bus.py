@@ -222,6 +222,15 @@ async def _reconcile(js: JetStreamContext, current: StreamConfig, wanted: Stream
              changed={name: [value(current, name), value(wanted, name)] for name in differ})
 
 
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait up to `timeout` s for `event`; whether it was set."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
 async def cancel_all(tasks, timeout: float = 5.0) -> None:
     """Cancel `tasks` and wait for them, for `timeout` s at most. A task still running after a
     cancel is cancelled again: on Python 3.11 a cancel that lands as a `wait_for` inside a loop

@@ -13,52 +13,6 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Quantization = Literal["none", "int8", "int4", "auto"]
 
 
-class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Everything the executor engine needs; the `model` and `kv_cache` keys of jetserve.yaml."""
-
-    model: str = DEFAULT_MODEL  # a name, a GGUF path, an HF directory, or dummy:<shape>
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Weight-only quantization of the matmuls on a CPU (services/executor/engine/linear.py): none,
-    # int8, int4, or auto (a GGUF's own blocks: Q4_x stays int4, Q8_0 int8; none otherwise).
-    quantization: Quantization = "none"
-    # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
-    max_num_seqs: Annotated[int, msgspec.Meta(ge=1)] = 128
-    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=16)] = 512
-    block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
-    # Requests of a priority under this keep their KV in a second, int8 pool, which takes
-    # `kv_compressed_fraction` of the KV memory (None: one pool).
-    kv_compress_below_priority: Annotated[int, msgspec.Meta(ge=1, le=10)] | None = None
-    kv_compressed_fraction: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.5
-    # KV pool: an explicit block count wins; else a share of free GPU memory, or a size on CPU.
-    # With two pools the count is the memory of that many blocks of the model's dtype.
-    num_kv_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
-    cpu_kv_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
-    enable_prefix_caching: bool = True
-    # Overlap CPU work of step N+1 and N with model execution of step N.
-    pipeline: bool = True
-    num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # torch intra-op threads on CPU
-    weights_cache_dir: str | None = None  # where a converted GGUF is cached as safetensors
-    executor_name: str = "executor-0"
-    # A waiting request preempts a running one only if its score is at least this much higher.
-    preemption_margin: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
-    # Aging bound: a request waiting this long since its arrival goes ahead of every request
-    # that has not, and no such request may preempt it (None: off; the adaptive policy sets it).
-    max_wait_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    # Shrink steps' prefill while a running request with a deadline needs faster steps.
-    deadline_pacing: bool = True
-    # ... and, past the prefill, let the decodes of requests a preemption margin below it sit
-    # steps out (their KV kept).
-    pause_decodes: bool = False
-
-
-# ------------------------------------------------------------------------ jetserve.yaml (services)
-
-
 class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     url: str = "nats://127.0.0.1:4222"
     prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")] = "llm"
@@ -76,24 +30,29 @@ class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: str = DEFAULT_MODEL
+    name: str = DEFAULT_MODEL  # a name, a GGUF path, an HF directory, dummy:<shape>, sim:<profile>
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Weight-only quantization of the matmuls on a CPU (services/executor/engine/linear.py):
+    # none, int8, int4, or auto (a GGUF's own blocks: Q4_x stays int4, Q8_0 int8; none otherwise).
     quantization: Quantization = "none"
+    # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
-    weights_cache_dir: str | None = None
-    num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    weights_cache_dir: str | None = None  # where a converted GGUF is cached as safetensors
+    num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # torch intra-op threads on CPU
 
 
 class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    # The pool: an explicit block count wins; else a share of free GPU memory, or a size on a
+    # CPU. With two pools the count is the memory of that many blocks of the model's dtype.
     num_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     cpu_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
     enable_prefix_caching: bool = True
     # auto: the model's dtype; int8: each (token, head) row as int8 with an fp32 scale
-    # (kernels/kv_int8.py), ~3.8x the tokens of fp32 in the same memory.
+    # (jetserve_kernels/kv_int8.py), ~3.8x the tokens of fp32 in the same memory.
     dtype: Literal["auto", "int8"] = "auto"
     # Requests of a priority under this keep their KV in int8 blocks of a second pool, which
     # takes `compressed_fraction` of the KV memory; the rest stays in `dtype` (None: one pool).
@@ -220,6 +179,7 @@ class LoadAware(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class TokenLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # Overlap the CPU work of steps N+1 and N with the model's execution of step N.
     pipeline: bool = True
     # A waiting request preempts a running one only if its score is at least this much higher.
     preemption_margin: NonNegative = 1.0
@@ -281,26 +241,39 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     monitoring: MonitoringSection = msgspec.field(default_factory=MonitoringSection)
 
     def engine_config(self, executor_name: str) -> EngineConfig:
-        model, kv, batch = self.model, self.kv_cache, self.scheduler.batch_level
-        # Adaptive: the engine is sized for the largest batch the controller may choose.
-        max_num_seqs = (self.scheduler.load_aware.max_batch_size if batch.batch_size == "adaptive"
-                        else batch.max_num_seqs)
-        return EngineConfig(
-            model=model.name, device=model.device, dtype=model.dtype,
-            quantization=model.quantization, attention_backend=model.attention_backend, max_model_len=model.max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=batch.max_num_batched_tokens,
-            block_size=kv.block_size, num_kv_blocks=kv.num_blocks, kv_cache_dtype=kv.dtype,
-            kv_compress_below_priority=kv.compress_below_priority,
-            kv_compressed_fraction=kv.compressed_fraction,
-            gpu_memory_utilization=kv.gpu_memory_utilization, cpu_kv_cache_gib=kv.cpu_cache_gib,
-            enable_prefix_caching=kv.enable_prefix_caching,
-            pipeline=self.scheduler.token_level.pipeline, num_threads=model.num_threads,
-            weights_cache_dir=model.weights_cache_dir, executor_name=executor_name,
-            preemption_margin=self.scheduler.token_level.preemption_margin,
-            deadline_pacing=self.scheduler.token_level.deadline_pacing,
-            pause_decodes=self.scheduler.token_level.pause_decodes,
-            max_wait_s=(self.scheduler.request_level.max_wait_s
-                        if self.scheduler.request_level.policy == "adaptive" else None))
+        scheduler = self.scheduler
+        batch, policy = scheduler.batch_level, scheduler.request_level
+        if batch.batch_size == "adaptive":  # sized for the largest batch the controller may choose
+            batch = msgspec.structs.replace(batch, max_num_seqs=scheduler.load_aware.max_batch_size)
+        return EngineConfig(model=self.model, kv_cache=self.kv_cache, batch=batch,
+                            token_level=scheduler.token_level, executor_name=executor_name,
+                            max_wait_s=policy.max_wait_s if policy.policy == "adaptive" else None)
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What one engine runs on: the file's `model` and `kv_cache` sections and the scheduler's
+    batch and token levels as they are (each knob has one default, and its checks run once),
+    with the engine's name and the aging bound the request-level policy implies. Made by
+    `JetserveConfig.engine_config`, or `engine_config(settings)` for an engine in-process."""
+
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    kv_cache: KvCacheSection = msgspec.field(default_factory=KvCacheSection)
+    batch: BatchLevel = msgspec.field(default_factory=BatchLevel)
+    token_level: TokenLevel = msgspec.field(default_factory=TokenLevel)
+    executor_name: str = "executor-0"
+    # A request waiting this long since its arrival goes ahead of every request that has not,
+    # and no such request may preempt it (None: off; the adaptive policy sets it).
+    max_wait_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+
+def engine_config(settings: Mapping[str, object] | None = None, **fields) -> EngineConfig:
+    """An in-process engine's configuration: `--set`-style settings over the defaults
+    (`{"model.name": "dummy:tiny", "kv_cache.num_blocks": 64}`), validated as jetserve.yaml is,
+    the environment left out; `fields` set EngineConfig's own (`max_wait_s`, `executor_name`).
+    The aging bound is off unless given: a benchmark's order is the scores' alone."""
+    config = load_config(None, env_overrides(settings or {}))
+    name = fields.pop("executor_name", "executor-0")
+    return msgspec.structs.replace(config.engine_config(name), **{"max_wait_s": None, **fields})
 
 
 class ConfigError(Exception):

@@ -13,17 +13,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.executor.engine.llm_engine import Engine  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
+from shared.config import EngineConfig, engine_config  # noqa: E402
 from shared.protocol import Completion, Delta, Error, GenerateRequest  # noqa: E402
 
 TINY = "dummy:tiny"
 
 
-def tiny_config(**overrides) -> EngineConfig:
-    settings = dict(model=TINY, max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=256,
-                    block_size=16)
-    settings.update(overrides)
-    return EngineConfig(**settings)
+def tiny_config(settings: dict | None = None, **fields) -> EngineConfig:
+    """The tiny model's engine: `settings` as `--set` takes them, over these."""
+    return engine_config({"model.name": TINY, "scheduler.batch_level.max_num_seqs": 16,
+                          "scheduler.batch_level.max_num_batched_tokens": 128,
+                          "kv_cache.num_blocks": 256, **(settings or {})}, **fields)
 
 
 async def generate_all(engine: Engine, requests: list[GenerateRequest],

@@ -25,6 +25,7 @@ from shared.bus import (
     payload_budget,
     serve_forever,
     stop_micro_service,
+    wait_event,
 )
 from shared.config import JetserveConfig
 from shared.messages import (
@@ -236,10 +237,7 @@ class BatcherService:
         free = self.registry.pull_size(time.monotonic())
         if free == 0:
             self.room.clear()
-            try:
-                await asyncio.wait_for(self.room.wait(), SUSPEND_S)
-            except TimeoutError:
-                pass
+            await wait_event(self.room, SUSPEND_S)
             return
         try:
             reply = await self.nc.request(
@@ -283,10 +281,7 @@ class BatcherService:
     async def next_beat(self) -> None:
         """Until the next heartbeat from any executor, or SUSPEND_S."""
         self.beat.clear()
-        try:
-            await asyncio.wait_for(self.beat.wait(), SUSPEND_S)
-        except TimeoutError:
-            pass
+        await wait_event(self.beat, SUSPEND_S)
 
     async def hold_and_assign(self, item: WorkItem, overtaking: bool = False) -> bool:
         """`assign`, reporting the request as held here until an executor or priority has it."""

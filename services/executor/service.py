@@ -1,5 +1,8 @@
-"""The executor service: the engine behind NATS. Takes assignments from the batcher, streams
-Deltas and the final output to the client, heartbeats its load, and obeys cancels."""
+"""The executor service: the engine (services/executor/engine/) behind NATS. Takes assignments
+from the batcher, streams Deltas and the final output to the client, heartbeats its load, and
+obeys cancels, revokes and withdrawn assignments. Beside it: `recovery.py` (the holding reports
+and checkpoints admission hands requests on from), `batch_size.py` (the adaptive batch size),
+`observe.py` (metrics and spans)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from nats.micro import Request
 
 from services.executor.batch_size import BatchSizeController, Interval, p99
 from services.executor.engine.llm_engine import Engine, Output
+from services.executor.observe import Observer, kv_pools
+from services.executor.recovery import holding_reports
 from shared.bus import (
     Outbox,
     add_micro_service,
@@ -27,6 +32,7 @@ from shared.bus import (
     payload_budget,
     serve_forever,
     stop_micro_service,
+    wait_event,
 )
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
@@ -35,34 +41,20 @@ from shared.messages import (
     AssignReply,
     Finished,
     Heartbeat,
-    Holding,
     KvDump,
     KvEvent,
-    Progress,
     Revoke,
     Unassign,
     WorkItem,
     decoder,
     encode,
     finished_bytes,
-    holding_entry_bytes,
-    progress_bytes,
     tenant_entry_bytes,
 )
-from shared.metrics import (
-    Reading,
-    ITL_BUCKETS,
-    REQUEST_BUCKETS,
-    TTFT_BUCKETS,
-    StatsCollector,
-    counter,
-    histogram,
-    register,
-    unregister,
-)
+from shared.metrics import Reading, StatsCollector, register, unregister
 from shared.protocol import Completion, Delta, Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
-from shared.telemetry import Span, carrier_of, context_from, context_of
+from shared.telemetry import Span, carrier_of, context_from
 
 log = structlog.get_logger()
 
@@ -71,28 +63,6 @@ _revoke = decoder(Revoke)
 _unassign = decoder(Unassign)
 UNASSIGNED_KEPT = 10_000  # withdrawn assignments remembered in case theirs arrives later
 HEARTBEAT_MIN_GAP_S = 0.005  # load changes are reported at once, but not more often than this
-
-# vLLM's names (`vllm:` there, `jetserve:` here), labelled by model and executor.
-_LABELS = ("model_name", "executor")
-REQUEST_SUCCESS = counter("request_success", "Requests ended with a Completion, by finish reason",
-                          (*_LABELS, "finished_reason"))
-PROMPT_TOKENS = counter("prompt_tokens", "Prompt tokens of the requests that ended with a "
-                        "Completion (prefix-cache hits included)", _LABELS)
-ERRORS = counter("errors", "Requests ended with an Error at this executor, by code",
-                 (*_LABELS, "code"))
-TTFT = histogram("time_to_first_token_seconds",
-                 "From admission to the first token (observed when the request ends)", _LABELS,
-                 TTFT_BUCKETS)
-ITL = histogram("inter_token_latency_seconds",
-                "Between consecutive deltas sent to a streaming client", _LABELS, ITL_BUCKETS)
-TPOT = histogram("request_time_per_output_token_seconds",
-                 "Per request: decode time over its output tokens after the first", _LABELS,
-                 ITL_BUCKETS)
-E2E = histogram("e2e_request_latency_seconds", "From admission to the Completion", _LABELS,
-                REQUEST_BUCKETS)
-QUEUE_TIME = histogram("request_queue_time_seconds", "From admission to the request's first step",
-                       _LABELS, REQUEST_BUCKETS)
-
 
 @dataclass
 class _Running:
@@ -157,11 +127,7 @@ class ExecutorService:
         self.intake_horizon = config.scheduler.batch_level.intake_horizon_steps
         self.advertised_room = 0  # room_tokens of the latest heartbeat
         self.engine.after_step = self.after_step
-        self.measuring = config.monitoring.metrics  # off: not even the observations
-        labels = (self.engine.model_name, name)
-        self.metrics = {m: m.labels(*labels)
-                        for m in (TTFT, ITL, TPOT, E2E, QUEUE_TIME, PROMPT_TOKENS)}
-        self.labels = labels
+        self.observer = Observer(tracer, self.engine.model_name, name, config.monitoring.metrics)
         self.collector = StatsCollector(self.read_metrics)
         register(self.collector)
 
@@ -192,9 +158,7 @@ class ExecutorService:
         await stop_micro_service(self.nc, self.service)
         if self.running:
             self.idle.clear()
-            try:
-                await asyncio.wait_for(self.idle.wait(), drain_timeout_s)
-            except TimeoutError:
+            if not await wait_event(self.idle, drain_timeout_s):
                 log.warning("drain timed out; cancelling", running=len(self.running))
         for key in list(self.running):
             self.engine.abort(key)
@@ -214,7 +178,7 @@ class ExecutorService:
                 "kv_blocks_free": blocks.num_free_blocks, "kv_blocks_total": blocks.num_blocks,
                 "kv_usage": round(1 - blocks.num_free_blocks / blocks.num_blocks, 4),
                 "kv_pools": [{"dtype": dtype, "blocks": total, "free": free}
-                             for dtype, total, free in self.kv_pools()],
+                             for dtype, total, free in kv_pools(self.engine)],
                 "steps": engine.steps, "prompt_tokens": engine.prompt_tokens,
                 "decode_tokens": engine.decode_tokens, "preemptions": scheduler.num_preemptions,
                 "recomputed_tokens": scheduler.num_recomputed_tokens,
@@ -224,13 +188,6 @@ class ExecutorService:
                 "batch_size": (self.batch_size.stats() if self.batch_size is not None
                                else {"mode": "fixed", "limit": scheduler.max_num_seqs})}
 
-    def kv_pools(self) -> list[tuple[str, int, int]]:
-        """(dtype, blocks, free blocks) of each KV pool: one, or two with
-        kv_cache.compress_below_priority."""
-        engine = self.engine
-        return [(dtype, pool.num_blocks, pool.num_free_blocks)
-                for dtype, pool in zip(engine.kv_pool_dtypes, engine.block_manager.pools)]
-
     @property
     def num_waiting(self) -> int:
         """Requests here not running: waiting in the scheduler, or assigned but not yet in it
@@ -238,32 +195,7 @@ class ExecutorService:
         return len(self.running) - len(self.engine.scheduler.running)
 
     def read_metrics(self) -> list[Reading]:
-        """What the engine already counts, read at scrape time (nothing on the step loop)."""
-        scheduler, blocks, engine = self.engine.scheduler, self.engine.block_manager, \
-            self.engine.stats
-        labels = dict(zip(_LABELS, self.labels))
-        return [
-            Reading("gauge", "num_requests_running", "Requests in the running batch",
-                    len(scheduler.running), labels),
-            Reading("gauge", "num_requests_waiting", "Requests here waiting for a slot",
-                    self.num_waiting, labels),
-            Reading("gauge", "kv_cache_usage_perc", "KV-cache blocks in use (1 = full)",
-                    1 - blocks.num_free_blocks / blocks.num_blocks, labels),
-            *(Reading("gauge", "kv_pool_usage_perc", "KV-cache blocks in use in one pool "
-                      "(1 = full)", 1 - free / total, {**labels, "pool": dtype})
-              for dtype, total, free in self.kv_pools()),
-            Reading("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                    "cache", blocks.prefix_queries, labels),
-            Reading("counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                    blocks.prefix_hits, labels),
-            Reading("counter", "num_preemptions", "Requests preempted (recomputed later)",
-                    scheduler.num_preemptions, labels),
-            Reading("counter", "prefill_tokens_computed", "Prompt tokens run through the model "
-                    "(prefix-cache hits left out, recomputation after preemption counted)",
-                    engine.prompt_tokens, labels),
-            Reading("counter", "generation_tokens", "Tokens generated", engine.generated_tokens,
-                    labels),
-        ]
+        return self.observer.readings(self.engine, self.num_waiting)
 
     # ------------------------------------------------------------------------- requests in
 
@@ -415,11 +347,10 @@ class ExecutorService:
         if running is None or running.item is not item:
             return  # an attempt dropped for another (drop): its outputs go nowhere
         if isinstance(output, Delta):
-            if self.measuring or self.batch_size is not None:
-                now = time.monotonic()
-                if self.measuring and running.last_delta is not None:
-                    self.metrics[ITL].observe(now - running.last_delta)
-                running.delivered(now, len(output.token_ids))
+            now = time.monotonic()
+            if running.last_delta is not None:
+                self.observer.inter_token(now - running.last_delta)
+            running.delivered(now, len(output.token_ids))
             probe = running.probe
             await self.outbox.delta(item, output,
                                     reply=f"{self.gone_inbox}.{probe}" if probe else None)
@@ -437,62 +368,23 @@ class ExecutorService:
                 output.scheduling, priority_score=item.priority_score,
                 queue_wait_ms=item.queue_wait_ms))
             self.counts["cancelled" if output.finish_reason == "cancelled" else "completed"] += 1
-            if self.measuring:
-                self.observe(output)
         else:
             self.counts["errors"] += 1
-            if self.measuring:
-                ERRORS.labels(*self.labels, output.code).inc()
         self.finished.append(finished_report(item, output))
         if not self.running:
             self.idle.set()
         self.load_changed.set()
-        self._end_span(running.span, item, output)
+        self.observer.ended(running.span, item, output)
         if self.draining and item.durable and isinstance(output, Completion) \
                 and output.finish_reason == "cancelled":
             return  # cut short by shutdown, not by its client: it will run again elsewhere
         await self.outbox.final(item, output, carrier_of(running.span))
 
-    def observe(self, completion: Completion) -> None:
-        REQUEST_SUCCESS.labels(*self.labels, completion.finish_reason).inc()
-        self.metrics[PROMPT_TOKENS].inc(completion.usage.prompt_tokens)
-        m = completion.metrics
-        self.metrics[E2E].observe(m.e2e_ms / 1e3)
-        self.metrics[QUEUE_TIME].observe(m.queue_ms / 1e3)
-        if completion.usage.completion_tokens:
-            self.metrics[TTFT].observe(m.ttft_ms / 1e3)
-        if completion.usage.completion_tokens > 1:
-            self.metrics[TPOT].observe(m.tpot_ms / 1e3)
-
-    def _end_span(self, span: Span, item: WorkItem, output: Completion | Error) -> None:
-        if isinstance(output, Completion):
-            m = output.metrics
-            span.set_attributes({"completion_tokens": output.usage.completion_tokens,
-                                 "cached_tokens": output.usage.cached_tokens,
-                                 "finish_reason": output.finish_reason})
-            # Prefill and decode as child spans, placed on the wall clock from the metrics.
-            arrival_ns = int(item.arrival_time * 1e9)
-
-            def at(ms: float) -> int:
-                return arrival_ns + int(ms * 1e6)
-
-            if output.usage.completion_tokens:
-                for name, start, end in (("prefill", m.queue_ms, m.ttft_ms),
-                                         ("decode", m.ttft_ms, m.e2e_ms)):
-                    self.tracer.start_span(name, context=context_of(span),
-                                           start_time=at(start)).end(end_time=at(end))
-        else:
-            span.set_attribute("error", output.code)
-        span.end()
-
     async def heartbeat_loop(self) -> None:
         interval = self.config.distributed.heartbeat_interval_s
         spent_s, steps, holding_at = 0.0, 0, 0.0  # at the previous beat
         while True:
-            try:
-                await asyncio.wait_for(self.load_changed.wait(), interval)
-            except TimeoutError:
-                pass
+            await wait_event(self.load_changed, interval)
             self.load_changed.clear()
             stats = self.engine.stats
             # A step's time as a request sees it: the model's time and the gaps between steps
@@ -508,7 +400,8 @@ class ExecutorService:
                 await self.publish_kv_changes()
                 if time.monotonic() - holding_at >= interval:
                     holding_at = time.monotonic()
-                    for report in self.holding(payload_budget(self.nc)):
+                    for report in holding_reports(self.name, self.running, self.engine,
+                                                  payload_budget(self.nc)):
                         await self.nc.publish(self.subjects.holding, encode(report))
             except Exception:  # a missed beat is survivable; a dead loop looks like a dead executor
                 log.exception("heartbeat failed")
@@ -586,27 +479,6 @@ class ExecutorService:
             finished=self.take_finished(), tenants=self.tenants_report(),
             overtake_above=None if self.draining else scheduler.overtake_above(),
             room_tokens=self.advertised_room)
-
-    def holding(self, budget: int) -> list[Holding]:
-        """The requests running here, with a checkpoint of each (the outputs generated since the
-        previous report), as reports of at most `budget` bytes each."""
-        held, progress = [], []
-        for key, running in self.running.items():
-            item = running.item
-            held.append((item.tenant, item.request_id))
-            outputs = self.engine.output_token_ids(key)
-            if outputs is not None and len(outputs) > running.reported:
-                # In pieces that fit a report, in order (admission appends them as they come).
-                step = max(1, budget // 10)
-                for start in range(running.reported, len(outputs), step):
-                    progress.append(Progress(item.tenant, item.request_id, item.attempt, start,
-                                             outputs[start:start + step]))
-                running.reported = len(outputs)
-        reports = [Holding(holder=self.name, requests=part)
-                   for part in chunked(held, holding_entry_bytes, budget)]
-        reports += [Holding(holder=self.name, requests=[], progress=part)
-                    for part in chunked(progress, progress_bytes, budget)]
-        return reports
 
     def tenants_report(self) -> dict[str, int]:
         """The requests each tenant has here, the busiest tenants first, as many as fit a quarter

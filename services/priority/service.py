@@ -23,6 +23,7 @@ from shared.bus import (
     payload_budget,
     serve_forever,
     stop_micro_service,
+    wait_event,
 )
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
@@ -330,11 +331,7 @@ class PriorityService:
     async def next_arrival(self, timeout: float) -> bool:
         """Wait up to `timeout` for a request to arrive; whether one did."""
         self.arrived.clear()
-        try:
-            await asyncio.wait_for(self.arrived.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(self.arrived, timeout)
 
     async def on_cancel(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)

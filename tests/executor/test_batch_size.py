@@ -104,5 +104,5 @@ def test_bad_settings_name_the_key(key, value, message):
 def test_adaptive_engine_is_sized_for_the_largest_batch():
     config = load_config(None, {"JETSERVE_SCHEDULER__BATCH_LEVEL__BATCH_SIZE": "adaptive",
                                 "JETSERVE_SCHEDULER__LOAD_AWARE__MAX_BATCH_SIZE": "96"})
-    assert config.engine_config("e").max_num_seqs == 96
-    assert load_config(None, {}).engine_config("e").max_num_seqs == 128  # fixed: max_num_seqs
+    assert config.engine_config("e").batch.max_num_seqs == 96
+    assert load_config(None, {}).engine_config("e").batch.max_num_seqs == 128  # fixed: max_num_seqs

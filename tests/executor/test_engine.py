@@ -48,8 +48,8 @@ async def test_alone_equals_together():
 
 async def test_pipelined_equals_unpipelined():
     requests = [greedy(p) for p in prompts(6, seed=1)]
-    on, _ = await run(tiny_config(pipeline=True), requests)
-    off, _ = await run(tiny_config(pipeline=False), requests)
+    on, _ = await run(tiny_config({"scheduler.token_level.pipeline": True}), requests)
+    off, _ = await run(tiny_config({"scheduler.token_level.pipeline": False}), requests)
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
 
 
@@ -65,7 +65,7 @@ async def test_prefix_cache_hit_reports_cached_tokens_and_same_tokens():
         await engine.stop()
     assert a.usage.cached_tokens == 0
     assert b.usage.cached_tokens == 192  # 12 full blocks of 16 out of the 200 shared tokens
-    cold, _ = await run(tiny_config(enable_prefix_caching=False), [greedy(second)])
+    cold, _ = await run(tiny_config({"kv_cache.enable_prefix_caching": False}), [greedy(second)])
     assert cold[0].usage.cached_tokens == 0
     assert b.token_ids == cold[0].token_ids
 
@@ -75,7 +75,7 @@ async def test_forced_preemption_gives_same_tokens():
     requests = [greedy(p, max_tokens=40) for p in batch]
     roomy, _ = await run(tiny_config(), requests)
     # 24 blocks of 16 cannot hold 8 sequences of up to 100 tokens: preemption is forced.
-    tight, engine = await run(tiny_config(num_kv_blocks=24), requests)
+    tight, engine = await run(tiny_config({"kv_cache.num_blocks": 24}), requests)
     assert sum(c.scheduling.preemptions for c in tight) > 0
     assert [c.token_ids for c in tight] == [c.token_ids for c in roomy]
 
@@ -276,7 +276,7 @@ async def test_score_orders_requests_and_reaches_the_completion(tiny_engine):
 async def test_aging_bound_at_the_executor():
     """With max_wait_s, a request that has waited that long goes ahead of fresher, higher-score
     ones, and a running request past it is not preempted by them."""
-    engine = Engine(tiny_config(max_num_seqs=1, max_wait_s=0.3))
+    engine = Engine(tiny_config({"scheduler.batch_level.max_num_seqs": 1}, max_wait_s=0.3))
     finished: list[str] = []
     engine.start()
     try:
@@ -304,7 +304,7 @@ async def test_aging_bound_at_the_executor():
 async def test_the_aging_bound_can_count_from_dispatch():
     """A request of a tenant over its share arrives long after admission: its bound counts from
     `aging_start`, so it is not aged on arrival and a higher score still goes first."""
-    engine = Engine(tiny_config(max_num_seqs=1, max_wait_s=1.0))
+    engine = Engine(tiny_config({"scheduler.batch_level.max_num_seqs": 1}, max_wait_s=1.0))
     old = time.monotonic() - 10.0
     add(engine, greedy([20, 21], max_tokens=8, request_id="held"), lambda out: None,
         arrival_time=old, score=1.0, aging_start=time.monotonic())
@@ -334,8 +334,8 @@ async def test_warm_up_leaves_no_trace():
     """The start-up warm-up writes the pool's first blocks and nothing else: a pool of two blocks
     still serves, no block stays held, and the tokens equal those over a freshly zeroed cache."""
     request = greedy(prompts(1)[0][:8])
-    warmed = Engine(tiny_config(num_kv_blocks=2, block_size=16))
-    zeroed = Engine(tiny_config(num_kv_blocks=2, block_size=16))
+    warmed = Engine(tiny_config({"kv_cache.num_blocks": 2, "kv_cache.block_size": 16}))
+    zeroed = Engine(tiny_config({"kv_cache.num_blocks": 2, "kv_cache.block_size": 16}))
     for k, v in zeroed.runner.kv_caches:
         k.zero_()
         v.zero_()

@@ -106,9 +106,9 @@ def test_a_sequence_short_of_blocks_preempts_only_in_its_own_pool():
 
 
 def test_the_engine_splits_the_memory_and_picks_the_pool_by_priority():
-    one = Engine(tiny_config(num_kv_blocks=200))
-    two = Engine(tiny_config(num_kv_blocks=200, kv_compress_below_priority=5,
-                             kv_compressed_fraction=0.25))
+    one = Engine(tiny_config({"kv_cache.num_blocks": 200}))
+    two = Engine(tiny_config({"kv_cache.num_blocks": 200, "kv_cache.compress_below_priority": 5,
+                              "kv_cache.compressed_fraction": 0.25}))
     try:
         head_dim = one.model_config.head_dim
         int8_per_fp32 = 4 * head_dim / (head_dim + 4)
@@ -125,11 +125,12 @@ def prompts() -> list[list[int]]:
     return [[(97 * i + 13 * n) % 40000 + 17 for i in range(n)] for n in (3, 20, 45)]
 
 
-async def run(backend: str, priorities: list[int], **kv) -> list[list[int]]:
+async def run(backend: str, priorities: list[int], kv: dict | None = None) -> list[list[int]]:
     """Every prompt at every priority, greedy, batched together (prompts past the 32-token
     budget are prefilled in chunks beside the decodes)."""
-    engine = Engine(tiny_config(attention_backend=backend, max_num_batched_tokens=32,
-                                num_kv_blocks=64, **kv))
+    engine = Engine(tiny_config({"model.attention_backend": backend,
+                                 "scheduler.batch_level.max_num_batched_tokens": 32,
+                                 "kv_cache.num_blocks": 64, **(kv or {})}))
     try:
         assert backend != "triton" or isinstance(engine.runner.backend, TritonBackend)
         requests = [GenerateRequest(prompt_token_ids=p, max_tokens=6, temperature=0.0,
@@ -145,8 +146,8 @@ async def test_each_pool_gives_the_tokens_of_an_engine_with_that_cache_alone(bac
     # Each engine alone runs only the requests it is compared on (greedy tokens do not depend
     # on what else is in the batch: test_engine's alone-equals-together).
     full = await run(backend, [9])
-    int8 = await run(backend, [1], kv_cache_dtype="int8")
-    mixed = await run(backend, [9, 1], kv_compress_below_priority=5)
+    int8 = await run(backend, [1], {"kv_cache.dtype": "int8"})
+    mixed = await run(backend, [9, 1], {"kv_cache.compress_below_priority": 5})
     assert all(len(t) == 6 for t in mixed)
     n = len(prompts())
     assert mixed[:n] == full  # priority 9: the model's dtype

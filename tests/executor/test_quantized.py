@@ -6,7 +6,7 @@ import pytest
 
 from loadtest.quant_quality import TEXT, agreement, perplexity
 from services.executor.engine.llm_engine import Engine
-from shared.config import EngineConfig
+from shared.config import engine_config
 from shared.protocol import ChatMessage, GenerateRequest
 from tests.conftest import generate_all
 
@@ -36,7 +36,8 @@ async def test_quantized_engine_answers_and_agrees_with_fp32(mode):
                                 temperature=0.0) for q in questions]
     outputs = {}
     for name in ("none", mode):
-        engine = Engine(EngineConfig(max_num_seqs=8, num_kv_blocks=64, quantization=name))
+        engine = Engine(engine_config({"scheduler.batch_level.max_num_seqs": 8,
+                                       "kv_cache.num_blocks": 64, "model.quantization": name}))
         try:
             outputs[name] = await generate_all(engine, requests)
         finally:

@@ -13,6 +13,8 @@ from shared.model_files import load_model_config
 from shared.protocol import GenerateRequest
 from tests.conftest import generate_all, tiny_config
 
+SIM = {"model.name": "sim:llama3-8b-h100", "kv_cache.num_blocks": None}
+
 
 def test_cost_model_terms():
     cost = StepCost(base=1.0, weights=6.0, per_new_token=0.01, per_kv_token=0.001,
@@ -46,7 +48,7 @@ def test_synthetic_tokens_are_a_fixed_function_of_seed_and_index():
 
 
 async def test_sim_engine_runs_requests_in_model_time():
-    engine = Engine(tiny_config(model="sim:llama3-8b-h100", num_kv_blocks=None))
+    engine = Engine(tiny_config(SIM))
     requests = [GenerateRequest(prompt_token_ids=list(range(100, 400)), max_tokens=40,
                                 ignore_eos=True, seed=s) for s in range(4)]
     start = time.perf_counter()
@@ -65,7 +67,7 @@ async def test_sim_engine_runs_requests_in_model_time():
 
 
 async def test_sim_engine_stops_at_a_seeded_eos_without_ignore_eos(monkeypatch):
-    engine = Engine(tiny_config(model="sim:llama3-8b-h100", num_kv_blocks=512))
+    engine = Engine(tiny_config({**SIM, "kv_cache.num_blocks": 512}))
     profile = engine.runner.profile
     monkeypatch.setattr(engine.runner, "profile", type(profile)(
         **{**profile.__dict__, "eos_fraction": (0.25, 0.5)}))
@@ -81,9 +83,9 @@ async def test_sim_engine_stops_at_a_seeded_eos_without_ignore_eos(monkeypatch):
 async def deadline_run(pacing: bool):
     """One request with a deadline (150 tokens in 2.1 s) beside 24 prompts of 3,000 tokens that
     fill every step's budget; its Completion and the engine."""
-    engine = Engine(tiny_config(model="sim:llama3-8b-h100", num_kv_blocks=None,
-                                max_num_seqs=128, max_num_batched_tokens=512,
-                                deadline_pacing=pacing))
+    engine = Engine(tiny_config({**SIM, "scheduler.batch_level.max_num_seqs": 128,
+                                 "scheduler.batch_level.max_num_batched_tokens": 512,
+                                 "scheduler.token_level.deadline_pacing": pacing}))
     backlog = [GenerateRequest(prompt_token_ids=[100 + (i * 7 + j) % 5000 for j in range(3000)],
                                max_tokens=4, ignore_eos=True, seed=i) for i in range(24)]
     urgent = GenerateRequest(prompt_token_ids=list(range(100, 132)), max_tokens=150,
@@ -114,8 +116,8 @@ async def test_a_request_arriving_during_a_step_runs_in_the_next_one():
     import asyncio
     import random
 
-    engine = Engine(tiny_config(model="sim:llama3-8b-h100", num_kv_blocks=None,
-                                max_num_seqs=128, max_num_batched_tokens=512))
+    engine = Engine(tiny_config({**SIM, "scheduler.batch_level.max_num_seqs": 128,
+                                 "scheduler.batch_level.max_num_batched_tokens": 512}))
     background = [GenerateRequest(prompt_token_ids=list(range(100, 164)), max_tokens=3000,
                                   ignore_eos=True, seed=i) for i in range(96)]
     rng = random.Random(0)

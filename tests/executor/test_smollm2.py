@@ -8,7 +8,7 @@ import torch
 
 from services.executor.engine.llm_engine import Engine
 from shared.model_files import default_gguf_path
-from shared.config import EngineConfig
+from shared.config import engine_config
 from shared.protocol import ChatMessage, GenerateRequest
 from tests.conftest import generate_all
 
@@ -39,7 +39,9 @@ def prompts(engine) -> list[list[int]]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine():
-    engine = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=512))
+    engine = Engine(engine_config({"scheduler.batch_level.max_num_seqs": 16,
+                                   "scheduler.batch_level.max_num_batched_tokens": 256,
+                                   "kv_cache.num_blocks": 512}))
     yield engine
     await engine.stop()
 
@@ -101,7 +103,9 @@ async def test_prefix_cache_hit_same_tokens(engine, prompts):
     [a] = await generate_all(engine, [first])
     [b] = await generate_all(engine, [second])
     assert a.usage.prompt_tokens > 200 and b.usage.cached_tokens >= 200
-    cold = Engine(EngineConfig(max_num_seqs=4, num_kv_blocks=128, enable_prefix_caching=False))
+    cold = Engine(engine_config({"scheduler.batch_level.max_num_seqs": 4,
+                                 "kv_cache.num_blocks": 128,
+                                 "kv_cache.enable_prefix_caching": False}))
     try:
         [b_cold] = await generate_all(cold, [second])
     finally:
@@ -111,7 +115,9 @@ async def test_prefix_cache_hit_same_tokens(engine, prompts):
 
 
 async def test_forced_preemption_same_tokens(prompts, reference):
-    tight = Engine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, num_kv_blocks=24))
+    tight = Engine(engine_config({"scheduler.batch_level.max_num_seqs": 16,
+                                  "scheduler.batch_level.max_num_batched_tokens": 256,
+                                  "kv_cache.num_blocks": 24}))
     try:
         completions = await generate_all(tight, [greedy(p) for p in prompts])
     finally:

@@ -21,8 +21,9 @@ def requests() -> list[GenerateRequest]:
 
 
 async def run(backend: str, kv_cache_dtype: str = "auto") -> list[list[int]]:
-    engine = Engine(tiny_config(attention_backend=backend, max_num_batched_tokens=32,
-                                num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype))
+    engine = Engine(tiny_config({"model.attention_backend": backend,
+                                 "scheduler.batch_level.max_num_batched_tokens": 32,
+                                 "kv_cache.num_blocks": 64, "kv_cache.dtype": kv_cache_dtype}))
     try:
         if backend == "triton":
             assert isinstance(engine.runner.backend, TritonBackend)
@@ -41,7 +42,7 @@ async def test_triton_backend_matches_torch_backend():
 
 async def test_an_int8_kv_cache_on_the_triton_backend_gives_the_torch_backends_tokens():
     """Both quantize each row as it is written and read it dequantized (greedy requests only:
-    a tie in rounding may differ, kernels/elementwise.py)."""
+    a tie in rounding may differ, jetserve_kernels/elementwise.py)."""
     torch_tokens = await run("torch", "int8")
     triton_tokens = await run("triton", "int8")
     assert triton_tokens[:4] == torch_tokens[:4]

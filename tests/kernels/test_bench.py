@@ -1,10 +1,10 @@
-"""kernels/bench.py's cases run end to end (tiny shapes, CPU interpreter, no timing), so the
-GPU benchmark does not meet its first bug on the GPU."""
+"""jetserve_kernels/bench.py's cases run end to end (tiny shapes, CPU interpreter, no timing), so
+the GPU benchmark does not meet its first bug on the GPU."""
 
 import pytest
 import torch
 
-from kernels import bench
+from jetserve_kernels import bench
 
 
 def test_every_case_runs_and_reports_its_figures(monkeypatch):

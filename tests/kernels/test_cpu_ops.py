@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from kernels import cpu_ops, kv_int8, reference
+from jetserve_kernels import cpu_ops, kv_int8, reference
 from services.executor.engine.linear import pack_panels, pack_quantized, quantize
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")

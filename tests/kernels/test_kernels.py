@@ -1,4 +1,4 @@
-"""Each Triton kernel against its torch reference (kernels/reference.py).
+"""Each Triton kernel against its torch reference (jetserve_kernels/reference.py).
 
 On a CPU they run under TRITON_INTERPRET=1 (tests/conftest.py sets it), so shapes are tiny.
 Tolerances: fp32 atol 1e-5; bf16 atol 2e-2 / rtol 1.6e-2, one or two bf16 ulps of values around 1
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import kv_int8, reference
+import jetserve_kernels as kernels
+from jetserve_kernels import kv_int8, reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
@@ -95,7 +95,8 @@ def test_reshape_and_cache_writes_slots_and_skips_negative_ones(block_size, dtyp
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reshape_and_cache_quantizes_into_an_int8_cache(dtype):
-    """Rows as kernels/kv_int8.py writes them: head_dim int8 values, then their fp32 scale."""
+    """Rows as jetserve_kernels/kv_int8.py writes them: head_dim int8 values, then their fp32
+    scale."""
     gen = torch.Generator().manual_seed(3)
     key = torch.randn(5, 3, 64, generator=gen).to(DEVICE, dtype)
     value = torch.randn(5, 3, 64, generator=gen).to(DEVICE, dtype)

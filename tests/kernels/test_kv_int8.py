@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from kernels import cpu_ops, kv_int8, reference
+from jetserve_kernels import cpu_ops, kv_int8, reference
 from services.executor.engine.attention import SeqSlice, TorchBackend
 
 
@@ -63,12 +63,12 @@ def test_torch_backend_over_int8_equals_fp32_over_the_dequantized_cache(use_cpu_
 def test_engine_with_an_int8_cache_holds_more_blocks_and_serves():
     from services.executor.engine.llm_engine import Engine
     from services.executor.run_local import run_requests
-    from shared.config import EngineConfig
+    from shared.config import engine_config
     from shared.protocol import Completion
 
     async def blocks_and_tokens(dtype: str):
-        engine = Engine(EngineConfig(model="dummy:tiny", cpu_kv_cache_gib=0.001,
-                                     kv_cache_dtype=dtype))
+        engine = Engine(engine_config({"model.name": "dummy:tiny", "kv_cache.cpu_cache_gib": 0.001,
+                                       "kv_cache.dtype": dtype}))
         try:
             results = await run_requests(engine, [
                 '{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, '

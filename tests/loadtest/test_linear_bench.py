@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kernels import cpu_ops
+from jetserve_kernels import cpu_ops
 from loadtest import linear_bench
 
 

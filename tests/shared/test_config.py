@@ -1,6 +1,6 @@
 import pytest
 
-from shared.config import ConfigError, env_overrides, load_config
+from shared.config import ConfigError, engine_config, env_overrides, load_config
 
 
 def test_defaults_need_no_file():
@@ -18,7 +18,7 @@ def test_yaml_then_environment(tmp_path):
     assert config.scheduler.batch_level.max_num_seqs == 4  # the environment wins
     assert config.nats.url == "nats://example:4223"
     engine = config.engine_config("e")
-    assert (engine.block_size, engine.max_num_seqs) == (32, 4)
+    assert (engine.kv_cache.block_size, engine.batch.max_num_seqs) == (32, 4)
 
 
 @pytest.mark.parametrize("environ, needle", [
@@ -68,3 +68,14 @@ def test_the_example_file_is_every_default():
     path = Path(__file__).resolve().parents[2] / "jetserve.example.yaml"
     assert load_config(str(path), {}) == JetserveConfig()
     assert yaml.safe_load(path.read_text()) == msgspec.to_builtins(JetserveConfig())
+
+
+def test_an_in_process_engine_takes_the_file_s_keys_and_checks():
+    engine = engine_config({"kv_cache.num_blocks": 64, "model.quantization": "int8"},
+                           max_wait_s=2.0)
+    assert engine.kv_cache.num_blocks == 64 and engine.model.quantization == "int8"
+    assert engine.max_wait_s == 2.0 and engine_config().max_wait_s is None  # off unless given
+    with pytest.raises(ConfigError, match="kv_cache.num_blocks"):
+        engine_config({"kv_cache.num_blocks": 1})
+    with pytest.raises(ConfigError, match="compress_below_priority` needs `dtype: auto"):
+        engine_config({"kv_cache.dtype": "int8", "kv_cache.compress_below_priority": 5})

@@ -1,7 +1,8 @@
 """The engine, as a library: a Llama-family model with continuous batching over a paged KV cache,
 in one process, knowing nothing of NATS.
 
-    engine = Engine(EngineConfig.from_config(config))   # llm_engine.py
+    engine = Engine(engine_config({"model.name": "SmolLM2-135M-Instruct"}))   # shared/config.py
+    # (an executor: Engine(load_config(path).engine_config(name)))
     engine.start()
     key = engine.add_request(engine.admit(request), sink)   # outputs go to sink(output)
     engine.abort(key)

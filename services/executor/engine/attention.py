@@ -1,8 +1,8 @@
 """Attention backends: the per-layer ops that touch the paged KV cache, behind one small interface.
 
 A backend turns a step's sequences into metadata once (`prepare`), then every layer calls its ops.
-The torch backend runs anywhere and is the CPU default; the triton backend (kernels/) plugs in with
-the same methods.
+The torch backend runs anywhere and is the CPU default; the triton backend (jetserve_kernels/)
+plugs in with the same methods.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import kv_int8, reference
+from jetserve_kernels import kv_int8, reference
 
 DECODE_GROUP_SIZE = 16  # decodes batched per SDPA call, after sorting by context length
 
@@ -81,8 +81,8 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 class TorchBackend:
-    """Paged attention in torch, or in the C++ kernels on a CPU with fp32 (kernels/cpu/): these
-    read the cache in place, decodes all in one call and each prefill chunk in one (where the
+    """Paged attention in torch, or in the C++ kernels on a CPU with fp32 (jetserve_kernels/cpu/):
+    these read the cache in place, decodes all in one call and each prefill chunk in one (where the
     build has AVX-512). Otherwise prefill chunks run one by one through SDPA over their gathered
     blocks, and decodes are gathered into groups of similar length for SDPA. On a CPU with fp32
     the element-wise ops and matmuls run on the C++ kernels too."""
@@ -95,7 +95,7 @@ class TorchBackend:
         self.device = device
         self.cpu_kernels = None
         if use_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
-            from kernels import cpu_ops
+            from jetserve_kernels import cpu_ops
 
             self.cpu_kernels = cpu_ops.load()
         self.prefill_kernel = (self.cpu_kernels is not None

@@ -1,8 +1,9 @@
 """The model's matmuls, y = x W^T, over weights kept in the precision they are stored in: dense
 (fp32, bf16, fp16), or weight-only int8 / int4 in groups of 32 along the input dimension (the
-layout of GGUF's Q8_0, Q4_0 and Q4_1 blocks), run by the CPU kernels in kernels/cpu/linear.cpp.
-Weights on a CPU are packed once at load into panels of 32 output columns, the layout the kernel
-streams (one copy: a tied fp32 embedding table is looked up in the panels too).
+layout of GGUF's Q8_0, Q4_0 and Q4_1 blocks), run by the CPU kernels in
+jetserve_kernels/cpu/linear.cpp. Weights on a CPU are packed once at load into panels of 32 output
+columns, the layout the kernel streams (one copy: a tied fp32 embedding table is looked up in the
+panels too).
 
 `model.quantization`: `none` keeps dense weights; `int8` / `int4` quantize every matmul at load;
 `auto` keeps a GGUF's own blocks (Q4_x stays int4, Q8_0 int8, float stays dense) and is `none`

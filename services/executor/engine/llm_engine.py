@@ -68,27 +68,27 @@ class _Step:
 
 
 def _pick_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
+    if config.model.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    return torch.device(config.model.device)
 
 
 def _pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
+    if config.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.dtype)
+    return getattr(torch, config.model.dtype)
 
 
 def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype):
     """triton on CUDA, torch on a CPU, unless the config names one."""
-    name = config.attention_backend
+    name = config.model.attention_backend
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         from services.executor.engine.triton_backend import TritonBackend
 
-        return TritonBackend(config.block_size, device, dtype)
-    return TorchBackend(config.block_size, device, dtype)
+        return TritonBackend(config.kv_cache.block_size, device, dtype)
+    return TorchBackend(config.kv_cache.block_size, device, dtype)
 
 
 class Engine:
@@ -98,30 +98,28 @@ class Engine:
         # OpenMP thread team per calling thread would leave two teams on the cores, and each
         # parallel op then waits ~40 us for its workers to wake instead of ~3 us.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        simulated = config.model.startswith("sim:")
+        simulated = config.model.name.startswith("sim:")
         if simulated:  # no weights, no tensors: the host's clock stands in for the device
             self.device, self.dtype = torch.device("cpu"), torch.float32
-            model_config, model_dir = load_model_config(config.model)
+            model_config, model_dir = load_model_config(config.model.name)
         else:
             self.device = _pick_device(config)
             self.dtype = _pick_dtype(config, self.device)
             model_config, weights, model_dir = self.on_model_thread(
-                load_model_files, config.model, self.device, self.dtype,
-                config.weights_cache_dir, config.quantization)
-        self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.weights_cache_dir))
+                load_model_files, config.model.name, self.device, self.dtype,
+                config.model.weights_cache_dir, config.model.quantization)
+        self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.model.weights_cache_dir))
         self.model_config = model_config
-        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
-        self.model_name = config.model
-        self.max_model_len = min(config.max_model_len or model_config.max_position,
+        self.kv_dtype = torch.int8 if config.kv_cache.dtype == "int8" else self.dtype
+        self.model_name = config.model.name
+        self.max_model_len = min(config.model.max_model_len or model_config.max_position,
                                  model_config.max_position)
         self.eos_token_id = (self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None
                              else model_config.eos_token_id)
-        if config.kv_compress_below_priority is not None and config.kv_cache_dtype == "int8":
-            raise ValueError("kv_compress_below_priority needs kv_cache_dtype auto")
         if simulated:
-            profile = load_profile(config.model.removeprefix("sim:"))
-            num_blocks = config.num_kv_blocks or (
-                profile.kv_blocks * 16 // config.block_size if profile.kv_blocks
+            profile = load_profile(config.model.name.removeprefix("sim:"))
+            num_blocks = config.kv_cache.num_blocks or (
+                profile.kv_blocks * 16 // config.kv_cache.block_size if profile.kv_blocks
                 else self._blocks_that_fit())
             self.pool_sizes = self._split_pools(num_blocks)
             self.runner = SimRunner(profile, model_config.vocab_size, self.eos_token_id)
@@ -129,24 +127,25 @@ class Engine:
             backend = _pick_backend(config, self.device, self.dtype)
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
                                           self.max_model_len)
-            self.pool_sizes = self._split_pools(config.num_kv_blocks or self._blocks_that_fit())
+            self.pool_sizes = self._split_pools(config.kv_cache.num_blocks
+                                                or self._blocks_that_fit())
             self.runner = self.on_model_thread(ModelRunner, model, backend, self.pool_sizes[0],
-                                                config.block_size, self.kv_dtype, self.device,
-                                                sum(self.pool_sizes[1:]))
+                                                config.kv_cache.block_size, self.kv_dtype,
+                                                self.device, sum(self.pool_sizes[1:]))
             self.on_model_thread(self.runner.warm_up)
         self.kv_pool_dtypes = [str(self.kv_dtype).removeprefix("torch."), "int8"][
             :len(self.pool_sizes)]
         if len(self.pool_sizes) == 1:
-            self.block_manager = BlockManager(self.pool_sizes[0], config.block_size,
-                                              config.enable_prefix_caching)
+            self.block_manager = BlockManager(self.pool_sizes[0], config.kv_cache.block_size,
+                                              config.kv_cache.enable_prefix_caching)
         else:
-            self.block_manager = KvPools(self.pool_sizes, config.block_size,
-                                         config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens,
-                                   preemption_margin=config.preemption_margin,
-                                   deadline_pacing=config.deadline_pacing,
-                                   pause_decodes=config.pause_decodes)
+            self.block_manager = KvPools(self.pool_sizes, config.kv_cache.block_size,
+                                         config.kv_cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.batch.max_num_seqs,
+                                   config.batch.max_num_batched_tokens,
+                                   preemption_margin=config.token_level.preemption_margin,
+                                   deadline_pacing=config.token_level.deadline_pacing,
+                                   pause_decodes=config.token_level.pause_decodes)
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
         self._arrivals = itertools.count()
@@ -160,32 +159,33 @@ class Engine:
         """fn(*args) on the model thread: start-up work, and anything else (a benchmark's direct
         forward passes) that runs torch's parallel ops."""
         def call():
-            if self.config.num_threads:  # OpenMP's thread count is the calling thread's
-                torch.set_num_threads(self.config.num_threads)
+            if self.config.model.num_threads:  # OpenMP's thread count is the calling thread's
+                torch.set_num_threads(self.config.model.num_threads)
             return fn(*args)
         return self._worker.submit(call).result()
 
     def _blocks_that_fit(self) -> int:
-        per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size,
+        per_block = kv_cache_bytes_per_block(self.model_config, self.config.kv_cache.block_size,
                                              self.kv_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            budget = free - (1 - self.config.kv_cache.gpu_memory_utilization) * total
         else:
-            budget = self.config.cpu_kv_cache_gib * 2**30
+            budget = self.config.kv_cache.cpu_cache_gib * 2**30
         # More than every sequence at full length can use is memory for nothing (prefix caching
         # aside): a tiny model would otherwise take the whole budget.
-        most_useful = 2 * self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        blocks_per_seq = -(-self.max_model_len // self.config.kv_cache.block_size)
+        most_useful = 2 * self.config.batch.max_num_seqs * blocks_per_seq
         return max(2, min(int(budget // per_block), most_useful))
 
     def _split_pools(self, num_blocks: int) -> list[int]:
         """[blocks] for one pool; with kv_compress_below_priority the memory of `num_blocks`
         blocks in the model's dtype as [its blocks, int8 blocks], split by the compressed
         fraction."""
-        fraction = self.config.kv_compressed_fraction
-        if self.config.kv_compress_below_priority is None:
+        fraction = self.config.kv_cache.compressed_fraction
+        if self.config.kv_cache.compress_below_priority is None:
             return [num_blocks]
-        bs = self.config.block_size
+        bs = self.config.kv_cache.block_size
         full = kv_cache_bytes_per_block(self.model_config, bs, self.kv_dtype)
         budget = num_blocks * full
         compressed = kv_cache_bytes_per_block(self.model_config, bs, torch.int8)
@@ -194,7 +194,7 @@ class Engine:
 
     def kv_pool_of(self, priority: int) -> int:
         """0: the model's dtype; 1: the int8 pool, for priorities under the configured bound."""
-        below = self.config.kv_compress_below_priority
+        below = self.config.kv_cache.compress_below_priority
         return 1 if below is not None and priority < below else 0
 
     # ------------------------------------------------------------------------------- requests
@@ -237,7 +237,7 @@ class Engine:
                                 f"`request_id` {request.request_id!r} is already running")
         prompt = request.prompt_token_ids
         total = len(prompt) + request.max_tokens
-        blocks = -(-total // self.config.block_size)
+        blocks = -(-total // self.config.kv_cache.block_size)
         pool = self.kv_pool_of(request.priority)
         usable = self.block_manager.pool_size(pool) - self.scheduler.watermark_blocks
         if blocks > usable:
@@ -361,7 +361,7 @@ class Engine:
             submit_s = time.perf_counter() - started
             self.stats.loop_cpu_s += submit_s
             self._submit_s += JIT_ALPHA * (submit_s - self._submit_s)
-            if step is not None and not self.config.pipeline:
+            if step is not None and not self.config.token_level.pipeline:
                 in_flight, step = step, None
             processed = in_flight is not None
             if in_flight is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import kv_int8
+from jetserve_kernels import kv_int8
 from services.executor.engine.attention import SeqSlice, TorchBackend
 from services.executor.engine.model import KvSegment, LlamaModel
 from services.executor.engine.sampler import SamplingBatch, sample, token_seed
@@ -46,8 +46,9 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: TorchBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, int8_blocks: int = 0):
-        """`dtype`: the KV cache's, the model's or int8 (kernels/kv_int8.py). `int8_blocks`: the
-        size of a second, int8 pool (pool 1: kv_cache.compress_below_priority)."""
+        """`dtype`: the KV cache's, the model's or int8 (jetserve_kernels/kv_int8.py).
+        `int8_blocks`: the size of a second, int8 pool (pool 1:
+        kv_cache.compress_below_priority)."""
         cfg = model.config
         self.model = model
         self.backend = backend

@@ -1,4 +1,4 @@
-"""The triton attention backend: every per-layer op as a Triton kernel from kernels/.
+"""The triton attention backend: every per-layer op as a Triton kernel from jetserve_kernels/.
 
 The default on CUDA. On a CPU it runs only under TRITON_INTERPRET=1 (tests), very slowly.
 """
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from kernels import kv_int8
+import jetserve_kernels as kernels
+from jetserve_kernels import kv_int8
 from services.executor.engine.attention import SeqSlice, split_qkv
 
 

@@ -1,4 +1,5 @@
-// The CPU kernels of the torch backend, built together into one extension (kernels/cpu_ops.py).
+// The CPU kernels of the torch backend, built together into one extension
+// (jetserve_kernels/cpu_ops.py).
 #pragma once
 
 #include <torch/extension.h>
@@ -15,8 +16,8 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
                              double scale);
 bool prefill_attention_kernel();
 
-// Weights packed in panels of 32 output columns (services/executor/engine/linear.py, linear.cpp): fp32
-// [N / 32, K, 32]; int8 q [N / 32, K, 32] with fp32 scales [N / 32, K / 32, 32]; int4 q
+// Weights packed in panels of 32 output columns (services/executor/engine/linear.py, linear.cpp):
+// fp32 [N / 32, K, 32]; int8 q [N / 32, K, 32] with fp32 scales [N / 32, K / 32, 32]; int4 q
 // [N / 32, K, 16] with scales and mins. n: the output columns (the last panel may be padding).
 // many_rows: "fp32", "bf16" or "amx", how many rows of x multiply quantized weights (linear.cpp).
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels);

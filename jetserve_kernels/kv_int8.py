@@ -5,7 +5,7 @@ head's head_dim values as int8 followed by their fp32 scale in 4 bytes, so a cac
 A scale per row, rather than per block: a row is written once, when its token is computed, and
 never rescaled, so no block has to be requantized as later tokens arrive. It costs 4 bytes per
 head_dim (6 % at 64), and each row's values use the full int8 range. Symmetric, round to nearest:
-scale = max |x| / 127. The CPU kernels (kernels/cpu/) read and write the same layout.
+scale = max |x| / 127. The CPU kernels (jetserve_kernels/cpu/) read and write the same layout.
 """
 
 from __future__ import annotations

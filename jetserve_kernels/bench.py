@@ -9,7 +9,7 @@ shapes (32 query heads, 8 KV heads, head dim 128, block 16, bf16).
 - rms_norm, rotary_embedding, silu_and_mul, reshape_and_cache over 4096 tokens against the torch
   references; GB/s.
 
-    python -m kernels.bench --result-json results/kernels_bench.json
+    python -m jetserve_kernels.bench --result-json results/kernels_bench.json
 
 On a machine without a GPU it says so and exits 0.
 """
@@ -64,7 +64,7 @@ def paged_cache(batch: int, context: int):
 
 
 def decode_case(batch: int, context: int, bandwidth: float) -> dict:
-    import kernels
+    import jetserve_kernels as kernels
 
     k_cache, v_cache, block_tables = paged_cache(batch, context)
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
@@ -91,7 +91,7 @@ def decode_case(batch: int, context: int, bandwidth: float) -> dict:
 
 
 def prefill_case(chunk: int) -> dict:
-    import kernels
+    import jetserve_kernels as kernels
 
     context = 2 * chunk  # the chunk comes after as much cached context as it has new tokens
     k_cache, v_cache, block_tables = paged_cache(1, context)
@@ -124,8 +124,8 @@ def prefill_case(chunk: int) -> dict:
 
 
 def small_kernel_cases() -> list[dict]:
-    import kernels
-    from kernels import reference
+    import jetserve_kernels as kernels
+    from jetserve_kernels import reference
 
     tokens = TOKENS
     x = torch.randn(tokens, HIDDEN, dtype=DTYPE, device=DEVICE)
@@ -168,8 +168,8 @@ def main() -> int:
     parser.add_argument("--result-json", type=Path, default=Path("results/kernels_bench.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("kernels/bench.py: no CUDA GPU on this machine; the kernel benchmark needs one "
-              "(the kernels' correctness tests run on a CPU under TRITON_INTERPRET=1).")
+        print("jetserve_kernels/bench.py: no CUDA GPU on this machine; the kernel benchmark needs "
+              "one (the kernels' correctness tests run on a CPU under TRITON_INTERPRET=1).")
         return 0
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()

@@ -1,8 +1,8 @@
 """Compile every kernel ahead of time for a GPU with the real Triton compiler, down to a cubin,
 on any machine (no GPU needed): it catches what the CPU interpreter lets through.
 
-    python -m kernels.compile_check            # sm_90 (H100/H200)
-    python -m kernels.compile_check --arch 80  # A100
+    python -m jetserve_kernels.compile_check            # sm_90 (H100/H200)
+    python -m jetserve_kernels.compile_check --arch 80  # A100
 
 Each kernel is compiled with the specializations the wrappers launch: Llama-3-8B (32/8 heads,
 head dim 128) and SmolLM2 (9/3 heads, head dim 64) shapes, bf16 and fp32, with the alignment
@@ -46,7 +46,7 @@ def _alignment_hints(fn) -> dict:
 
 
 def specs() -> list[tuple[str, object, str, dict]]:
-    from kernels import attention, elementwise
+    from jetserve_kernels import attention, elementwise
 
     cases = []
     for dtype in ("bf16", "fp32"):

@@ -1,6 +1,6 @@
 // Prefill attention straight from the paged KV cache, for the CPU (AVX-512; without it the
 // torch backend runs SDPA over gathered blocks): each slice's new tokens against its cached
-// context and themselves, causal, over an fp32 or an int8 cache (kernels/kv_int8.py).
+// context and themselves, causal, over an fp32 or an int8 cache (jetserve_kernels/kv_int8.py).
 //
 // Flash-style tiles of 16 (token, query head) rows of one KV head, one row per vector lane, over
 // 16 keys at a time with an online softmax. Scores come out transposed, one vector of the tile's

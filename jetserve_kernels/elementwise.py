@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import kv_int8
+from jetserve_kernels import kv_int8
 
 
 @triton.jit
@@ -132,8 +132,8 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
 @triton.jit
 def _store_int8_rows(cache_ptr, rows, dims, x, mask, head_mask, head_dim):
     """Each head's values as int8 with their fp32 scale (max |x| / 127) in the 4 bytes after
-    them, rounded to nearest (kernels/kv_int8.py rounds ties to even, this away from zero: the
-    interpreter has no rint)."""
+    them, rounded to nearest (jetserve_kernels/kv_int8.py rounds ties to even, this away from zero:
+    the interpreter has no rint)."""
     x = x.to(tl.float32)
     scale = tl.max(tl.abs(x), 1) / 127
     scaled = x / tl.where(scale > 0, scale, 1.0)[:, None]
@@ -145,7 +145,7 @@ def _store_int8_rows(cache_ptr, rows, dims, x, mask, head_mask, head_dim):
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value [num_tokens, num_kv_heads, head_dim] into slots block * block_size + offset;
-    an int8 cache gets them quantized (kernels/kv_int8.py)."""
+    an int8 cache gets them quantized (jetserve_kernels/kv_int8.py)."""
     assert k_cache.stride() == v_cache.stride() and key.stride(-1) == 1 and value.stride(-1) == 1
     num_tokens, num_kv_heads, head_dim = key.shape
     int8 = kv_int8.is_int8(k_cache)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import kv_int8
+from jetserve_kernels import kv_int8
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -15,7 +15,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of each sequence's new tokens over its cached context (new tokens
     included). New token i of a sequence with q_len new tokens and context seq_len sits at
     position seq_len - q_len + i and attends to positions <= its own. An int8 cache
-    (kernels/kv_int8.py) is read dequantized."""
+    (jetserve_kernels/kv_int8.py) is read dequantized."""
     out = torch.empty_like(q) if out is None else out
     if kv_int8.is_int8(k_cache):
         k_cache, v_cache = kv_int8.dequantize(k_cache), kv_int8.dequantize(v_cache)
@@ -42,7 +42,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Token t's K/V go to slot slot_mapping[t] = block * block_size + offset; -1 skips it. An
-    int8 cache gets them quantized (kernels/kv_int8.py)."""
+    int8 cache gets them quantized (jetserve_kernels/kv_int8.py)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     key, value = key[keep], value[keep]

@@ -1,6 +1,6 @@
 // Decode attention straight from the paged KV cache, for the CPU: an fp32 cache, or an int8 one
 // whose every (token, KV head) row is head_dim int8 values followed by their fp32 scale
-// (value = scale * q; kernels/kv_int8.py).
+// (value = scale * q; jetserve_kernels/kv_int8.py).
 //
 // The query heads of one KV head are scored together against every cached key, then the softmax
 // weights accumulate the values. With AVX-512 (head_dim 64 or 128), 16 positions' scores are

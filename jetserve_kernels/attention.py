@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import kv_int8
+from jetserve_kernels import kv_int8
 
 LOG2E = 1.4426950408889634
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
@@ -30,7 +30,7 @@ KEY_TILE = 64  # keys per inner-loop step (at least one cache block)
 @triton.jit
 def _dequantize_rows(values, cache_ptr, rows, in_seq, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
     """int8 rows' values times their fp32 scale, stored in the 4 bytes after each row
-    (kernels/kv_int8.py), as `dtype`."""
+    (jetserve_kernels/kv_int8.py), as `dtype`."""
     scale = tl.load((cache_ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=in_seq,
                     other=0.0)
     return (values.to(tl.float32) * scale[:, None]).to(dtype)
@@ -216,8 +216,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, out: torch.Tensor | None = None, *, max_q_len: int | None = None,
                     max_seq_len: int | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """Causal attention for a batch mixing prefill chunks and decodes; see kernels.reference.
-    The cache may be int8 (kernels/kv_int8.py): its rows are dequantized as they load.
+    """Causal attention for a batch mixing prefill chunks and decodes; see
+    jetserve_kernels.reference. The cache may be int8 (jetserve_kernels/kv_int8.py): its rows are
+    dequantized as they load.
 
     `max_q_len` and `max_seq_len` (when the caller knows them) avoid reading them back from the
     device; `num_splits` forces the split-KV decode path's slice count (decode-only batches)."""

@@ -1,6 +1,6 @@
 // The per-layer element-wise ops of the CPU path (fp32; the KV cache fp32 or int8), each one pass
 // over its rows: in torch each is a chain of small ops, and at decode batch sizes the dispatch of
-// those ops costs more than their arithmetic. Semantics are those of kernels/reference.py.
+// those ops costs more than their arithmetic. Semantics are those of jetserve_kernels/reference.py.
 
 #include "ops.h"
 
@@ -73,7 +73,7 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
                       const torch::Tensor& cos_sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
                       const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "rotary_and_cache qkv");
-  // An int8 cache row is head_dim int8 values and their fp32 scale (kernels/kv_int8.py).
+  // An int8 cache row is head_dim int8 values and their fp32 scale (jetserve_kernels/kv_int8.py).
   const bool int8 = k_cache.scalar_type() == torch::kInt8;
   const int64_t head_dim = k_cache.size(3) - (int8 ? 4 : 0), half = head_dim / 2;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "rotary_and_cache: width");

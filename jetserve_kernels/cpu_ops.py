@@ -1,7 +1,8 @@
-"""The CPU kernels (C++ in kernels/cpu/): decode and prefill attention over the paged cache,
-matmuls over fp32, int8 and int4 weights, and the fused element-wise ops. Built on first use with torch's extension
-loader, once per version of their source, into a build directory given to `load` (by default
-`$XDG_CACHE_HOME/jetserve/cpu-kernels`, beside the converted models: one cache volume).
+"""The CPU kernels (C++ in jetserve_kernels/cpu/): decode and prefill attention over the paged
+cache, matmuls over fp32, int8 and int4 weights, and the fused element-wise ops. Built on first use
+with torch's extension loader, once per version of their source, into a build directory given to
+`load` (by default `$XDG_CACHE_HOME/jetserve/cpu-kernels`, beside the converted models: one cache
+volume).
 
 The build directory is keyed by the sources, the compiler flags, torch and the processor, not by
 the checkout, so every checkout of one version shares one build. A file lock (released by the
