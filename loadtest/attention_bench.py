@@ -13,16 +13,14 @@ new tokens after P cached ones.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from jetserve_kernels import cpu_ops
 from loadtest.linear_bench import times_ms
+from loadtest.metrics import write_result
 from shared.model_files import DUMMY_SHAPES
 
 BLOCK_SIZE = 16
@@ -148,12 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         prefills.append(row)
         print(f"  prefill {tokens:4d} after {cached:5d}: kernel {row['kernel_ms']:8.1f} "
               f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  SDPA {row['sdpa_ms']:8.1f}", flush=True)
-    path = Path(args.result_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": "attention_bench", "date": time.strftime("%Y-%m-%d"),
-                                "shape": args.shape, "threads": torch.get_num_threads(),
-                                "decode": decodes, "prefill": prefills}, indent=2))
-    print(f"wrote {path}")
+    write_result(args.result_json, "attention_bench", shape=args.shape,
+                 threads=torch.get_num_threads(), decode=decodes, prefill=prefills)
     return 0
 
 

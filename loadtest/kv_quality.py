@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
-from pathlib import Path
 
 import msgspec
 
+from loadtest.metrics import write_result
 from loadtest.quant_quality import agreement, prompts
 from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
@@ -182,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         for priority, a in mixed["agreement_by_priority"].items():
             print(f"mixed, priority {priority}: agreement {100 * a['mean_prefix_share']:.1f}%, "
                   f"identical {a['identical']}/{a['prompts']}")
-    path = Path(args.result_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": "kv_quality", "date": time.strftime("%Y-%m-%d"),
-                                "params": vars(args), "results": results}, indent=2))
-    print(f"wrote {path}")
+    write_result(args.result_json, "kv_quality", params=vars(args), results=results)
     return 0
 
 

@@ -9,14 +9,13 @@ matmul (BLAS) on the same shapes. The best of `--repeats` runs, in ms for all th
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from jetserve_kernels import cpu_ops
+from loadtest.metrics import write_result
 from services.executor.engine.linear import pack_panels, pack_quantized, quantize
 from shared.model_files import DUMMY_SHAPES
 
@@ -88,12 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
         print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                         for k, v in row.items()), flush=True)
-    path = Path(args.result_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": "linear_bench", "date": time.strftime("%Y-%m-%d"),
-                                "shape": args.shape, "threads": torch.get_num_threads(),
-                                "results": results}, indent=2))
-    print(f"wrote {path}")
+    write_result(args.result_json, "linear_bench", shape=args.shape,
+                 threads=torch.get_num_threads(), results=results)
     return 0
 
 

@@ -7,8 +7,11 @@ closest ranks (numpy's default), so p50 of [1, 2, 3, 4] is 2.5.
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 STATS = ("mean", "p50", "p90", "p99")
 
@@ -199,3 +202,14 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None =
         "jain_fairness": jain_index(list(served.values())),
     })
     return summary
+
+
+def write_result(path: str | Path, benchmark: str, **fields) -> Path:
+    """A benchmark's full result as JSON (`benchmark`, today's `date`, then `fields`), its folder
+    made if need be; says where it went."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"),
+                                **fields}, indent=2))
+    print(f"wrote {path}")
+    return path

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadtest.metrics import write_result
 from services.stack import Stack, free_port
 from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest
@@ -137,14 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = [summaries[name][key] for name in summaries]
         print(f"  {key:<36}" + "".join(
             f"{(round(c, 1) if isinstance(c, float) else c)!s:>20}" for c in cells))
-    path = Path(args.result_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": "migration", "date": time.strftime("%Y-%m-%d"),
-                                "params": vars(args), "summary": summaries,
-                                "undisturbed": {"wall_s": calm["wall_s"],
-                                                "e2e_ms": calm["e2e_ms"]},
-                                "added_latency_ms": added_by_run}, indent=2))
-    print(f"wrote {path}")
+    write_result(args.result_json, "migration", params=vars(args), summary=summaries,
+                 undisturbed={"wall_s": calm["wall_s"], "e2e_ms": calm["e2e_ms"]},
+                 added_latency_ms=added_by_run)
     return 0
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
-import time
 from pathlib import Path
 
 import msgspec
 import torch
 
+from loadtest.metrics import write_result
 from services.executor.engine.attention import SeqSlice, TorchBackend
 from services.executor.engine.llm_engine import Engine
 from services.executor.engine.model import KvSegment, LlamaModel
@@ -154,11 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         a = r["agreement_with_fp32"]
         print(f"{name:<14}{r['matmul_weight_bytes'] / 1e6:>10.1f}{r['perplexity']:>12.3f}"
               f"{100 * a['mean_prefix_share']:>10.1f}%{a['identical']:>6}/{a['prompts']}")
-    path = Path(args.result_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": "quant_quality", "date": time.strftime("%Y-%m-%d"),
-                                "params": vars(args), "results": results}, indent=2))
-    print(f"wrote {path}")
+    write_result(args.result_json, "quant_quality", params=vars(args), results=results)
     return 0
 
 

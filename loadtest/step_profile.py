@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 import statistics
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from loadtest.metrics import write_result
 from services.executor.engine.attention import SeqSlice
 from services.executor.engine.llm_engine import Engine
 from services.executor.engine.model import KvSegment
@@ -169,11 +169,9 @@ def main() -> None:
         results[quantization] = rows
         del engine
     if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps({
-            "benchmark": "step_profile", "date": time.strftime("%Y-%m-%d"),
-            "machine": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "results": results}, indent=2))
+        write_result(args.result_json, "step_profile",
+                     machine=platform.processor() or platform.machine(),
+                     threads=torch.get_num_threads(), results=results)
 
 
 if __name__ == "__main__":

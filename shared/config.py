@@ -268,10 +268,22 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 def engine_config(settings: Mapping[str, object] | None = None, **fields) -> EngineConfig:
     """An in-process engine's configuration: `--set`-style settings over the defaults
-    (`{"model.name": "dummy:tiny", "kv_cache.num_blocks": 64}`), validated as jetserve.yaml is,
-    the environment left out; `fields` set EngineConfig's own (`max_wait_s`, `executor_name`).
-    The aging bound is off unless given: a benchmark's order is the scores' alone."""
-    config = load_config(None, env_overrides(settings or {}))
+    (`{"model.name": "dummy:tiny", "kv_cache.num_blocks": 64}`, values as Python objects),
+    validated as jetserve.yaml is, the environment left out; `fields` set EngineConfig's own
+    (`max_wait_s`, `executor_name`). The aging bound is off unless given (a benchmark's order is
+    the scores' alone), and the batch size is fixed: the adaptive controller is the executor
+    service's."""
+    tree: dict = {}
+    for key, value in (settings or {}).items():
+        *sections, last = key.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[last] = value
+    config = _validated(tree)
+    if config.scheduler.batch_level.batch_size == "adaptive":
+        raise ConfigError("scheduler.batch_level.batch_size: adaptive needs the executor "
+                          "service's controller; an in-process engine runs a fixed batch size")
     name = fields.pop("executor_name", "executor-0")
     return msgspec.structs.replace(config.engine_config(name), **{"max_wait_s": None, **fields})
 
@@ -307,6 +319,10 @@ def load_config(path: str | None = None, environ: Mapping[str, str] | None = Non
             if not isinstance(node, dict):
                 raise ConfigError(f"{name}: `{key}` is not a section")
         node[keys[-1]] = yaml.safe_load(raw) if raw else None  # typed like YAML: 32, true, null
+    return _validated(tree)
+
+
+def _validated(tree: dict) -> JetserveConfig:
     try:
         config = msgspec.convert(tree, JetserveConfig)
     except msgspec.ValidationError as exc:
@@ -338,7 +354,8 @@ def check_timing(config: JetserveConfig) -> None:
 
 
 def env_overrides(settings: Mapping[str, object]) -> dict[str, str]:
-    """`{"kv_cache.block_size": 32}` as the environment variables load_config reads."""
+    """`{"kv_cache.block_size": 32}` as the environment variables load_config reads (typed as
+    YAML types them, as `--set KEY=VALUE` is)."""
     return {ENV_PREFIX + key.upper().replace(".", "__"):
             "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
             for key, value in settings.items()}

@@ -122,7 +122,7 @@ class PriorityService:
         """Tell admission which requests wait here (it hands on the ones nobody holds)."""
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
-            waiting = [(i.tenant, i.request_id) for i in self.queue.items()]
+            waiting = [i.key for i in self.queue.items()]
             try:
                 # A deep queue's report is several messages, each within the payload limit.
                 for part in chunked(waiting, holding_entry_bytes, payload_budget(self.nc)):

@@ -377,3 +377,23 @@ async def test_a_request_resumed_from_a_checkpoint_ends_as_an_undisturbed_run(te
     assert [t for d in deltas for t in d.token_ids] == undisturbed.token_ids
     assert "".join(d.text for d in deltas) == undisturbed.text
     assert isinstance(done[-1], Completion) and done[-1].token_ids == undisturbed.token_ids
+
+
+async def test_the_engine_refuses_what_it_cannot_run_without_stopping(tiny_engine):
+    """add_request trusts admission's checks but not blindly: a request that never went through
+    admission (no seed, another model, ids past the vocabulary, longer than the context) is
+    refused with a clear Error, and the step loop keeps serving."""
+    from shared.protocol import ProtocolError
+
+    good = tiny_engine.admit(greedy([20, 21, 22], max_tokens=4, request_id="good"))
+    bad = [(msgspec.structs.replace(good, seed=None), "invalid_request", "Engine.admit"),
+           (msgspec.structs.replace(good, model="other"), "unknown_model", "other"),
+           (msgspec.structs.replace(good, prompt_token_ids=[10**6]), "invalid_request",
+            "vocabulary"),
+           (msgspec.structs.replace(good, max_tokens=10**5), "prompt_too_long", "max_model_len")]
+    for request, code, needle in bad:
+        with pytest.raises(ProtocolError) as info:
+            tiny_engine.add_request(request, lambda _: None)
+        assert info.value.code == code and needle in info.value.message
+    [completion] = await generate_all(tiny_engine, [greedy([20, 21, 22], max_tokens=4)])
+    assert isinstance(completion, Completion) and len(completion.token_ids) == 4

@@ -79,3 +79,7 @@ def test_an_in_process_engine_takes_the_file_s_keys_and_checks():
         engine_config({"kv_cache.num_blocks": 1})
     with pytest.raises(ConfigError, match="compress_below_priority` needs `dtype: auto"):
         engine_config({"kv_cache.dtype": "int8", "kv_cache.compress_below_priority": 5})
+    with pytest.raises(ConfigError, match="batch_size: adaptive"):
+        engine_config({"scheduler.batch_level.batch_size": "adaptive"})
+    # Values are taken as given, not read as YAML (a path may hold ` #`).
+    assert engine_config({"model.name": "/models/run #2.gguf"}).model.name == "/models/run #2.gguf"

@@ -147,7 +147,7 @@ class Engine:
                                    deadline_pacing=config.token_level.deadline_pacing,
                                    pause_decodes=config.token_level.pause_decodes)
         self.stats = EngineStats()
-        self._requests: dict[str, RequestState] = {}
+        self._requests: dict[Hashable, RequestState] = {}
         self._arrivals = itertools.count()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -211,14 +211,17 @@ class Engine:
         return admitted(request, self.tokenize(request), self.model_name, self.max_model_len,
                         self.model_config.vocab_size)
 
-    def add_request(self, request: GenerateRequest, sink: OutputSink, key: Hashable = None,
+    def add_request(self, request: GenerateRequest, sink: OutputSink, *, key: Hashable = None,
                     arrival_time: float | None = None, score: float | None = None,
                     aging_start: float | None = None,
                     resume_token_ids: list[int] | None = None) -> Hashable:
         """Queue an admitted request (`admit`'s or admission's, trusted as such) under `key`
         (default: its request_id), which `abort` and `output_token_ids` take; its outputs go to
-        `sink`, naming its request_id. Raises ProtocolError only for what this engine alone can
-        tell: the key is running already, or the request needs more KV blocks than its pool has.
+        `sink`, naming its request_id. Raises ProtocolError for what this engine alone can tell:
+        the key is running already, the request is not one this engine can run (not admitted,
+        another model, token ids past its vocabulary, longer than its context: an executor
+        configured unlike admission, or an assignment that never went through admission), or it
+        needs more KV blocks than its pool has.
 
         `resume_token_ids`: the outputs an earlier run of this request had generated (a
         checkpoint from an executor that died). They are taken as this run's first outputs,
@@ -236,7 +239,19 @@ class Engine:
             raise ProtocolError("invalid_request",
                                 f"`request_id` {request.request_id!r} is already running")
         prompt = request.prompt_token_ids
+        if not prompt or request.seed is None or request.request_id is None:
+            raise ProtocolError("invalid_request", "not an admitted request (tokenized, with an "
+                                "id and a seed): pass it through Engine.admit")
+        if request.model != self.model_name:
+            raise ProtocolError("unknown_model", f"admitted for `model` {request.model!r}; this "
+                                f"engine serves {self.model_name!r}")
+        if max(prompt) >= self.model_config.vocab_size:
+            raise ProtocolError("invalid_request", f"`prompt_token_ids` reach past this "
+                                f"engine's vocabulary ({self.model_config.vocab_size})")
         total = len(prompt) + request.max_tokens
+        if total > self.max_model_len:
+            raise ProtocolError("prompt_too_long", f"prompt + `max_tokens` is {total} tokens, "
+                                f"over this engine's max_model_len {self.max_model_len}")
         blocks = -(-total // self.config.kv_cache.block_size)
         pool = self.kv_pool_of(request.priority)
         usable = self.block_manager.pool_size(pool) - self.scheduler.watermark_blocks
@@ -357,7 +372,16 @@ class Engine:
             if in_flight is not None:
                 await self._until_nearly_done(in_flight)
             started = time.perf_counter()
-            step = self._submit_step()
+            try:
+                step = self._submit_step()
+            except Exception as exc:  # a bug: fail what runs, keep serving (as for a model step)
+                log.exception("scheduling a step failed")
+                if in_flight is not None:
+                    await asyncio.wait([in_flight.future])
+                    in_flight.future.exception()  # (retrieved: its requests fail below)
+                self._fail_all(f"scheduling a step failed: {exc!r}")
+                in_flight = None
+                continue
             submit_s = time.perf_counter() - started
             self.stats.loop_cpu_s += submit_s
             self._submit_s += JIT_ALPHA * (submit_s - self._submit_s)
