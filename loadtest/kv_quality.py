@@ -30,7 +30,7 @@ import time
 import msgspec
 
 from loadtest.metrics import write_result
-from loadtest.quant_quality import agreement, prompts
+from loadtest.quant_quality import agreement, agreement_cells, prompts
 from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
 from shared.config import EngineConfig, engine_config
@@ -172,9 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<10}{'+'.join(map(str, r['kv_blocks_per_pool'])):>12}"
               f"{r['sequences_of_1024_that_fit']:>17}"
               f"{r['long_requests_sent']:>6}{r['most_running_at_once']:>13}{r['preemptions']:>11}"
-              f"{r['greedy_output_tok_s']:>8.1f}"
-              f"{100 * a['mean_prefix_share']:>10.1f}%{a['identical']:>6}/{a['prompts']}"
-              f"{r.get('batch_output_tok_s', float('nan')):>13.1f}"
+              f"{r['greedy_output_tok_s']:>8.1f}" + agreement_cells(a)
+              + f"{r.get('batch_output_tok_s', float('nan')):>13.1f}"
               f"{r.get('batch_decode_tok_s', float('nan')):>14.1f}")
     mixed = results.get("mixed")
     if mixed:

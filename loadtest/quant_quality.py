@@ -99,6 +99,11 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
             "prompts": len(reference)}
 
 
+def agreement_cells(a: dict) -> str:
+    """An agreement as the two table columns both quality benchmarks print."""
+    return f"{100 * a['mean_prefix_share']:>10.1f}%{a['identical']:>6}/{a['prompts']}"
+
+
 @torch.inference_mode()
 def perplexity(model_name: str, quantization: str, text: str) -> tuple[float, int]:
     """exp(mean negative log-likelihood) of the text's tokens after the first, one prefill;
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         a = r["agreement_with_fp32"]
         print(f"{name:<14}{r['matmul_weight_bytes'] / 1e6:>10.1f}{r['perplexity']:>12.3f}"
-              f"{100 * a['mean_prefix_share']:>10.1f}%{a['identical']:>6}/{a['prompts']}")
+              + agreement_cells(a))
     write_result(args.result_json, "quant_quality", params=vars(args), results=results)
     return 0
 

@@ -11,7 +11,7 @@ import pytest
 from shared.bus import STOP_GRACE_S
 from shared.client import JetserveClient
 from shared.protocol import Completion, Error, GenerateRequest
-from tests.integration.conftest import TINY_STACK, running_stack, sigterm_services
+from tests.integration.conftest import TINY_STACK, running_stack, sigterm_services, wait_for_stat
 
 
 @pytest.mark.asyncio
@@ -21,7 +21,8 @@ async def test_sigterm_lets_running_requests_finish(tmp_path):
             running = asyncio.create_task(client.generate(
                 GenerateRequest(prompt="keep going", max_tokens=1500, ignore_eos=True),
                 timeout=60))
-            await asyncio.sleep(0.5)
+            # Told to stop once it runs the request (a sleep raced a loaded host's dispatch).
+            await wait_for_stat(client, "executor", "running", 1, timeout_s=30)
             executor = stack.processes["executor-0"]
             executor.send_signal(signal.SIGTERM)
             completion = await running
