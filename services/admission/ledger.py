@@ -41,10 +41,6 @@ class Watched:
     tokens: list[int] = field(default_factory=list)  # outputs its checkpoints reported
     attempt: int = 0
 
-    @property
-    def durable(self) -> bool:
-        return self.msg is not None
-
 
 class Ledger:
     def __init__(self, lease_s: float, heartbeat_interval_s: float):
