@@ -73,7 +73,8 @@ def time_python_rebuild(sched: RequestScheduler, k: int, now: float, repeats: in
         slack = (item.deadline - now) if item.deadline is not None else math.inf
         urgency = 0.0 if slack == math.inf else 1 / (1 + math.exp(
             max(-50.0, min(50.0, slack / cfg.time_window))))
-        demand = item.num_prompt_tokens + item.predicted_output_tokens
+        demand = item.num_prompt_tokens + sched.predictor.predict(
+            item.tenant, item.request.priority, item.request.max_tokens)
         return (cfg.base_weight * item.request.priority / top + cfg.urgency_weight * urgency
                 + cfg.resource_weight * math.log(demand) / cfg.resource_scale
                 - min(cfg.fairness_max,

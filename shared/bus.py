@@ -381,8 +381,7 @@ class Outbox:
                                   f"{undeliverable(exc, self.nc)}")
             await self._deliver(item, error, headers)  # failing too: no Done, retried
         if done:
-            await self.nc.publish(self.subjects.admission_done, encode(Done(
-                request_id=item.request_id, tenant=item.tenant, durable=item.durable)))
+            await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
 
     async def _deliver(self, item: WorkItem, output: Completion | Error,
                        headers: dict[str, str] | None) -> None:
@@ -394,6 +393,17 @@ class Outbox:
             await self.nc.publish(item.reply_to, json_encode(output), headers=headers)
             if item.request.stream:
                 await self.nc.publish(item.reply_to, b"")  # end of a request-many stream
+
+
+def done_of(item: WorkItem, output: Completion | Error) -> Done:
+    request = item.request
+    if isinstance(output, Completion):
+        generated = output.usage.completion_tokens
+        return Done(item.tenant, item.request_id, item.durable, request.priority,
+                    output.usage.prompt_tokens, generated, request.max_tokens,
+                    output.metrics.ttft_ms if generated else None, output.finish_reason)
+    return Done(item.tenant, item.request_id, item.durable, request.priority,
+                item.num_prompt_tokens, 0, request.max_tokens, None, output.code)
 
 
 def _refused_for_good(exc: Exception) -> bool:

@@ -30,8 +30,6 @@ class WorkItem(msgspec.Struct, kw_only=True):
     priority_score: float = 0.0
     standing: float = 0.0
     queue_wait_ms: float = 0.0
-    predicted_output_tokens: int = 0  # what the tenant was charged for in advance
-    charged: float = 0.0  # that charge, refunded if the request comes back to the queue
     # The tenant was over its share: its aging bound held it only within its own line, so the
     # executor's bound counts from dispatch, not arrival (it still cannot starve there).
     age_from_dispatch: bool = False
@@ -89,20 +87,6 @@ class AssignReply(msgspec.Struct):
     reason: str = ""
 
 
-class Finished(msgspec.Struct, array_like=True):
-    """A request an executor ended: what priority's fairness counters, output-length predictor
-    and class SLO feedback learn from."""
-
-    tenant: str
-    priority: int
-    prompt_tokens: int
-    output_tokens: int
-    max_tokens: int
-    predicted_output_tokens: int  # charged at dispatch; the counter is corrected by the difference
-    ttft_ms: float | None  # from admission's arrival stamp; None when no token was generated
-    finish_reason: str  # a Completion's finish_reason, else the Error's code
-
-
 class Heartbeat(msgspec.Struct, kw_only=True):
     """An executor's load, published every interval and whenever a request starts or ends."""
 
@@ -117,7 +101,6 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     total_kv_blocks: int
     step_ms: float  # mean time a step took over the last interval, gaps between steps included
     started_at: float  # wall clock; a restart shows as a new value
-    finished: list[Finished] = []  # requests ended since the previous heartbeat
     tenants: dict[str, int] = {}  # requests each tenant has here (running or waiting)
     # The standing a request needs to start here at once although there is no room: to go ahead
     # of every waiting request and, with every slot taken, to preempt the weakest running one
@@ -175,11 +158,6 @@ class Holding(msgspec.Struct):
     progress: list[Progress] = []
 
 
-def finished_bytes(report: Finished) -> int:
-    """An upper bound on the bytes one Finished adds to a Heartbeat."""
-    return len(report.tenant.encode()) + len(report.finish_reason.encode()) + 64
-
-
 def holding_entry_bytes(key: RequestKey) -> int:
     """An upper bound on the bytes one (tenant, request_id) adds to a Holding."""
     return len(key[0].encode()) + len(key[1].encode()) + 8
@@ -228,13 +206,25 @@ class Unassign(msgspec.Struct, array_like=True):
     assignment: str
 
 
-class Done(msgspec.Struct):
-    """A request has its final output: a durable one's is stored in LLM_RESULTS (its holder acks
-    the request), a generate's sent to its client (admission stops watching over it)."""
+class Done(msgspec.Struct, array_like=True):
+    """A request has its final answer: a durable one's is stored in LLM_RESULTS, a generate's
+    sent to its client. The one end-of-request signal, on `llm.internal.done`, from whoever
+    answered: admission stops watching over the request (and acks a durable one), priority
+    corrects its tenant's advance charge and learns its output length and TTFT."""
 
-    request_id: str
     tenant: str
-    durable: bool = True
+    request_id: str
+    durable: bool
+    priority: int
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+    ttft_ms: float | None  # from admission's arrival stamp; None when no token was generated
+    finish_reason: str  # a Completion's finish_reason, else the Error's code
+
+    @property
+    def key(self) -> RequestKey:
+        return RequestKey(self.tenant, self.request_id)
 
 
 encode = msgspec.msgpack.Encoder().encode

@@ -79,8 +79,9 @@ class Subjects:
         return f"{self.prefix}.internal.admission.backpressure"
 
     @property
-    def admission_done(self) -> str:
-        return f"{self.prefix}.internal.admission.done"
+    def done(self) -> str:
+        """Whoever answered a request, to admission and priority: it has its final answer."""
+        return f"{self.prefix}.internal.done"
 
     @property
     def kv_events(self) -> str:

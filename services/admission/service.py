@@ -143,7 +143,7 @@ class Admission:
                                                self.stats)
         await self.service.add_endpoint(name="generate", subject=self.subjects.generate(),
                                         handler=self.on_generate)
-        await self.nc.subscribe(self.subjects.admission_done, cb=self.on_done)
+        await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)
         await self.nc.subscribe(self.subjects.backpressure, cb=self.on_backpressure)
         # Created, or brought up to this config (its limits are editable) if it exists.
@@ -519,7 +519,7 @@ class Admission:
 
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)
-        held = self.ledger.done(RequestKey(done.tenant, done.request_id), done.durable)
+        held = self.ledger.done(done.key, done.durable)
         if held is not None:  # (another admission instance may hold it)
             await held.msg.ack()
             self.counts["durable_acked"] += 1

@@ -39,7 +39,6 @@ from shared.config import JetserveConfig
 from shared.keys import RequestKey
 from shared.messages import (
     AssignReply,
-    Finished,
     Heartbeat,
     KvDump,
     KvEvent,
@@ -48,7 +47,6 @@ from shared.messages import (
     WorkItem,
     decoder,
     encode,
-    finished_bytes,
     tenant_entry_bytes,
 )
 from shared.metrics import Reading, StatsCollector, register, unregister
@@ -116,7 +114,6 @@ class ExecutorService:
                            client_gone=0, resumed=0, revoked=0, unassigned=0)
         self.probes: dict[str, RequestKey] = {}  # _Running.probe -> the request's key
         self.probe_ids = itertools.count()
-        self.finished: list[Finished] = []  # reported with the next heartbeat
         self.tenant_load: dict[str, int] = {}  # requests each tenant has here
         self.tasks: list[asyncio.Task] = []
         self.batch_size = None  # the load-aware controller, with batch_size: adaptive
@@ -370,7 +367,6 @@ class ExecutorService:
             self.counts["cancelled" if output.finish_reason == "cancelled" else "completed"] += 1
         else:
             self.counts["errors"] += 1
-        self.finished.append(finished_report(item, output))
         if not self.running:
             self.idle.set()
         self.load_changed.set()
@@ -476,7 +472,7 @@ class ExecutorService:
             waiting=self.num_waiting,
             assigned_total=self.assigned_total, free_kv_blocks=blocks.num_free_blocks,
             total_kv_blocks=blocks.num_blocks, step_ms=step_ms, started_at=self.started_at,
-            finished=self.take_finished(), tenants=self.tenants_report(),
+            tenants=self.tenants_report(),
             overtake_above=None if self.draining else scheduler.overtake_above(),
             room_tokens=self.advertised_room)
 
@@ -488,28 +484,10 @@ class ExecutorService:
         fits = next(chunked(busiest, tenant_entry_bytes, payload_budget(self.nc) // 4), [])
         return dict(fits)
 
-    def take_finished(self) -> list[Finished]:
-        """The requests finished since the last beat, as many as fit half a heartbeat's payload
-        (the rest go with the next one)."""
-        take = next(chunked(self.finished, finished_bytes, payload_budget(self.nc) // 2), [])
-        self.finished = self.finished[len(take):]
-        return take
-
 
 def _same_request(a: WorkItem, b: WorkItem) -> bool:
     """Whether two assignments carry the same admitted request (not one reusing its id)."""
     return (a.arrival_time, a.reply_to, a.attempt) == (b.arrival_time, b.reply_to, b.attempt)
-
-
-def finished_report(item: WorkItem, output: Completion | Error) -> Finished:
-    request = item.request
-    if isinstance(output, Completion):
-        generated = output.usage.completion_tokens
-        return Finished(item.tenant, request.priority, output.usage.prompt_tokens, generated,
-                        request.max_tokens, item.predicted_output_tokens,
-                        output.metrics.ttft_ms if generated else None, output.finish_reason)
-    return Finished(item.tenant, request.priority, item.num_prompt_tokens, 0, request.max_tokens,
-                    item.predicted_output_tokens, None, output.code)
 
 
 async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:

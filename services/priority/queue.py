@@ -121,6 +121,10 @@ class WaitingQueue:
     def item(self, row: int) -> WorkItem:
         return self._items[row]
 
+    def predicted_output(self, row: int) -> int:
+        """The output tokens its demand counts on (the demand less the prompt)."""
+        return int(self._cols["demand"][row] - self._cols["prompt"][row])
+
     def sizes(self) -> np.ndarray:
         """Each row's encoded bytes."""
         return self._cols["size"][:len(self._items)]

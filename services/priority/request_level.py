@@ -8,6 +8,7 @@ import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,11 +16,13 @@ from services.priority import policy
 from services.priority.fairness import ClassWeights, OutputPredictor, TenantCounters
 from services.priority.queue import WaitingQueue
 from shared.config import RequestLevel
-from shared.messages import DISPATCH_BYTES, Finished, WorkItem, encode
+from shared.keys import RequestKey
+from shared.messages import DISPATCH_BYTES, Done, WorkItem, encode
 
 
 MISSED_MS = 1e9  # the TTFT a request that never got a token counts as
 MAX_PRIORITY = 10  # GenerateRequest.priority's upper bound
+MAX_CHARGES = 1 << 18  # dispatched requests whose charges are kept until their Done
 VICTIMS_S = 0.2  # how long a full queue's ranking of requests to push out is reused
 RATE_WINDOW_S = 10.0  # the recent dispatch rate is counted over this long
 
@@ -49,6 +52,13 @@ class Dispatch:
     terms: dict[str, float] = field(default_factory=dict)
 
 
+class Charge(NamedTuple):
+    """What a dispatched request's tenant was charged in advance, until its Done."""
+
+    tokens: float
+    predicted_output_tokens: int
+
+
 class RequestScheduler:
     def __init__(self, cfg: RequestLevel, prefill_per_step: int = 512):
         self.cfg = cfg
@@ -63,6 +73,9 @@ class RequestScheduler:
         self.served: dict[str, dict[str, int]] = {}  # tenant -> prompt and output tokens
         self._victim_cache: _Victims | None = None  # push_out_for's ranking, while it holds
         self._dispatched: deque[tuple[float, int]] = deque()  # (when, how many), recent pulls
+        # Requests dispatched and not yet Done (oldest first; bounded: a request lost with its
+        # admission never sends one).
+        self.charges: dict[RequestKey, Charge] = {}
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -77,15 +90,15 @@ class RequestScheduler:
     def push(self, item: WorkItem, past_bound: bool = False, size: int | None = None) -> None:
         """Queue `item`; `past_bound`: even when full (another request made room for it).
         `size`: its encoded bytes, if known (the submission's length); else encoded here."""
-        back = bool(item.charged)  # from the batcher (an assignment failed): it was here before
-        if back:  # refund the advance
-            self.counters.charge(item.tenant, -item.charged)
-            item.charged = 0.0
+        # Dispatched before (an assignment failed, or a lost holder's hand-on): it had its place
+        # here, and its advance is refunded.
+        back = self.charges.pop(item.key, None)
+        if back is not None:
+            self.counters.charge(item.tenant, -back.tokens)
         request = item.request
-        item.predicted_output_tokens = self.predictor.predict(item.tenant, request.priority,
-                                                              request.max_tokens)
-        self.queue.push(item, item.num_prompt_tokens + item.predicted_output_tokens,
-                        past_bound=back or past_bound,
+        predicted = self.predictor.predict(item.tenant, request.priority, request.max_tokens)
+        self.queue.push(item, item.num_prompt_tokens + predicted,
+                        past_bound=back is not None or past_bound,
                         known=self.predictor.knows(item.tenant, request.priority),
                         size=(len(encode(item)) if size is None else size) + DISPATCH_BYTES)
         self.counters.enqueued(item.tenant)
@@ -247,8 +260,8 @@ class RequestScheduler:
         """The best `max_items` now (of those whose standing reaches `min_standing`, if given),
         as far as their encoded sizes add up to `max_bytes` (the pull's reply is one message;
         the best one goes whatever its size). Each dispatch charges its tenant in advance for
-        what it will be served (prompt + 2 x predicted output; corrected when the executor
-        reports), and the next pick within the same pull already sees the new fairness terms."""
+        what it will be served (prompt + 2 x predicted output; corrected by the request's Done),
+        and the next pick within the same pull already sees the new fairness terms."""
         n = len(self.queue)
         if n == 0 or max_items <= 0:
             return []
@@ -268,7 +281,7 @@ class RequestScheduler:
             rows = rows[:_fitting(sizes[rows], max_bytes)]
             shifts = [0.0] * len(rows)
             for row in rows:
-                self._charge(self.queue.item(row))
+                self._charge(row)
         else:
             rows, shifts = self._pick_fairly(scored, seq, min(max_items, n), sizes, max_bytes)
         dispatches = []
@@ -328,7 +341,7 @@ class RequestScheduler:
             picked.append(row)
             shifts.append(float(fairness[tenant[best]] - start[tenant[best]]))
             key[best] = -np.inf
-            self._charge(self.queue.item(row))
+            self._charge(row)
             moved = self.fairness_terms()
             change = moved - fairness
             fairness = moved
@@ -336,10 +349,14 @@ class RequestScheduler:
                 key += np.where(not_aged, change[tenant], 0.0)
         return picked, shifts
 
-    def _charge(self, item: WorkItem) -> None:
+    def _charge(self, row: int) -> None:
+        item, predicted = self.queue.item(row), self.queue.predicted_output(row)
         self.counters.dequeued(item.tenant)
-        item.charged = self.counters.cost(item.num_prompt_tokens, item.predicted_output_tokens)
-        self.counters.charge(item.tenant, item.charged)
+        charge = Charge(self.counters.cost(item.num_prompt_tokens, predicted), predicted)
+        self.counters.charge(item.tenant, charge.tokens)
+        self.charges[item.key] = charge
+        while len(self.charges) > MAX_CHARGES:
+            del self.charges[next(iter(self.charges))]
 
     def executor_report(self, name: str, busy: int, slots: int,
                         tenants: dict[str, int], step_ms: float = 0.0) -> None:
@@ -361,11 +378,15 @@ class RequestScheduler:
         self.counters.running = {t for tenants in self.executor_tenants.values()
                                  for t, n in tenants.items() if n > 0}
 
-    def finished(self, report: Finished, now: float) -> None:
-        """An executor ended a request: correct the advance charge, learn its length, and count
-        its TTFT against its class's target."""
+    def done(self, report: Done, now: float) -> None:
+        """A request this instance dispatched ended: correct the advance charge, learn its
+        length, and count its TTFT against its class's target. (One that ended while it waited
+        here, or that an earlier instance dispatched, teaches nothing.)"""
+        charge = self.charges.pop(report.key, None)
+        if charge is None:
+            return
         self.counters.charge(report.tenant, 2 * (report.output_tokens
-                                                 - report.predicted_output_tokens))
+                                                 - charge.predicted_output_tokens))
         served = self.served.setdefault(report.tenant, {"prompt_tokens": 0, "output_tokens": 0})
         served["prompt_tokens"] += report.prompt_tokens
         served["output_tokens"] += report.output_tokens

@@ -1,7 +1,7 @@
 """The priority service: keeps the global waiting queue; the batcher pulls the best requests
 (`llm.internal.priority.next`) when executors have room, so order is decided at the last moment,
-with current scores. Executors' heartbeats bring the load and the requests they finished (for
-fairness, the length predictor and class SLO feedback); a request whose deadline passes while it
+with current scores. Executors' heartbeats bring their load, and every request's Done its
+served tokens and TTFT (for fairness, the length predictor and class SLO feedback); a request whose deadline passes while it
 waits ends here with `deadline_exceeded` instead of taking a slot."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
 from shared.messages import (
     Backpressure,
+    Done,
     Heartbeat,
     Holding,
     NextReply,
@@ -58,6 +59,7 @@ log = structlog.get_logger()
 _item = decoder(WorkItem)
 _next = decoder(NextRequest)
 _heartbeat = decoder(Heartbeat)
+_done = decoder(Done)
 EXPIRY_CHECK_S = 0.05  # how late a waiting request may learn that its deadline passed
 BACKPRESSURE_CHECK_S = 0.1  # how often a full queue's refused tenants are looked at
 QUEUE_WAIT = histogram("priority_queue_wait_seconds",
@@ -96,6 +98,7 @@ class PriorityService:
                                    handler=self.on_next)
         await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
+        await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         self.service = service
         self.tasks = [asyncio.create_task(self.report_holding(), name="holding"),
                       asyncio.create_task(self.expiry_loop(), name="expiry"),
@@ -178,15 +181,15 @@ class PriorityService:
         return out
 
     async def on_heartbeat(self, msg) -> None:
-        """An executor's load, and the requests it finished since its previous beat."""
+        """An executor's load."""
         heartbeat = _heartbeat.decode(msg.data)
-        now = time.time()
         self.scheduler.executor_report(heartbeat.executor, heartbeat.running + heartbeat.waiting,
                                        heartbeat.max_num_seqs + heartbeat.queue_depth,
                                        heartbeat.tenants, heartbeat.step_ms)
         self.executor_seen[heartbeat.executor] = time.monotonic()
-        for report in heartbeat.finished:
-            self.scheduler.finished(report, now)
+
+    async def on_done(self, msg) -> None:
+        self.scheduler.done(_done.decode(msg.data), time.time())
 
     async def expiry_loop(self) -> None:
         """End waiting requests whose deadline passed; forget executors that stopped beating."""
@@ -236,7 +239,7 @@ class PriorityService:
                 return
             error = Error(request_id=item.request_id, code="invalid_request",
                           message=f"`request_id` {item.request_id!r} is already waiting")
-        elif self.queue.full and not item.charged:  # (a request back from the batcher: taken)
+        elif self.queue.full and item.key not in self.scheduler.charges:  # (one back: taken)
             error = await self.make_room(item)
         if error is not None:
             await request.respond(encode(SubmitReply(error=error)))
@@ -318,7 +321,8 @@ class PriorityService:
             span.set_attributes({"priority_score": dispatch.score,
                                  "queue_wait_ms": item.queue_wait_ms,
                                  "overtaking_pull": ask.min_standing is not None,
-                                 "predicted_output_tokens": item.predicted_output_tokens,
+                                 "predicted_output_tokens":
+                                     self.scheduler.charges[item.key].predicted_output_tokens,
                                  **{f"score.{name}": value
                                     for name, value in dispatch.terms.items()}})
             span.end()

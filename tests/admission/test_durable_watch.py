@@ -38,10 +38,10 @@ async def test_a_done_during_a_hand_on_leaves_the_watch_running(tmp_path):
                                        config=ConsumerConfig(ack_wait=30))
         [message] = await pull.fetch(1, timeout=5)
         admission = Admission(config, nc, js, tracer=None)
-        await nc.subscribe(subjects.admission_done, cb=admission.on_done)
+        await nc.subscribe(subjects.done, cb=admission.on_done)
 
         async def slow_priority(msg):  # priority takes the generate; meanwhile the Done comes
-            await nc.publish(subjects.admission_done, encode(Done("durable-1", "acme")))
+            await nc.publish(subjects.done, encode(Done("acme", "durable-1", True, 5, 0, 1, 4, 1.0, "stop")))
             await asyncio.sleep(0.2)
             await msg.respond(encode(SubmitReply()))
 

@@ -2,9 +2,10 @@
 
 import pytest
 
-from services.priority.request_level import RequestScheduler
+from services.priority.request_level import Charge, RequestScheduler
 from shared.config import RequestLevel
-from shared.messages import DISPATCH_BYTES, Finished, WorkItem
+from shared.keys import RequestKey
+from shared.messages import DISPATCH_BYTES, Done, WorkItem
 from shared.protocol import GenerateRequest
 
 
@@ -15,9 +16,13 @@ def item(request_id, tenant="t", priority=5, arrival=0.0, prompt_len=100, max_to
     return WorkItem(request=request, tenant=tenant, arrival_time=arrival, deadline=deadline)
 
 
-def finished(tenant, output_tokens, predicted, priority=5, max_tokens=100, ttft_ms=50.0,
-             reason="stop"):
-    return Finished(tenant, priority, 100, output_tokens, max_tokens, predicted, ttft_ms, reason)
+def done(sched, request_id, tenant, output_tokens, priority=5, max_tokens=100, ttft_ms=50.0,
+         reason="stop", now=0.0):
+    """The Done of a request `sched` dispatched (one not dispatched by the test: as though
+    charged for all of max_tokens)."""
+    sched.charges.setdefault(RequestKey(tenant, request_id), Charge(0.0, max_tokens))
+    sched.done(Done(tenant, request_id, False, priority, 100, output_tokens, max_tokens, ttft_ms,
+                    reason), now)
 
 
 def test_dispatch_records_score_wait_and_charges_the_tenant_in_advance():
@@ -26,7 +31,8 @@ def test_dispatch_records_score_wait_and_charges_the_tenant_in_advance():
     [dispatch] = sched.pop(4, now=10.5)
     assert dispatch.item.priority_score == dispatch.score
     assert dispatch.item.queue_wait_ms == 500.0
-    assert dispatch.item.predicted_output_tokens == 100  # the prior: all of max_tokens
+    # The prior: all of max_tokens.
+    assert sched.charges[RequestKey("t", "a")] == Charge(100 + 2 * 100, 100)
     assert sched.counters.counters["t"] == 100 + 2 * 100
     assert set(dispatch.terms) == {"base", "urgency", "resource", "fairness", "aged", "over_share",
                                    "held", "hopeless"}
@@ -36,10 +42,13 @@ def test_completions_correct_the_charge_and_teach_the_predictor():
     sched = RequestScheduler(RequestLevel(predictor_alpha=1.0))
     sched.push(item("a"))
     sched.pop(1, now=0.0)
-    sched.finished(finished("t", output_tokens=20, predicted=100), now=1.0)
-    assert sched.counters.counters["t"] == 100 + 2 * 20
+    done(sched, "a", "t", output_tokens=20, now=1.0)
+    assert sched.counters.counters["t"] == 100 + 2 * 20 and not sched.charges
     sched.push(item("b"))
-    assert sched.queue.items()[0].predicted_output_tokens == 20
+    assert sched.queue.predicted_output(0) == 20
+    # One that ended while it waited (or that an earlier instance dispatched) teaches nothing.
+    sched.done(Done("t", "expired", False, 5, 100, 0, 100, None, "deadline_exceeded"), now=2.0)
+    assert sched.counters.counters["t"] == 100 + 2 * 20 and not any(sched.class_weights.samples.values())
 
 
 def test_light_tenant_goes_ahead_of_a_heavy_backlog():
@@ -205,9 +214,9 @@ def test_a_request_sent_back_by_the_batcher_is_not_charged_twice():
     sched = RequestScheduler(RequestLevel())
     sched.push(item("a"))
     [dispatch] = sched.pop(1, now=0.0)
-    assert sched.counters.counters["t"] == dispatch.item.charged == 100 + 2 * 100
+    assert sched.counters.counters["t"] == 100 + 2 * 100
     sched.push(dispatch.item)  # the assignment failed: back to the queue, refunded
-    assert sched.counters.counters["t"] == 0.0 and dispatch.item.charged == 0.0
+    assert sched.counters.counters["t"] == 0.0 and not sched.charges
     sched.pop(1, now=0.0)
     assert sched.counters.counters["t"] == 100 + 2 * 100
 
@@ -251,8 +260,8 @@ def test_a_full_queue_first_sheds_a_request_that_can_no_longer_make_its_deadline
     sched = RequestScheduler(RequestLevel(max_pending_requests=4))
     sched.executor_report("e0", busy=1, slots=1, tenants={}, step_ms=20.0)
     sched.push(item("unknown", tenant="new", priority=9, deadline=3.0))  # no history yet
-    for _ in range(5):  # tenant t's priority-9 requests use all of their max_tokens
-        sched.finished(finished("t", 100, 100, priority=9), now=0.0)
+    for i in range(5):  # tenant t's priority-9 requests use all of their max_tokens
+        done(sched, f"done{i}", "t", 100, priority=9)
     sched.push(item("low", priority=1))
     sched.push(item("late", priority=9, deadline=3.0))  # 100 tokens at 20 ms: needs ~2 s
     sched.push(item("fine", priority=5, deadline=10.0))
@@ -269,8 +278,8 @@ def test_a_full_queue_sheds_a_request_the_queue_ahead_of_it_would_make_miss_its_
     before its deadline: it goes before a priority-1 request that can wait for the aging bound."""
     sched = RequestScheduler(RequestLevel(max_pending_requests=12))
     sched.executor_report("e0", busy=1, slots=1, tenants={}, step_ms=10.0)
-    for _ in range(5):  # priority 5 uses all of its max_tokens: its predictions are known
-        sched.finished(finished("t", 100, 100, priority=5), now=0.0)
+    for i in range(5):  # priority 5 uses all of its max_tokens: its predictions are known
+        done(sched, f"done{i}", "t", 100, priority=5)
     for i in range(10):  # two dispatched a second for 5 s
         sched.push(item(f"early{i}", priority=5))
         sched.pop(1, now=i * 0.5)
@@ -294,7 +303,7 @@ def test_a_request_back_from_the_batcher_is_taken_past_the_bound():
     sched.push(item("b"))
     [dispatch] = sched.pop(1, now=0.0)
     sched.push(item("c"))
-    assert sched.queue.full and dispatch.item.charged > 0
+    assert sched.queue.full and dispatch.item.key in sched.charges
     sched.push(dispatch.item)
     assert len(sched.queue) == 3
 
