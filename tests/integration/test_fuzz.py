@@ -1,4 +1,4 @@
-"""Fuzz: 2,400 generated hostile payloads on llm.generate.*, llm.requests.* and llm.cancel.*
+"""Fuzz: 1,200 generated hostile payloads on llm.generate.*, llm.requests.* and llm.cancel.*
 (random bytes, invalid UTF-8, deep nesting, huge strings and numbers, unknown and mistyped
 fields, random JSON, and some valid requests among them). Every generate gets exactly one final
 answer, every durable request exactly one result, no `internal` Error, no service restarts
@@ -106,7 +106,7 @@ async def test_hostile_payloads_get_exactly_one_answer_each_and_break_nothing(tm
                     finals.setdefault(index, []).append(output)
 
         await nc.subscribe(f"{inbox}.*", cb=on_reply)
-        generates, durables, cancels = 1400, 600, 400
+        generates, durables, cancels = 700, 300, 200
         for i in range(generates):
             await nc.publish("llm.generate.fuzz", hostile(rng, i), reply=f"{inbox}.{i}")
             if i % 100 == 99:
