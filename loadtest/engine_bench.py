@@ -29,6 +29,7 @@ import msgspec
 import torch
 
 from loadtest.datasets import engine_workload
+from loadtest.metrics import nearest_rank
 from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
 from shared.config import EngineConfig, engine_config
@@ -86,11 +87,6 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def _encode(request: GenerateRequest) -> str:
     return msgspec.json.encode(request).decode()
 
@@ -111,9 +107,9 @@ async def _run_point(engine: Engine, requests: list[GenerateRequest]) -> dict:
         "elapsed_s": elapsed,
         "output_tokens": output_tokens,
         "output_tok_per_s": output_tokens / elapsed,
-        "ttft_ms_p50": percentile([c.metrics.ttft_ms for c in completions], 50),
-        "ttft_ms_p99": percentile([c.metrics.ttft_ms for c in completions], 99),
-        "tpot_ms_p50": percentile([c.metrics.tpot_ms for c in completions], 50),
+        "ttft_ms_p50": nearest_rank([c.metrics.ttft_ms for c in completions], 50),
+        "ttft_ms_p99": nearest_rank([c.metrics.ttft_ms for c in completions], 99),
+        "tpot_ms_p50": nearest_rank([c.metrics.tpot_ms for c in completions], 50),
         "preemptions": sum(c.scheduling.preemptions for c in completions),
         "steps": delta["steps"],
         "model_busy_s": delta["model_busy_s"],
@@ -144,9 +140,8 @@ def run_engine(config: EngineConfig, points: dict[int, list[GenerateRequest]],
     """One engine through the single-stream prompts, then every sweep point in turn."""
     async def go():
         start = time.perf_counter()
-        engine = Engine(config)
-        result = {"load_s": time.perf_counter() - start}
-        try:
+        async with Engine(config) as engine:
+            result = {"load_s": time.perf_counter() - start}
             if single_stream:
                 result["single_stream"] = await _single_stream(engine)
             result["points"] = {}
@@ -156,8 +151,6 @@ def run_engine(config: EngineConfig, points: dict[int, list[GenerateRequest]],
                       f"TTFT p50 {point['ttft_ms_p50']:.0f} ms, TPOT p50 "
                       f"{point['tpot_ms_p50']:.1f} ms, {point['preemptions']} preemptions",
                       flush=True)
-        finally:
-            await engine.stop()
         return result
 
     return asyncio.run(go())

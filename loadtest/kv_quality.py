@@ -90,8 +90,7 @@ def measure(config: EngineConfig, batch_config: EngineConfig, args) -> dict:
     mixed = config.kv_cache.compress_below_priority is not None
 
     async def capacity_and_agreement() -> dict:
-        engine = Engine(config)
-        try:
+        async with Engine(config) as engine:
             sizes = engine.pool_sizes
             fits = [n * config.kv_cache.block_size // SEQUENCE_TOKENS for n in sizes]
             greedy = [msgspec.structs.replace(p, max_tokens=args.max_tokens, temperature=0.0,
@@ -109,12 +108,9 @@ def measure(config: EngineConfig, batch_config: EngineConfig, args) -> dict:
                     "long_requests_sent": len(long), "most_running_at_once": most,
                     "preemptions": engine.scheduler.num_preemptions - preempted,
                     "greedy_output_tok_s": sum(map(len, tokens)) / seconds, "tokens": tokens}
-        finally:
-            await engine.stop()
 
     async def large_batch() -> dict:
-        engine = Engine(batch_config)
-        try:
+        async with Engine(batch_config) as engine:
             requests = _random_requests(engine, random.Random(args.seed + 1), args.batch_requests,
                                         args.batch_prompt, args.batch_max_tokens, mixed)
             results, seconds, most, decode_tok_s = await _run(engine, requests)
@@ -122,8 +118,6 @@ def measure(config: EngineConfig, batch_config: EngineConfig, args) -> dict:
                     "batch_decode_tok_s": decode_tok_s,
                     "batch_seconds": seconds, "batch_most_running": most,
                     "batch_preemptions": engine.scheduler.num_preemptions}
-        finally:
-            await engine.stop()
 
     result = asyncio.run(capacity_and_agreement())
     if args.batch_requests:

@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STATS = ("mean", "p50", "p90", "p99")
-
 
 @dataclass
 class RequestRecord:
@@ -74,6 +72,12 @@ def percentile(values: list[float], q: float) -> float | None:
     position = (len(ordered) - 1) * q / 100
     low, high = math.floor(position), math.ceil(position)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def nearest_rank(values: list[float], q: float) -> float:
+    """The `q`th percentile (0-100) as one of the values, the nearest rank (no interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def distribution(values_s: list[float]) -> dict[str, float | None]:

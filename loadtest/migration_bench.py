@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtest.metrics import write_result
+from loadtest.metrics import nearest_rank, write_result
 from services.stack import Stack, free_port
 from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest
@@ -87,11 +87,6 @@ async def one_run(args, kill: bool, checkpoints: bool = True) -> dict:
             "redelivered": [h["request_id"] for h in redelivered]}
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="sim:smollm2-cpu")
@@ -125,13 +120,13 @@ def main(argv: list[str] | None = None) -> int:
             "redelivered_by_jetstream": len(hit["redelivered"]),
             "outputs_equal_to_the_undisturbed_run": sum(
                 hit["tokens"][i] == calm["tokens"][i] for i in calm["tokens"]),
-            "added_latency_ms_p50": percentile(added, 0.5) if added else None,
-            "added_latency_ms_p99": percentile(added, 0.99) if added else None,
+            "added_latency_ms_p50": nearest_rank(added, 50) if added else None,
+            "added_latency_ms_p99": nearest_rank(added, 99) if added else None,
             "wall_s": hit["wall_s"],
         }
     print(f"{args.num_requests} durable requests on 2 simulated executors ({args.model}); "
           f"executor-0 SIGKILLed at {args.kill_after_s:g} s, restarted {args.pause_s:g} s later; "
-          f"undisturbed: e2e p50 {percentile(list(calm['e2e_ms'].values()), 0.5):.0f} ms, "
+          f"undisturbed: e2e p50 {nearest_rank(list(calm['e2e_ms'].values()), 50):.0f} ms, "
           f"{calm['wall_s']:.1f} s")
     print(f"{'':<38}" + "".join(f"{name:>20}" for name in summaries))
     for key in next(iter(summaries.values())):

@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 
 from loadtest.datasets import engine_workload
-from loadtest.engine_bench import percentile
+from loadtest.metrics import nearest_rank
 from services.executor.engine.llm_engine import Engine
 from shared.model_files import load_model_config
 from services.stack import Stack, free_port
@@ -62,7 +62,7 @@ async def throughput(submit, requests: list[GenerateRequest]) -> dict:
     return {"requests": len(records), "output_tokens": tokens, "makespan_s": makespan,
             "output_tok_per_s": tokens / makespan,
             "ttft_p50_ms": 1e3 * statistics.median(r["ttft"] for r in records),
-            "ttft_p99_ms": 1e3 * percentile([r["ttft"] for r in records], 99)}
+            "ttft_p99_ms": 1e3 * nearest_rank([r["ttft"] for r in records], 99)}
 
 
 async def low_load(submit, requests: list[GenerateRequest]) -> dict:
@@ -80,14 +80,11 @@ def streaming(requests: list[GenerateRequest], prefix: str) -> list[GenerateRequ
 
 
 async def run_in_process(settings: dict, load, probes) -> dict:
-    engine = Engine(engine_config(settings))
-    engine.start()
-    try:
+    async with Engine(engine_config(settings)) as engine:
+        engine.start()
         await low_load(engine.generate, streaming(probes[:2], "warm"))  # first-call costs
         return {"throughput": await throughput(engine.generate, streaming(load, "in")),
                 "low_load": await low_load(engine.generate, streaming(probes, "in-probe"))}
-    finally:
-        await engine.stop()
 
 
 async def run_pipeline(settings: dict, load, probes) -> dict:

@@ -74,14 +74,11 @@ def prompts() -> list[GenerateRequest]:
 
 def greedy_outputs(config: EngineConfig, max_tokens: int) -> list[list[int]]:
     async def go():
-        engine = Engine(config)
-        try:
+        async with Engine(config) as engine:
             lines = [msgspec.json.encode(msgspec.structs.replace(
                 p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)).decode()
                 for p in prompts()]
             return await run_requests(engine, lines)
-        finally:
-            await engine.stop()
 
     results = asyncio.run(go())
     assert all(isinstance(r, Completion) for r in results), results
@@ -144,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     text = TEXT.read_text()
     base = {"model.name": args.model, "scheduler.batch_level.max_num_seqs": 32,
             "kv_cache.enable_prefix_caching": False}
-    reference = greedy_outputs(base, args.max_tokens)
+    reference = greedy_outputs(engine_config(base), args.max_tokens)
     results = {}
     for quantization in args.quantization:
         outputs = (reference if quantization == "none" else

@@ -26,7 +26,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from shared.config import JetserveConfig, NatsSection
 from shared.keys import RequestKey
-from shared.messages import Done, WorkItem, encode
+from shared.messages import Done, Holding, WorkItem, encode, holding_entry_bytes
 from shared.protocol import (
     Completion,
     Delta,
@@ -220,6 +220,19 @@ async def _reconcile(js: JetStreamContext, current: StreamConfig, wanted: Stream
             f"{', '.join(differ)}): {exc.description or exc!r}") from None
     log.info("stream updated to the configuration", stream=wanted.name,
              changed={name: [value(current, name), value(wanted, name)] for name in differ})
+
+
+async def report_holding(nc: Client, subjects: Subjects, holder: str, interval_s: float,
+                         held: Callable[[], list[RequestKey]]) -> None:
+    """Tell admission every `interval_s` which requests `holder` holds (it hands on those nobody
+    reports); a long list is several messages, each within the payload limit."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            for part in chunked(held(), holding_entry_bytes, payload_budget(nc)):
+                await nc.publish(subjects.holding, encode(Holding(holder=holder, requests=part)))
+        except Exception:  # missing one report is survivable; a dead loop is not
+            log.exception("holding report failed")
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:

@@ -110,14 +110,6 @@ class TenantLabels:
         return "other"
 
 
-def register(collector: Collector, registry: CollectorRegistry = REGISTRY) -> None:
-    registry.register(collector)
-
-
-def unregister(collector: Collector, registry: CollectorRegistry = REGISTRY) -> None:
-    registry.unregister(collector)
-
-
 class _MetricsHandler(BaseHTTPRequestHandler):
     """`/metrics` in Prometheus's classic text format, whatever the scraper's Accept header.
     prometheus-client 0.26 writes OpenMetrics sample names with label-name rules, so

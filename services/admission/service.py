@@ -27,6 +27,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 from nats.micro import Request
+from prometheus_client import REGISTRY
 
 from services.admission.intake import FairIntake
 from services.admission.ledger import Ledger, Watched
@@ -59,7 +60,7 @@ from shared.messages import (
     decoder,
     encode,
 )
-from shared.metrics import Reading, StatsCollector, TenantLabels, counter, register, unregister
+from shared.metrics import Reading, StatsCollector, TenantLabels, counter
 from shared.protocol import (
     Error,
     GenerateRequest,
@@ -131,7 +132,7 @@ class Admission:
         self.admitting = 0  # generate requests taken from the intake and not yet answered
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.collector = StatsCollector(self.read_metrics)
-        register(self.collector)
+        REGISTRY.register(self.collector)
         self.tenant_label = TenantLabels()
         # Priority's latest Backpressure: tenant -> the highest priority its full queue refuses.
         self.backpressure: dict[str, int] = {}
@@ -180,7 +181,7 @@ class Admission:
             await asyncio.sleep(0.02)
         await cancel_all(self.tasks)
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
-        unregister(self.collector)
+        REGISTRY.unregister(self.collector)
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:

@@ -13,6 +13,7 @@ import msgspec
 import structlog
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from prometheus_client import REGISTRY
 
 from services.batcher.registry import ExecutorRegistry
 from shared.keys import RequestKey
@@ -20,9 +21,9 @@ from shared.bus import (
     Outbox,
     add_micro_service,
     cancel_all,
-    chunked,
     json_encode,
     payload_budget,
+    report_holding,
     serve_forever,
     stop_micro_service,
     wait_event,
@@ -31,7 +32,6 @@ from shared.config import JetserveConfig
 from shared.messages import (
     AssignReply,
     Heartbeat,
-    Holding,
     KvDump,
     KvEvent,
     NextReply,
@@ -41,9 +41,8 @@ from shared.messages import (
     WorkItem,
     decoder,
     encode,
-    holding_entry_bytes,
 )
-from shared.metrics import Reading, StatsCollector, register, unregister
+from shared.metrics import Reading, StatsCollector
 from shared.protocol import Error
 from shared.subjects import Subjects
 from shared.telemetry import carrier_of, context_from
@@ -85,7 +84,7 @@ class BatcherService:
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
         self.collector = StatsCollector(self.read_metrics)
-        register(self.collector)
+        REGISTRY.register(self.collector)
 
     async def start(self) -> None:
         self.service = await add_micro_service(self.nc, "batcher", "routes requests to executors",
@@ -96,7 +95,11 @@ class BatcherService:
         await self.nc.subscribe(self.subjects.kv_events, cb=self.on_kv_event)
         self.tasks = [asyncio.create_task(self.dispatch_loop(), name="dispatch"),
                       asyncio.create_task(self.liveness_loop(), name="liveness"),
-                      asyncio.create_task(self.report_holding(), name="holding")]
+                      # The requests on their way to an executor.
+                      asyncio.create_task(report_holding(
+                          self.nc, self.subjects, "batcher",
+                          self.config.distributed.heartbeat_interval_s,
+                          lambda: list(self.holding)), name="holding")]
         if self.config.scheduler.batch_level.overtaking_dispatch:
             self.tasks.append(asyncio.create_task(self.overtake_loop(), name="overtake"))
 
@@ -107,7 +110,7 @@ class BatcherService:
         self.stopping = True
         await cancel_all([*self.tasks, *self.dumps])
         await stop_micro_service(self.nc, self.service)
-        unregister(self.collector)
+        REGISTRY.unregister(self.collector)
 
     def stats(self) -> dict:
         return {**self.counts, "free_slots": self.registry.free_slots(), "executors": {
@@ -186,19 +189,6 @@ class BatcherService:
             raise AssertionError("unreachable")
         finally:
             await sub.unsubscribe()
-
-    async def report_holding(self) -> None:
-        """Tell admission which requests are on their way to an executor, every heartbeat
-        interval, as priority and executors report theirs."""
-        while True:
-            await asyncio.sleep(self.config.distributed.heartbeat_interval_s)
-            try:
-                for part in chunked(list(self.holding), holding_entry_bytes,
-                                    payload_budget(self.nc)):
-                    await self.nc.publish(self.subjects.holding,
-                                          encode(Holding(holder="batcher", requests=part)))
-            except Exception:  # missing one report is survivable; a dead loop is not
-                log.exception("holding report failed")
 
     async def liveness_loop(self) -> None:
         distributed = self.config.distributed

@@ -96,12 +96,9 @@ def main(path: str, config: EngineConfig, show_progress: bool) -> int:
         lines = [line for line in file.read().splitlines() if line.strip()]
 
     async def run() -> list[Completion | Error]:
-        engine = Engine(config)
-        try:
+        async with Engine(config) as engine:
             progress = Progress(len(lines), sys.stderr) if show_progress else None
             return await run_requests(engine, lines, progress)
-        finally:
-            await engine.stop()
 
     encoder = msgspec.json.Encoder()
     for result in asyncio.run(run()):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 from nats.micro import Request
+from prometheus_client import REGISTRY
 
 from services.executor.batch_size import BatchSizeController, Interval, p99
 from services.executor.engine.llm_engine import Engine, Output
@@ -49,7 +50,7 @@ from shared.messages import (
     encode,
     tenant_entry_bytes,
 )
-from shared.metrics import Reading, StatsCollector, register, unregister
+from shared.metrics import Reading, StatsCollector
 from shared.protocol import Completion, Delta, Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from
@@ -126,7 +127,7 @@ class ExecutorService:
         self.engine.after_step = self.after_step
         self.observer = Observer(tracer, self.engine.model_name, name, config.monitoring.metrics)
         self.collector = StatsCollector(self.read_metrics)
-        register(self.collector)
+        REGISTRY.register(self.collector)
 
     async def start(self) -> None:
         self.engine.start()
@@ -165,7 +166,7 @@ class ExecutorService:
             log.warning("outputs still unsent at shutdown", pending=self.outputs.qsize())
         await cancel_all(self.tasks)
         await self.engine.stop()
-        unregister(self.collector)
+        REGISTRY.unregister(self.collector)
 
     def stats(self) -> dict:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager

@@ -11,6 +11,7 @@ import time
 
 import structlog
 from nats.micro import Request
+from prometheus_client import REGISTRY
 
 from services.priority.request_level import MISSED_MS, RequestScheduler
 from shared.keys import RequestKey
@@ -21,6 +22,7 @@ from shared.bus import (
     cancelled_completion,
     chunked,
     payload_budget,
+    report_holding,
     serve_forever,
     stop_micro_service,
     wait_event,
@@ -31,14 +33,12 @@ from shared.messages import (
     Backpressure,
     Done,
     Heartbeat,
-    Holding,
     NextReply,
     NextRequest,
     SubmitReply,
     WorkItem,
     decoder,
     encode,
-    holding_entry_bytes,
     tenant_entry_bytes,
 )
 from shared.metrics import (
@@ -47,8 +47,6 @@ from shared.metrics import (
     StatsCollector,
     TenantLabels,
     histogram,
-    register,
-    unregister,
 )
 from shared.protocol import Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
@@ -87,7 +85,7 @@ class PriorityService:
         self.pulls: set[asyncio.Task] = set()  # long polls being answered
         self.measuring = config.monitoring.metrics
         self.collector = StatsCollector(self.read_metrics)
-        register(self.collector)
+        REGISTRY.register(self.collector)
         self.tenant_label = TenantLabels()
 
     async def start(self) -> None:
@@ -100,7 +98,9 @@ class PriorityService:
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         self.service = service
-        self.tasks = [asyncio.create_task(self.report_holding(), name="holding"),
+        self.tasks = [asyncio.create_task(report_holding(  # the requests waiting here
+                          self.nc, self.subjects, "priority", self.heartbeat_interval_s,
+                          lambda: [item.key for item in self.queue.items()]), name="holding"),
                       asyncio.create_task(self.expiry_loop(), name="expiry"),
                       asyncio.create_task(self.feedback_loop(), name="class-feedback"),
                       asyncio.create_task(self.backpressure_loop(), name="backpressure")]
@@ -114,25 +114,12 @@ class PriorityService:
             await self.nc.publish(self.subjects.backpressure, encode(Backpressure()))
         except Exception as exc:
             log.info("could not withdraw backpressure", error=repr(exc))
-        unregister(self.collector)
+        REGISTRY.unregister(self.collector)
         for item in self.queue.pop_all():
             if not item.durable:
                 await self.outbox.final(item, Error(
                     request_id=item.request_id, code="overloaded",
                     message="the priority service is shutting down; retry"))
-
-    async def report_holding(self) -> None:
-        """Tell admission which requests wait here (it hands on the ones nobody holds)."""
-        while True:
-            await asyncio.sleep(self.heartbeat_interval_s)
-            waiting = [i.key for i in self.queue.items()]
-            try:
-                # A deep queue's report is several messages, each within the payload limit.
-                for part in chunked(waiting, holding_entry_bytes, payload_budget(self.nc)):
-                    await self.nc.publish(self.subjects.holding,
-                                          encode(Holding(holder="priority", requests=part)))
-            except Exception:  # missing one report is survivable; a dead loop is not
-                log.exception("holding report failed")
 
     async def backpressure_loop(self) -> None:
         """Tell admission which tenants' new requests the full queue refuses (Backpressure), on

@@ -1,12 +1,12 @@
 """The engine, as a library: a Llama-family model with continuous batching over a paged KV cache,
 in one process, knowing nothing of NATS.
 
-    engine = Engine(engine_config({"model.name": "SmolLM2-135M-Instruct"}))   # shared/config.py
-    # (an executor: Engine(load_config(path).engine_config(name)))
-    engine.start()
-    key = engine.add_request(engine.admit(request), sink)   # outputs go to sink(output)
-    engine.abort(key)
-    await engine.stop()
+    async with Engine(engine_config({"model.name": "SmolLM2-135M-Instruct"})) as engine:
+        # (shared/config.py; an executor: Engine(load_config(path).engine_config(name)))
+        engine.start()
+        key = engine.add_request(engine.admit(request), sink)   # outputs go to sink(output)
+        engine.abort(key)
+    # (leaving the block stops it: await engine.stop())
 
 `admit` validates and tokenizes a request as admission does; `add_request` trusts an admitted
 one (the executor service hands it admission's WorkItem) and checks only what the engine alone

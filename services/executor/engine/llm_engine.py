@@ -366,6 +366,12 @@ class Engine:
             self._loop_task = None
         self._worker.shutdown(wait=True)
 
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
     async def _run(self) -> None:
         in_flight: _Step | None = None
         while True:
