@@ -328,6 +328,8 @@ class Admission:
         """Only queued here, in its tenant's line of the intake (or refused at once): the
         subscription is read as fast as requests come, and the backlog, when admission cannot
         keep up, forms in the flooding tenant's line rather than in front of everyone."""
+        # The message itself: its reply subject is where every delta and the final answer go,
+        # from whichever service makes them, and nats-py's micro Request does not expose it.
         msg = request._msg
         tenant = self.subjects.tenant_of(msg.subject)
         if not TENANT_PATTERN.fullmatch(tenant):  # not a line of its own in the intake
