@@ -412,10 +412,10 @@ def done_of(item: WorkItem, output: Completion | Error) -> Done:
     request = item.request
     if isinstance(output, Completion):
         generated = output.usage.completion_tokens
-        return Done(item.tenant, item.request_id, item.durable, request.priority,
-                    output.usage.prompt_tokens, generated, request.max_tokens,
+        return Done(item.tenant, item.request_id, item.durable, item.arrival_time,
+                    request.priority, output.usage.prompt_tokens, generated, request.max_tokens,
                     output.metrics.ttft_ms if generated else None, output.finish_reason)
-    return Done(item.tenant, item.request_id, item.durable, request.priority,
+    return Done(item.tenant, item.request_id, item.durable, item.arrival_time, request.priority,
                 item.num_prompt_tokens, 0, request.max_tokens, None, output.code)
 
 

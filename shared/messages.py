@@ -215,6 +215,7 @@ class Done(msgspec.Struct, array_like=True):
     tenant: str
     request_id: str
     durable: bool
+    arrival_time: float  # the WorkItem's: which request of that key (ids may be reused)
     priority: int
     prompt_tokens: int
     output_tokens: int

@@ -17,24 +17,6 @@ from shared.config import EngineConfig, engine_config  # noqa: E402
 from shared.protocol import Completion, Delta, Error, GenerateRequest  # noqa: E402
 
 TINY = "dummy:tiny"
-TESTS = os.path.dirname(os.path.abspath(__file__))
-
-# The files that take longest, longest first (`make test PYTEST_ADDOPTS=--durations=0` says which).
-# `make test` hands whole files to its workers in collection order (--dist loadfile
-# --no-loadscope-reorder): these start first and the short files fill in beside them. In
-# xdist's own order (most tests first) the one-test file of minutes started last while the
-# other worker idled.
-LONGEST_FIRST = ["integration/test_podman_compose.py", "integration/test_durable_recovery.py",
-                 "executor/test_smollm2.py", "integration/test_fuzz.py",
-                 "integration/test_chaos.py", "integration/test_limits.py",
-                 "loadtest/test_migration_bench.py", "integration/test_migration.py",
-                 "integration/test_drain.py", "integration/test_scheduling.py"]
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(os.path.relpath(item.path, TESTS).replace(os.sep, "/"),
-                                         len(rank)))  # stable: the rest keep their order
 
 
 def tiny_config(settings: dict | None = None, **fields) -> EngineConfig:

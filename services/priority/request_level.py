@@ -57,6 +57,9 @@ class Charge(NamedTuple):
 
     tokens: float
     predicted_output_tokens: int
+    # Which request of that key: a second generate may reuse the id of one that runs, and is
+    # not the same request (admission stamps each its own arrival time).
+    arrival_time: float
 
 
 class RequestScheduler:
@@ -92,8 +95,9 @@ class RequestScheduler:
         `size`: its encoded bytes, if known (the submission's length); else encoded here."""
         # Dispatched before (an assignment failed, or a lost holder's hand-on): it had its place
         # here, and its advance is refunded.
-        back = self.charges.pop(item.key, None)
+        back = self.dispatched(item)
         if back is not None:
+            del self.charges[item.key]
             self.counters.charge(item.tenant, -back.tokens)
         request = item.request
         predicted = self.predictor.predict(item.tenant, request.priority, request.max_tokens)
@@ -349,10 +353,16 @@ class RequestScheduler:
                 key += np.where(not_aged, change[tenant], 0.0)
         return picked, shifts
 
+    def dispatched(self, item: WorkItem) -> Charge | None:
+        """Its charge, if this instance dispatched `item` and it has not ended since."""
+        charge = self.charges.get(item.key)
+        return charge if charge is not None and charge.arrival_time == item.arrival_time else None
+
     def _charge(self, row: int) -> None:
         item, predicted = self.queue.item(row), self.queue.predicted_output(row)
         self.counters.dequeued(item.tenant)
-        charge = Charge(self.counters.cost(item.num_prompt_tokens, predicted), predicted)
+        charge = Charge(self.counters.cost(item.num_prompt_tokens, predicted), predicted,
+                        item.arrival_time)
         self.counters.charge(item.tenant, charge.tokens)
         self.charges[item.key] = charge
         while len(self.charges) > MAX_CHARGES:
@@ -382,9 +392,10 @@ class RequestScheduler:
         """A request this instance dispatched ended: correct the advance charge, learn its
         length, and count its TTFT against its class's target. (One that ended while it waited
         here, or that an earlier instance dispatched, teaches nothing.)"""
-        charge = self.charges.pop(report.key, None)
-        if charge is None:
+        charge = self.charges.get(report.key)
+        if charge is None or charge.arrival_time != report.arrival_time:
             return
+        del self.charges[report.key]
         self.counters.charge(report.tenant, 2 * (report.output_tokens
                                                  - charge.predicted_output_tokens))
         served = self.served.setdefault(report.tenant, {"prompt_tokens": 0, "output_tokens": 0})

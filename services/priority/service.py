@@ -226,7 +226,7 @@ class PriorityService:
                 return
             error = Error(request_id=item.request_id, code="invalid_request",
                           message=f"`request_id` {item.request_id!r} is already waiting")
-        elif self.queue.full and item.key not in self.scheduler.charges:  # (one back: taken)
+        elif self.queue.full and self.scheduler.dispatched(item) is None:  # (one back: taken)
             error = await self.make_room(item)
         if error is not None:
             await request.respond(encode(SubmitReply(error=error)))

@@ -41,7 +41,7 @@ async def test_a_done_during_a_hand_on_leaves_the_watch_running(tmp_path):
         await nc.subscribe(subjects.done, cb=admission.on_done)
 
         async def slow_priority(msg):  # priority takes the generate; meanwhile the Done comes
-            await nc.publish(subjects.done, encode(Done("acme", "durable-1", True, 5, 0, 1, 4, 1.0, "stop")))
+            await nc.publish(subjects.done, encode(Done("acme", "durable-1", True, 0.0, 5, 0, 1, 4, 1.0, "stop")))
             await asyncio.sleep(0.2)
             await msg.respond(encode(SubmitReply()))
 

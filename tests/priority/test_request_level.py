@@ -17,12 +17,12 @@ def item(request_id, tenant="t", priority=5, arrival=0.0, prompt_len=100, max_to
 
 
 def done(sched, request_id, tenant, output_tokens, priority=5, max_tokens=100, ttft_ms=50.0,
-         reason="stop", now=0.0):
+         reason="stop", now=0.0, arrival=0.0):
     """The Done of a request `sched` dispatched (one not dispatched by the test: as though
     charged for all of max_tokens)."""
-    sched.charges.setdefault(RequestKey(tenant, request_id), Charge(0.0, max_tokens))
-    sched.done(Done(tenant, request_id, False, priority, 100, output_tokens, max_tokens, ttft_ms,
-                    reason), now)
+    sched.charges.setdefault(RequestKey(tenant, request_id), Charge(0.0, max_tokens, arrival))
+    sched.done(Done(tenant, request_id, False, arrival, priority, 100, output_tokens, max_tokens,
+                    ttft_ms, reason), now)
 
 
 def test_dispatch_records_score_wait_and_charges_the_tenant_in_advance():
@@ -32,7 +32,7 @@ def test_dispatch_records_score_wait_and_charges_the_tenant_in_advance():
     assert dispatch.item.priority_score == dispatch.score
     assert dispatch.item.queue_wait_ms == 500.0
     # The prior: all of max_tokens.
-    assert sched.charges[RequestKey("t", "a")] == Charge(100 + 2 * 100, 100)
+    assert sched.charges[RequestKey("t", "a")] == Charge(100 + 2 * 100, 100, 10.0)
     assert sched.counters.counters["t"] == 100 + 2 * 100
     assert set(dispatch.terms) == {"base", "urgency", "resource", "fairness", "aged", "over_share",
                                    "held", "hopeless"}
@@ -47,7 +47,8 @@ def test_completions_correct_the_charge_and_teach_the_predictor():
     sched.push(item("b"))
     assert sched.queue.predicted_output(0) == 20
     # One that ended while it waited (or that an earlier instance dispatched) teaches nothing.
-    sched.done(Done("t", "expired", False, 5, 100, 0, 100, None, "deadline_exceeded"), now=2.0)
+    sched.done(Done("t", "expired", False, 0.0, 5, 100, 0, 100, None, "deadline_exceeded"),
+               now=2.0)
     assert sched.counters.counters["t"] == 100 + 2 * 20 and not any(sched.class_weights.samples.values())
 
 
@@ -361,3 +362,21 @@ def test_refused_tenants_are_those_push_out_for_would_refuse():
         assert (pushed is None) == (priority <= refused.get(tenant, -1)), (tenant, priority)
         if pushed is not None:  # put back: each probe sees the same queue
             sched.push(pushed, past_bound=True)
+
+
+def test_a_second_request_reusing_a_running_id_is_not_taken_for_the_first():
+    """A generate that reuses the id of one that runs is another request: it neither refunds
+    the first's charge nor passes the queue bound, and its end (here: it expired waiting) does
+    not correct the first's charge."""
+    sched = RequestScheduler(RequestLevel(max_pending_requests=1))
+    sched.push(item("x", arrival=1.0))
+    [first] = sched.pop(1, now=1.0)
+    charged = sched.counters.counters["t"]
+    twin = item("x", arrival=2.0)
+    assert sched.dispatched(twin) is None and sched.dispatched(first.item) is not None
+    sched.push(twin)
+    assert sched.counters.counters["t"] == charged and sched.queue.full
+    sched.done(Done("t", "x", False, 2.0, 5, 100, 0, 100, None, "deadline_exceeded"), now=3.0)
+    assert sched.counters.counters["t"] == charged and RequestKey("t", "x") in sched.charges
+    done(sched, "x", "t", output_tokens=100, arrival=1.0)  # the first ends: corrected, gone
+    assert sched.counters.counters["t"] == charged and not sched.charges
