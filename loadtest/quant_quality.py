@@ -125,7 +125,7 @@ def perplexity(model_name: str, quantization: str, text: str) -> tuple[float, in
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     matmuls = [model.lm_head] + [getattr(layer, name) for layer in model.layers
                                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-    size = sum(m.weight.nbytes for m in matmuls)  # a tensor's, or a QuantizedWeight's
+    size = sum(m.weight.nbytes for m in matmuls)  # a tensor's, or QuantizedPanels'
     return math.exp(nll.item()), size
 
 

@@ -485,10 +485,17 @@ async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]]
         shutdown_tracing()
 
 
-async def stop_micro_service(nc: Client, service) -> None:
-    """Stop answering (drain the service's subscriptions), for 5 s at most and not past the
-    server's going away."""
-    await while_connected(nc, service.stop(), 5.0)
+def service_main(name: str, service_class) -> Callable[[list[str] | None], None]:
+    """The `main()` of a service whose class takes (config, nc, js, tracer) and has `start` and
+    `stop`: started, then stopped when told to (serve_forever)."""
+    async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
+        service = service_class(config, nc, js, tracer)
+        await service.start()
+        log.info("serving", service=name)
+        await stop.wait()
+        await service.stop()
+
+    return lambda argv=None: asyncio.run(serve_forever(name, serve, argv))
 
 
 async def add_micro_service(nc: Client, name: str, description: str,

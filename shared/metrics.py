@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import structlog
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
@@ -37,14 +37,12 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-def counter(name: str, doc: str, labels: Iterable[str] = (),
-            registry: CollectorRegistry = REGISTRY) -> Counter:
-    return Counter(PREFIX + name, doc, list(labels), registry=registry)
+def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+    return Counter(PREFIX + name, doc, list(labels))
 
 
-def histogram(name: str, doc: str, labels: Iterable[str], buckets: tuple[float, ...],
-              registry: CollectorRegistry = REGISTRY) -> Histogram:
-    return Histogram(PREFIX + name, doc, list(labels), buckets=buckets, registry=registry)
+def histogram(name: str, doc: str, labels: Iterable[str], buckets: tuple[float, ...]) -> Histogram:
+    return Histogram(PREFIX + name, doc, list(labels), buckets=buckets)
 
 
 class Reading(NamedTuple):
@@ -58,9 +56,10 @@ class Reading(NamedTuple):
 
 
 class StatsCollector(Collector):
-    """Gauges and counters read at scrape time from a function that returns Readings. Scrapes
-    arrive on the metrics thread; `read` runs on the event loop that made the collector, so it
-    sees the service's state between two of its steps, never halfway through a change."""
+    """Gauges and counters read at scrape time from a function that returns Readings, in the
+    default registry from creation to `unregister`. Scrapes arrive on the metrics thread; `read`
+    runs on the event loop that made the collector, so it sees the service's state between two
+    of its steps, never halfway through a change."""
 
     def __init__(self, read: Callable[[], list[Reading]]):
         self.read = read
@@ -68,6 +67,10 @@ class StatsCollector(Collector):
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self.loop = None
+        REGISTRY.register(self)
+
+    def unregister(self) -> None:
+        REGISTRY.unregister(self)
 
     def _rows(self) -> list[Reading]:
         if self.loop is None or not self.loop.is_running():
@@ -93,18 +96,17 @@ class StatsCollector(Collector):
 
 
 class TenantLabels:
-    """A tenant's label value: its name for the first `limit` tenants seen, then "other".
-    Tenant names come from clients' subjects, and every label value is a series Prometheus
-    keeps: unbounded, a client could make any number."""
+    """A tenant's label value: its name for the first TENANT_LABELS_MAX tenants seen, then
+    "other". Tenant names come from clients' subjects, and every label value is a series
+    Prometheus keeps: unbounded, a client could make any number."""
 
-    def __init__(self, limit: int = TENANT_LABELS_MAX):
-        self.limit = limit
+    def __init__(self):
         self.seen: set[str] = set()
 
     def __call__(self, tenant: str) -> str:
         if tenant in self.seen:
             return tenant
-        if len(self.seen) < self.limit:
+        if len(self.seen) < TENANT_LABELS_MAX:
             self.seen.add(tenant)
             return tenant
         return "other"
@@ -116,13 +118,11 @@ class _MetricsHandler(BaseHTTPRequestHandler):
     `jetserve:request_success_total` would reach Prometheus as `jetserve_request_success_total`
     (while its HELP and TYPE lines keep the colon); the text format keeps the names as made."""
 
-    registry: CollectorRegistry = REGISTRY
-
     def do_GET(self):  # noqa: N802 (http.server's name)
         if self.path.split("?")[0] not in ("/", "/metrics"):
             self.send_error(404)
             return
-        body = generate_latest(self.registry)
+        body = generate_latest(REGISTRY)
         self.send_response(200)
         self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
         self.send_header("Content-Length", str(len(body)))
@@ -133,18 +133,17 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         pass  # a scrape every few seconds is not news
 
 
-def serve_metrics(port: int, service: str) -> int | None:
-    """Serve the default registry on `port` (0: not at all), on a thread of its own; the port,
-    or None if it is off. A port already taken is logged and the service runs on without
-    metrics: they are not worth losing requests over."""
+def serve_metrics(port: int, service: str) -> None:
+    """Serve the default registry on `port` (0: not at all), on a thread of its own. A port
+    already taken is logged and the service runs on without metrics: they are not worth losing
+    requests over."""
     if not port:
-        return None
+        return
     try:
         server = ThreadingHTTPServer(("", port), _MetricsHandler)
     except OSError as exc:
         log.error("metrics port unavailable; serving without /metrics",
                   port=port, key=f"monitoring.metrics_port.{service}", error=str(exc))
-        return None
+        return
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-    return server.server_port

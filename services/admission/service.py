@@ -27,7 +27,6 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 from nats.micro import Request
-from prometheus_client import REGISTRY
 
 from services.admission.intake import FairIntake
 from services.admission.ledger import Ledger, Watched
@@ -44,8 +43,8 @@ from shared.bus import (
     ensure_streams,
     json_encode,
     payload_budget,
-    serve_forever,
-    stop_micro_service,
+    service_main,
+    while_connected,
 )
 from shared.config import JetserveConfig
 from shared.keys import RequestKey
@@ -132,7 +131,6 @@ class Admission:
         self.admitting = 0  # generate requests taken from the intake and not yet answered
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.collector = StatsCollector(self.read_metrics)
-        REGISTRY.register(self.collector)
         self.tenant_label = TenantLabels()
         # Priority's latest Backpressure: tenant -> the highest priority its full queue refuses.
         self.backpressure: dict[str, int] = {}
@@ -163,10 +161,11 @@ class Admission:
                       asyncio.create_task(self.keep_alive_loop(), name="keep-alive"),
                       *(asyncio.create_task(self.admit_loop(), name="admit")
                         for _ in range(ADMIT_WORKERS))]
+        log.info("admitting", model=self.model_name, max_model_len=self.max_model_len)
 
     async def stop(self) -> None:
         # No new requests; those being admitted finish.
-        await stop_micro_service(self.nc, self.service)
+        await while_connected(self.nc, self.service.stop(), 5.0)
         wait_s = self.config.nats.request_timeout_s
         give_up = time.monotonic() + wait_s
         while len(self.intake) and time.monotonic() < give_up:
@@ -181,7 +180,7 @@ class Admission:
             await asyncio.sleep(0.02)
         await cancel_all(self.tasks)
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
-        REGISTRY.unregister(self.collector)
+        self.collector.unregister()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:
@@ -642,13 +641,4 @@ def _peek(payload: bytes) -> tuple[str | None, bool]:
     return request_id, value.get("stream") is True
 
 
-async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
-    admission = Admission(config, nc, js, tracer)
-    await admission.start()
-    log.info("serving", model=admission.model_name, max_model_len=admission.max_model_len)
-    await stop.wait()
-    await admission.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    asyncio.run(serve_forever("admission", serve, argv))
+main = service_main("admission", Admission)

@@ -13,7 +13,6 @@ import msgspec
 import structlog
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from prometheus_client import REGISTRY
 
 from services.batcher.registry import ExecutorRegistry
 from shared.keys import RequestKey
@@ -24,9 +23,9 @@ from shared.bus import (
     json_encode,
     payload_budget,
     report_holding,
-    serve_forever,
-    stop_micro_service,
+    service_main,
     wait_event,
+    while_connected,
 )
 from shared.config import JetserveConfig
 from shared.messages import (
@@ -84,7 +83,6 @@ class BatcherService:
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
         self.collector = StatsCollector(self.read_metrics)
-        REGISTRY.register(self.collector)
 
     async def start(self) -> None:
         self.service = await add_micro_service(self.nc, "batcher", "routes requests to executors",
@@ -93,7 +91,7 @@ class BatcherService:
                                         handler=self.on_executors)
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         await self.nc.subscribe(self.subjects.kv_events, cb=self.on_kv_event)
-        self.tasks = [asyncio.create_task(self.dispatch_loop(), name="dispatch"),
+        self.tasks = [asyncio.create_task(self._until_stopped(self.dispatch_once), name="dispatch"),
                       asyncio.create_task(self.liveness_loop(), name="liveness"),
                       # The requests on their way to an executor.
                       asyncio.create_task(report_holding(
@@ -101,7 +99,8 @@ class BatcherService:
                           self.config.distributed.heartbeat_interval_s,
                           lambda: list(self.holding)), name="holding")]
         if self.config.scheduler.batch_level.overtaking_dispatch:
-            self.tasks.append(asyncio.create_task(self.overtake_loop(), name="overtake"))
+            self.tasks.append(asyncio.create_task(self._until_stopped(self.overtake_once),
+                                                  name="overtake"))
 
     async def stop(self) -> None:
         # The flag as well as the cancel: on Python 3.11 a cancel that lands as a wait_for()
@@ -109,8 +108,8 @@ class BatcherService:
         # hung here).
         self.stopping = True
         await cancel_all([*self.tasks, *self.dumps])
-        await stop_micro_service(self.nc, self.service)
-        REGISTRY.unregister(self.collector)
+        await while_connected(self.nc, self.service.stop(), 5.0)
+        self.collector.unregister()
 
     def stats(self) -> dict:
         return {**self.counts, "free_slots": self.registry.free_slots(), "executors": {
@@ -205,16 +204,6 @@ class BatcherService:
                     log.warning("executor lost: no heartbeat", executor=name,
                                 timeout_s=distributed.heartbeat_timeout_s)
 
-    async def dispatch_loop(self) -> None:
-        """Pull only as many requests as executors have room for: the rest keep waiting at
-        priority, where a later, more urgent request can still overtake them."""
-        await self._until_stopped(self.dispatch_once)
-
-    async def overtake_loop(self) -> None:
-        """With no room anywhere, pull one request at a time that would start at once at some
-        executor, ahead of what waits there."""
-        await self._until_stopped(self.overtake_once)
-
     async def _until_stopped(self, once) -> None:
         while not self.stopping:
             try:
@@ -223,46 +212,44 @@ class BatcherService:
                 log.exception("dispatch failed; continuing", loop=once.__name__)
                 await asyncio.sleep(0.2)
 
+    async def pull(self, max_items: int, min_standing: float | None = None) -> list[WorkItem]:
+        """Up to `max_items` requests from priority's queue (only those whose standing reaches
+        `min_standing`, if given); none when priority does not answer."""
+        try:
+            reply = await self.nc.request(
+                self.subjects.priority_next,
+                encode(NextRequest(max_items=max_items, wait_ms=PULL_WAIT_MS,
+                                   min_standing=min_standing, max_bytes=payload_budget(self.nc))),
+                timeout=PULL_WAIT_MS / 1e3 + self.timeout)
+        except (NatsTimeoutError, NoRespondersError) as exc:
+            log.warning("priority did not answer a pull", overtaking=min_standing is not None,
+                        error=repr(exc))
+            await asyncio.sleep(0.2)
+            return []
+        items = _next_reply.decode(reply.data).items
+        self.counts["pulled"] += len(items)
+        return items
+
     async def dispatch_once(self) -> None:
+        """Pull only as many requests as executors have room for: the rest keep waiting at
+        priority, where a later, more urgent request can still overtake them."""
         free = self.registry.pull_size(time.monotonic())
         if free == 0:
             self.room.clear()
             await wait_event(self.room, SUSPEND_S)
             return
-        try:
-            reply = await self.nc.request(
-                self.subjects.priority_next,
-                encode(NextRequest(max_items=free, wait_ms=PULL_WAIT_MS,
-                                   max_bytes=payload_budget(self.nc))),
-                timeout=PULL_WAIT_MS / 1e3 + self.timeout)
-        except (NatsTimeoutError, NoRespondersError) as exc:
-            log.warning("priority did not answer a pull", error=repr(exc))
-            await asyncio.sleep(0.2)
-            return
-        items = _next_reply.decode(reply.data).items
-        self.counts["pulled"] += len(items)
-        if items:
-            await asyncio.gather(*(self.hold_and_assign(item) for item in items))
+        await asyncio.gather(*(self.hold_and_assign(item) for item in await self.pull(free)))
 
     async def overtake_once(self) -> None:
+        """With no room anywhere, pull one request at a time that would start at once at some
+        executor, ahead of what waits there."""
         now = time.monotonic()
         threshold = None if self.registry.free_slots(now) else \
             self.registry.overtake_threshold(now)
         if threshold is None:
             await self.next_beat()
             return
-        try:
-            reply = await self.nc.request(
-                self.subjects.priority_next,
-                encode(NextRequest(max_items=1, wait_ms=PULL_WAIT_MS, min_standing=threshold,
-                                   max_bytes=payload_budget(self.nc))),
-                timeout=PULL_WAIT_MS / 1e3 + self.timeout)
-        except (NatsTimeoutError, NoRespondersError) as exc:
-            log.warning("priority did not answer an overtaking pull", error=repr(exc))
-            await asyncio.sleep(0.2)
-            return
-        for item in _next_reply.decode(reply.data).items:
-            self.counts["pulled"] += 1
+        for item in await self.pull(1, threshold):
             if not await self.hold_and_assign(item, overtaking=True):
                 # Its executor's threshold moved, or it serves another model: until the next
                 # heartbeat, pulling again would hand out the same request again.
@@ -353,13 +340,4 @@ class BatcherService:
                                             message=message))
 
 
-async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
-    service = BatcherService(config, nc, js, tracer)
-    await service.start()
-    log.info("serving")
-    await stop.wait()
-    await service.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    asyncio.run(serve_forever("batcher", serve, argv))
+main = service_main("batcher", BatcherService)

@@ -54,43 +54,32 @@ class Observer:
 
     def ended(self, span: Span, item: WorkItem, output: Completion | Error) -> None:
         """A request's final output: its metrics, and its span ended."""
-        if self.measuring:
-            if isinstance(output, Completion):
-                self._completed(output)
-            else:
+        if isinstance(output, Error):
+            if self.measuring:
                 ERRORS.labels(*self.labels, output.code).inc()
-        self._end_span(span, item, output)
-
-    def _completed(self, completion: Completion) -> None:
-        REQUEST_SUCCESS.labels(*self.labels, completion.finish_reason).inc()
-        self.metrics[PROMPT_TOKENS].inc(completion.usage.prompt_tokens)
-        m = completion.metrics
-        self.metrics[E2E].observe(m.e2e_ms / 1e3)
-        self.metrics[QUEUE_TIME].observe(m.queue_ms / 1e3)
-        if completion.usage.completion_tokens:
-            self.metrics[TTFT].observe(m.ttft_ms / 1e3)
-        if completion.usage.completion_tokens > 1:
-            self.metrics[TPOT].observe(m.tpot_ms / 1e3)
-
-    def _end_span(self, span: Span, item: WorkItem, output: Completion | Error) -> None:
-        if isinstance(output, Completion):
-            m = output.metrics
-            span.set_attributes({"completion_tokens": output.usage.completion_tokens,
-                                 "cached_tokens": output.usage.cached_tokens,
-                                 "finish_reason": output.finish_reason})
-            # Prefill and decode as child spans, placed on the wall clock from the metrics.
-            arrival_ns = int(item.arrival_time * 1e9)
-
-            def at(ms: float) -> int:
-                return arrival_ns + int(ms * 1e6)
-
-            if output.usage.completion_tokens:
-                for name, start, end in (("prefill", m.queue_ms, m.ttft_ms),
-                                         ("decode", m.ttft_ms, m.e2e_ms)):
-                    self.tracer.start_span(name, context=context_of(span),
-                                           start_time=at(start)).end(end_time=at(end))
-        else:
             span.set_attribute("error", output.code)
+            span.end()
+            return
+        m, usage = output.metrics, output.usage
+        if self.measuring:
+            REQUEST_SUCCESS.labels(*self.labels, output.finish_reason).inc()
+            self.metrics[PROMPT_TOKENS].inc(usage.prompt_tokens)
+            self.metrics[E2E].observe(m.e2e_ms / 1e3)
+            self.metrics[QUEUE_TIME].observe(m.queue_ms / 1e3)
+            if usage.completion_tokens:
+                self.metrics[TTFT].observe(m.ttft_ms / 1e3)
+            if usage.completion_tokens > 1:
+                self.metrics[TPOT].observe(m.tpot_ms / 1e3)
+        span.set_attributes({"completion_tokens": usage.completion_tokens,
+                             "cached_tokens": usage.cached_tokens,
+                             "finish_reason": output.finish_reason})
+        if usage.completion_tokens:  # prefill and decode as child spans, on the wall clock
+            arrival_ns = int(item.arrival_time * 1e9)
+            for name, start, end in (("prefill", m.queue_ms, m.ttft_ms),
+                                     ("decode", m.ttft_ms, m.e2e_ms)):
+                self.tracer.start_span(name, context=context_of(span),
+                                       start_time=arrival_ns + int(start * 1e6)
+                                       ).end(end_time=arrival_ns + int(end * 1e6))
         span.end()
 
     def readings(self, engine: Engine, num_waiting: int) -> list[Reading]:

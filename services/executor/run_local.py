@@ -58,24 +58,13 @@ class Progress:
 async def run_requests(engine: Engine, lines: list[str],
                        progress: Progress | None = None) -> list[Completion | Error]:
     """Run every line through `engine`; the results come back in input order."""
-    results: list[Completion | Error | None] = [None] * len(lines)
-    all_done = asyncio.Event()
-    remaining = len(lines)
+    results = [asyncio.get_running_loop().create_future() for _ in lines]
 
-    def finish(index: int, result: Completion | Error) -> None:
-        nonlocal remaining
-        results[index] = result
-        remaining -= 1
-        if progress:
-            progress.update(result)
-        if remaining == 0:
-            all_done.set()
-
-    def sink_for(index: int):
-        def sink(output: Output) -> None:
-            if not isinstance(output, Delta):
-                finish(index, output)
-        return sink
+    def finish(index: int, output: Output) -> None:
+        if not isinstance(output, Delta):
+            results[index].set_result(output)
+            if progress:
+                progress.update(output)
 
     engine.start()
     for index, line in enumerate(lines):
@@ -83,12 +72,10 @@ async def run_requests(engine: Engine, lines: list[str],
             request = decode_generate_request(line)
             if request.request_id is None:
                 request.request_id = f"line-{index + 1}"
-            engine.add_request(engine.admit(request), sink_for(index))
+            engine.add_request(engine.admit(request), lambda out, i=index: finish(i, out))
         except ProtocolError as exc:
             finish(index, exc.to_error(_request_id_of(line) or f"line-{index + 1}"))
-    if remaining:
-        await all_done.wait()
-    return results  # type: ignore[return-value]
+    return list(await asyncio.gather(*results))
 
 
 def main(path: str, config: EngineConfig, show_progress: bool) -> int:

@@ -12,13 +12,12 @@ import os
 import socket
 import sys
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import msgspec
 import structlog
 from nats.micro import Request
-from prometheus_client import REGISTRY
 
 from services.executor.batch_size import BatchSizeController, Interval, p99
 from services.executor.engine.llm_engine import Engine, Output
@@ -32,8 +31,8 @@ from shared.bus import (
     chunked,
     payload_budget,
     serve_forever,
-    stop_micro_service,
     wait_event,
+    while_connected,
 )
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
@@ -115,7 +114,6 @@ class ExecutorService:
                            client_gone=0, resumed=0, revoked=0, unassigned=0)
         self.probes: dict[str, RequestKey] = {}  # _Running.probe -> the request's key
         self.probe_ids = itertools.count()
-        self.tenant_load: dict[str, int] = {}  # requests each tenant has here
         self.tasks: list[asyncio.Task] = []
         self.batch_size = None  # the load-aware controller, with batch_size: adaptive
         if config.scheduler.batch_level.batch_size == "adaptive":
@@ -127,7 +125,6 @@ class ExecutorService:
         self.engine.after_step = self.after_step
         self.observer = Observer(tracer, self.engine.model_name, name, config.monitoring.metrics)
         self.collector = StatsCollector(self.read_metrics)
-        REGISTRY.register(self.collector)
 
     async def start(self) -> None:
         self.engine.start()
@@ -153,7 +150,7 @@ class ExecutorService:
         holding it and has it run again; the others end `cancelled`."""
         self.draining = True
         self.load_changed.set()
-        await stop_micro_service(self.nc, self.service)
+        await while_connected(self.nc, self.service.stop(), 5.0)
         if self.running:
             self.idle.clear()
             if not await wait_event(self.idle, drain_timeout_s):
@@ -166,7 +163,7 @@ class ExecutorService:
             log.warning("outputs still unsent at shutdown", pending=self.outputs.qsize())
         await cancel_all(self.tasks)
         await self.engine.stop()
-        REGISTRY.unregister(self.collector)
+        self.collector.unregister()
 
     def stats(self) -> dict:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
@@ -257,7 +254,6 @@ class ExecutorService:
             if item.request.stream and not item.durable and item.reply_to:
                 running.probe = str(next(self.probe_ids))
                 self.probes[running.probe] = key
-            self.tenant_load[item.tenant] = self.tenant_load.get(item.tenant, 0) + 1
         return AssignReply(accepted=True)
 
     async def on_cancel(self, msg) -> None:
@@ -305,9 +301,6 @@ class ExecutorService:
         running = self.running.pop(key)
         if running.probe is not None:
             del self.probes[running.probe]
-        left = self.tenant_load.pop(running.item.tenant, 1) - 1
-        if left:
-            self.tenant_load[running.item.tenant] = left
         running.span.set_attribute("revoked", True)
         running.span.end()
         self.engine.abort(key)
@@ -358,9 +351,6 @@ class ExecutorService:
             del self.probes[running.probe]
         if self.batch_size is not None and (tpot := running.take_tpot_ms()) is not None:
             self.finished_tpot_ms.append(tpot)
-        left = self.tenant_load.pop(item.tenant, 1) - 1
-        if left:
-            self.tenant_load[item.tenant] = left
         if isinstance(output, Completion):
             output = msgspec.structs.replace(output, scheduling=msgspec.structs.replace(
                 output.scheduling, priority_score=item.priority_score,
@@ -481,7 +471,7 @@ class ExecutorService:
         """The requests each tenant has here, the busiest tenants first, as many as fit a quarter
         of a heartbeat's payload (tenant names are up to 64 bytes; a small max_payload and
         hundreds of tenants would not fit whole)."""
-        busiest = sorted(self.tenant_load.items(), key=lambda entry: -entry[1])
+        busiest = Counter(running.item.tenant for running in self.running.values()).most_common()
         fits = next(chunked(busiest, tenant_entry_bytes, payload_budget(self.nc) // 4), [])
         return dict(fits)
 

@@ -139,12 +139,6 @@ class WaitingQueue:
             items[row] = self._take(row)
         return [items[row] for row in rows]
 
-    def pop_all(self) -> list[WorkItem]:
-        items = list(self._items)
-        for item in items:
-            self.remove(item.request_id, item.tenant)
-        return items
-
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         """Take a request out (a cancel); only its own tenant may."""
         row = self._row_of.get(RequestKey(tenant, request_id))

@@ -11,7 +11,6 @@ import time
 
 import structlog
 from nats.micro import Request
-from prometheus_client import REGISTRY
 
 from services.priority.request_level import MISSED_MS, RequestScheduler
 from shared.keys import RequestKey
@@ -23,9 +22,9 @@ from shared.bus import (
     chunked,
     payload_budget,
     report_holding,
-    serve_forever,
-    stop_micro_service,
+    service_main,
     wait_event,
+    while_connected,
 )
 from shared.cancels import RecentCancels
 from shared.config import JetserveConfig
@@ -85,7 +84,6 @@ class PriorityService:
         self.pulls: set[asyncio.Task] = set()  # long polls being answered
         self.measuring = config.monitoring.metrics
         self.collector = StatsCollector(self.read_metrics)
-        REGISTRY.register(self.collector)
         self.tenant_label = TenantLabels()
 
     async def start(self) -> None:
@@ -108,14 +106,14 @@ class PriorityService:
     async def stop(self) -> None:
         """Stop taking work; whoever waits here is told now rather than left to time out
         (durable requests are not: admission has them run again)."""
-        await stop_micro_service(self.nc, self.service)
+        await while_connected(self.nc, self.service.stop(), 5.0)
         await cancel_all([*self.tasks, *self.pulls])
         try:  # admission stops refusing on this queue's account at once
             await self.nc.publish(self.subjects.backpressure, encode(Backpressure()))
         except Exception as exc:
             log.info("could not withdraw backpressure", error=repr(exc))
-        REGISTRY.unregister(self.collector)
-        for item in self.queue.pop_all():
+        self.collector.unregister()
+        for item in self.queue.take(list(range(len(self.queue)))):
             if not item.durable:
                 await self.outbox.final(item, Error(
                     request_id=item.request_id, code="overloaded",
@@ -341,13 +339,4 @@ class PriorityService:
         await self.outbox.final(item, cancelled_completion(item))
 
 
-async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
-    service = PriorityService(config, nc, js, tracer)
-    await service.start()
-    log.info("serving", subjects=[service.subjects.priority_submit, service.subjects.priority_next])
-    await stop.wait()
-    await service.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    asyncio.run(serve_forever("priority", serve, argv))
+main = service_main("priority", PriorityService)

@@ -15,7 +15,7 @@ import pytest
 
 from loadtest.migration_bench import log_events
 from shared.client import JetserveClient
-from shared.protocol import Completion, Error, GenerateRequest
+from shared.protocol import Completion, GenerateRequest
 from shared.subjects import RESULTS_STREAM
 from tests.integration.conftest import running_stack
 

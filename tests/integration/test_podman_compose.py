@@ -211,8 +211,8 @@ async def test_the_compose_stack_runs_in_containers(stack):
                 return up
             raise AssertionError(f"targets up so far: {up}")  # until() reports the latest
 
-        up = await until("Prometheus scraping every service and both executors", scraped,
-                         timeout=120, every=2)
+        await until("Prometheus scraping every service and both executors", scraped,
+                    timeout=120, every=2)
 
         # A durable request whose executor is SIGKILLed mid-run still gets its one result, with
         # the tokens an undisturbed run gives (podman restarts the container, `restart:

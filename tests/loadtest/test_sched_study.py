@@ -36,5 +36,5 @@ def test_every_shape_names_its_ranges_and_burst():
     for name, spec in SHAPES.items():
         assert spec["input"][0] <= spec["input"][1] and spec["output"][0] <= spec["output"][1]
         assert spec["burst"] > 0, name
-    chat, mixed = SHAPES["chat"], SHAPES["mixed"]
+    mixed = SHAPES["mixed"]
     assert mixed["output"][1] / mixed["output"][0] == 10  # the 10x spread of output lengths

@@ -87,8 +87,6 @@ class TorchBackend:
     blocks, and decodes are gathered into groups of similar length for SDPA. On a CPU with fp32
     the element-wise ops and matmuls run on the C++ kernels too."""
 
-    name = "torch"
-
     def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype,
                  use_cpu_kernels: bool = True):
         self.block_size = block_size

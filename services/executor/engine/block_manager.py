@@ -168,7 +168,6 @@ class KvPools:
     def __init__(self, sizes: list[int], block_size: int, enable_prefix_caching: bool = True):
         self.pools = [BlockManager(n, block_size, enable_prefix_caching) for n in sizes]
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
 
     @property
     def num_pools(self) -> int:
@@ -201,9 +200,6 @@ class KvPools:
             held.update(pool.hash_to_block)
         return held
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        return self.pools[seq.pool].blocks_needed(seq, num_new_tokens)
-
     def can_allocate(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
         return self.pools[seq.pool].can_allocate(seq, num_new_tokens, reserve)
 
@@ -230,8 +226,7 @@ class KvPools:
         touched: dict[bytes, None] = {}
         for pool in self.pools:
             stored, removed = pool.drain_kv_changes()
-            touched.update(dict.fromkeys(stored))
-            touched.update(dict.fromkeys(removed))
+            touched.update(dict.fromkeys(stored + removed))
         held = [h for h in touched if any(h in p.hash_to_block for p in self.pools)]
         held_set = set(held)
         return held, [h for h in touched if h not in held_set]

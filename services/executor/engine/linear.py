@@ -46,11 +46,6 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return self.q.shape[0], self.q.shape[1] * (8 // self.bits)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min)
-                   if t is not None)
-
     def dequantize(self) -> torch.Tensor:
         rows, cols = self.shape
         if self.bits == 8:

@@ -29,7 +29,6 @@ class StepInputs:
     pending_dst: torch.Tensor | None  # rows of input_ids to take from the previous step's output
     pending_src: torch.Tensor | None
     sampling: SamplingBatch
-    num_tokens: int
 
 
 def kv_cache_row(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -115,7 +114,6 @@ class ModelRunner:
             pending_dst=torch.tensor(pending_dst, device=device) if pending_dst else None,
             pending_src=torch.tensor(pending_src, device=device) if pending_src else None,
             sampling=SamplingBatch(params, seeds),
-            num_tokens=len(input_ids),
         )
 
     def _segment(self, pool: int, slices: list[SeqSlice], slots: list[int], start: int,
@@ -151,7 +149,7 @@ class ModelRunner:
                     positions=torch.tensor(positions, dtype=torch.long, device=self.device),
                     segments=[KvSegment(meta, caches)],
                     logits_indices=torch.tensor([n - 1], dtype=torch.long, device=self.device),
-                    pending_dst=None, pending_src=None, sampling=greedy, num_tokens=n))
+                    pending_dst=None, pending_src=None, sampling=greedy))
         self._last_sampled = None
 
     def reset(self) -> None:

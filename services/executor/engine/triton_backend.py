@@ -25,8 +25,6 @@ class TritonAttentionMetadata:
 
 
 class TritonBackend:
-    name = "triton"
-
     def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype):
         self.block_size = block_size
         self.device = device
