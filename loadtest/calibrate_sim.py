@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtest.metrics import write_result
 from services.executor.engine.llm_engine import Engine
 from services.executor.engine.sim import step_features
 from shared.sim_profiles import PROFILES_DIR
@@ -125,9 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(profile, indent=2) + "\n")
     print(f"wrote {path}")
     if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps({"step_ms": cost, "fit": quality,
-                                                "samples": samples}))
+        write_result(args.result_json, "calibrate_sim", step_ms=cost, fit=quality,
+                     samples=samples)
     return 0
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
 from loadtest import serve
-from services.stack import Stack, free_port
+from loadtest.metrics import write_result
+from services.stack import temporary_stack
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -41,35 +40,30 @@ def bench_args(rate: float, duration: float, model: str, executors: int) -> argp
 
 async def sweep(args) -> list[dict]:
     rows = []
-    with tempfile.TemporaryDirectory(prefix="jetserve-cp-") as state:
-        stack = Stack(state_dir=state, nats_port=free_port(), executors=args.executors,
-                      settings={"model.name": args.model}, log_dir=Path(state) / "logs")
-        await stack.start()
-        try:
-            pids = {name: p.pid for name, p in stack.processes.items()}
-            pids["load generator (this process)"] = os.getpid()
-            for rate in args.rates:
-                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                start = time.perf_counter()
-                result = await serve.run(bench_args(rate, args.duration, args.model,
-                                                    args.executors), stack.url)
-                wall = time.perf_counter() - start
-                used = {name: (cpu_seconds(pid) - before[name]) / wall
-                        for name, pid in pids.items()}
-                executors = sum(v for k, v in used.items() if k.startswith("executor"))
-                cpu = {k: round(v, 3) for k, v in used.items() if not k.startswith("executor")}
-                cpu["executors (all)"] = round(executors, 3)
-                s = result["summary"]
-                rows.append({"offered_rate": rate, "completed_rate": s["request_throughput"],
-                             "completed": s["completed"], "requests": s["requests"],
-                             "failed": s["failed"], "ttft_p50_ms": s["ttft_ms"]["p50"],
-                             "ttft_p99_ms": s["ttft_ms"]["p99"], "cpu_cores": cpu})
-                print(f"rate {rate:>6g}/s: completed {s['request_throughput']:.1f}/s, "
-                      f"TTFT p50 {s['ttft_ms']['p50'] or 0:.0f} ms p99 "
-                      f"{s['ttft_ms']['p99'] or 0:.0f} ms, cores "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
-        finally:
-            await stack.stop()
+    async with temporary_stack("jetserve-cp-", executors=args.executors,
+                               settings={"model.name": args.model}) as stack:
+        pids = {name: p.pid for name, p in stack.processes.items()}
+        pids["load generator (this process)"] = os.getpid()
+        for rate in args.rates:
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            start = time.perf_counter()
+            result = await serve.run(bench_args(rate, args.duration, args.model,
+                                                args.executors), stack.url)
+            wall = time.perf_counter() - start
+            used = {name: (cpu_seconds(pid) - before[name]) / wall
+                    for name, pid in pids.items()}
+            executors = sum(v for k, v in used.items() if k.startswith("executor"))
+            cpu = {k: round(v, 3) for k, v in used.items() if not k.startswith("executor")}
+            cpu["executors (all)"] = round(executors, 3)
+            s = result["summary"]
+            rows.append({"offered_rate": rate, "completed_rate": s["request_throughput"],
+                         "completed": s["completed"], "requests": s["requests"],
+                         "failed": s["failed"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+                         "ttft_p99_ms": s["ttft_ms"]["p99"], "cpu_cores": cpu})
+            print(f"rate {rate:>6g}/s: completed {s['request_throughput']:.1f}/s, "
+                  f"TTFT p50 {s['ttft_ms']['p50'] or 0:.0f} ms p99 "
+                  f"{s['ttft_ms']['p99'] or 0:.0f} ms, cores "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
     return rows
 
 
@@ -84,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = asyncio.run(sweep(args))
     if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps({"executors": args.executors, "model": args.model,
-                                                "rows": rows}, indent=1))
+        write_result(args.result_json, "control_plane", executors=args.executors,
+                     model=args.model, rows=rows)
     return 0
 
 

@@ -27,16 +27,10 @@ def engine_workload(num_requests: int, seed: int, vocab_size: int,
                     prompt_range=(16, 512), output_range=(16, 256)) -> list[GenerateRequest]:
     """The engine benchmark's requests, all at t=0: random token prompts, greedy, exact output
     lengths (`ignore_eos`), ids `bench-<i>`. Peers are fed the same list (loadtest/peers/)."""
-    rng = random.Random(seed)
-    requests = []
-    for i in range(num_requests):
-        prompt_len = rng.randint(*prompt_range)
-        requests.append(GenerateRequest(
-            request_id=f"bench-{i}",
-            prompt_token_ids=[rng.randrange(FIRST_ORDINARY_TOKEN, vocab_size)
-                              for _ in range(prompt_len)],
-            max_tokens=rng.randint(*output_range), temperature=0.0, ignore_eos=True))
-    return requests
+    requests = random_dataset(num_requests, prompt_range, output_range, vocab_size,
+                              random.Random(seed))
+    return [msgspec.structs.replace(r, request_id=f"bench-{i}", temperature=0.0)
+            for i, r in enumerate(requests)]
 
 
 def shared_prefix_dataset(n: int, groups: int, prefix_len: int, suffix_range: tuple[int, int],

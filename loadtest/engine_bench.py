@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import msgspec
 import torch
 
 from loadtest.datasets import engine_workload
-from loadtest.metrics import nearest_rank
+from loadtest.metrics import nearest_rank, write_result
 from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
 from shared.config import EngineConfig, engine_config
@@ -273,31 +271,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:<22}TTFT {single['ttft_ms']:6.1f} ms   TPOT {single['tpot_ms']:5.1f} ms")
     print(f"\nroofline: a {matmul / 1e9:.1f} GFLOP/s dense matmul (fp32 on a CPU, bf16 on a GPU)")
 
-    result = {
-        "benchmark": "engine_bench",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "torch_threads": torch.get_num_threads(),
-                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
-        "params": vars(args),
-        "workloads": {n: {"num_requests": n,
-                          "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-                          "output_tokens": sum(r.max_tokens for r in requests),
-                          "useful_flops": workload_flops(model_config, requests)}
-                      for n, requests in points.items()},
-        "matmul_flop_per_s": matmul,
-        "runs": {name: {**{k: v for k, v in run.items() if k != "points"},
-                        "points": {n: {k: v for k, v in point.items() if k != "token_ids"}
-                                   for n, point in run["points"].items()}}
-                 for name, run in runs.items()},
-        "same_tokens_as_first": {name: {n: _same(run["points"][n]["token_ids"],
-                                                 reference[n]["token_ids"]) for n in points}
-                                 for name, run in runs.items()},
-    }
-    path = Path(args.result_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_result(
+        args.result_json, "engine_bench",
+        machine={"platform": platform.platform(), "processor": platform.processor(),
+                 "torch_threads": torch.get_num_threads(),
+                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
+        params=vars(args),
+        workloads={n: {"num_requests": n,
+                       "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                       "output_tokens": sum(r.max_tokens for r in requests),
+                       "useful_flops": workload_flops(model_config, requests)}
+                   for n, requests in points.items()},
+        matmul_flop_per_s=matmul,
+        runs={name: {**{k: v for k, v in run.items() if k != "points"},
+                     "points": {n: {k: v for k, v in point.items() if k != "token_ids"}
+                                for n, point in run["points"].items()}}
+              for name, run in runs.items()},
+        same_tokens_as_first={name: {n: _same(run["points"][n]["token_ids"],
+                                              reference[n]["token_ids"]) for n in points}
+                              for name, run in runs.items()})
     return 0
 
 

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import tempfile
 import time
-from pathlib import Path
 
 import msgspec
 
-from services.stack import Stack, free_port
+from loadtest.metrics import write_result
+from services.stack import temporary_stack
 from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest
 
@@ -28,45 +26,40 @@ async def one_run(args, max_payload: int | None) -> dict:
     settings = {"model.name": args.model, **{f"monitoring.metrics_port.{k}": 0
                                              for k in ("admission", "priority", "batcher",
                                                        "executor")}}
-    with tempfile.TemporaryDirectory() as state:
-        stack = Stack(state_dir=state, nats_port=free_port(), executors=args.executors,
-                      settings=settings, log_dir=Path(state) / "logs",
-                      nats_settings={"max_payload": max_payload} if max_payload else None)
-        await stack.start()
-        try:
-            async with await JetserveClient.connect(stack.url, tenant="long") as client:
-                largest = 0
+    async with temporary_stack(executors=args.executors, settings=settings,
+                               nats_settings={"max_payload": max_payload} if max_payload
+                               else None) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="long") as client:
+            largest = 0
 
-                async def see(msg) -> None:
-                    nonlocal largest
-                    largest = max(largest, len(msg.data))
+            async def see(msg) -> None:
+                nonlocal largest
+                largest = max(largest, len(msg.data))
 
-                await client.nc.subscribe(">", cb=see)
-                rng = random.Random(args.seed)
-                warm = [GenerateRequest(prompt_token_ids=[rng.randrange(1, 49000)
-                                                          for _ in range(20)], max_tokens=4)
-                        for _ in range(50)]
-                await asyncio.gather(*(client.generate(r) for r in warm))
-                burst = [GenerateRequest(
-                    max_tokens=args.max_tokens, ignore_eos=True,
-                    prompt_token_ids=[rng.randrange(1, 49000) for _ in range(args.prompt_tokens)])
-                    for _ in range(args.requests)]
+            await client.nc.subscribe(">", cb=see)
+            rng = random.Random(args.seed)
+            warm = [GenerateRequest(prompt_token_ids=[rng.randrange(1, 49000)
+                                                      for _ in range(20)], max_tokens=4)
+                    for _ in range(50)]
+            await asyncio.gather(*(client.generate(r) for r in warm))
+            burst = [GenerateRequest(
+                max_tokens=args.max_tokens, ignore_eos=True,
+                prompt_token_ids=[rng.randrange(1, 49000) for _ in range(args.prompt_tokens)])
+                for _ in range(args.requests)]
 
-                async def answer(request):
-                    try:
-                        return await client.generate(request, timeout=args.timeout)
-                    except Exception as exc:  # no answer in time
-                        return exc
+            async def answer(request):
+                try:
+                    return await client.generate(request, timeout=args.timeout)
+                except Exception as exc:  # no answer in time
+                    return exc
 
-                start = time.monotonic()
-                outputs = await asyncio.gather(*(answer(r) for r in burst))
-                took = time.monotonic() - start
-                reply = await client.nc.request("$SRV.STATS.admission", b"", timeout=5)
-                admission = next(ep["data"] for ep in msgspec.json.decode(reply.data)["endpoints"]
-                                 if ep.get("data"))
-                limit = client.nc.max_payload
-        finally:
-            await stack.stop()
+            start = time.monotonic()
+            outputs = await asyncio.gather(*(answer(r) for r in burst))
+            took = time.monotonic() - start
+            reply = await client.nc.request("$SRV.STATS.admission", b"", timeout=5)
+            admission = next(ep["data"] for ep in msgspec.json.decode(reply.data)["endpoints"]
+                             if ep.get("data"))
+            limit = client.nc.max_payload
     completed = sum(isinstance(o, Completion) for o in outputs)
     return {"max_payload": limit, "requests": args.requests, "completed": completed,
             "unanswered": sum(isinstance(o, Exception) for o in outputs),
@@ -85,9 +78,7 @@ async def main(args) -> None:
               f"{run['handed_on']} handed on, largest message {run['largest_message_bytes']} B",
               flush=True)
     if args.result_json:
-        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_json).write_text(json.dumps({"config": vars(args), "runs": runs},
-                                                     indent=2))
+        write_result(args.result_json, "long_burst", config=vars(args), runs=runs)
 
 
 def parse(argv=None):

@@ -18,12 +18,11 @@ import json
 import random
 import signal
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 from loadtest.metrics import nearest_rank, write_result
-from services.stack import Stack, free_port
+from services.stack import temporary_stack
 from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest
 from shared.subjects import RESULTS_STREAM
@@ -53,32 +52,25 @@ async def one_run(args, kill: bool, checkpoints: bool = True) -> dict:
     requests = [GenerateRequest(request_id=f"m-{i}", prompt=f"migration {i}",
                                 max_tokens=rng.randint(*args.output_len_range), ignore_eos=True,
                                 temperature=0.0, seed=i) for i in range(args.num_requests)]
-    with tempfile.TemporaryDirectory() as state:
-        log_dir = Path(state) / "logs"
-        stack = Stack(state_dir=state, nats_port=free_port(), executors=2,
-                      settings=settings(args, checkpoints), log_dir=log_dir)
-        await stack.start()
-        try:
-            async with await JetserveClient.connect(stack.url, tenant="bench") as client:
-                started = time.monotonic()
-                for request in requests:
-                    await client.submit(request)
-                if kill:
-                    await asyncio.sleep(args.kill_after_s)
-                    stack.processes["executor-0"].send_signal(signal.SIGKILL)
-                    await stack.processes["executor-0"].wait()
-                    await asyncio.sleep(args.pause_s)
-                    await stack.restart("executor-0")
-                results = await asyncio.gather(*(client.result(r.request_id, timeout=600)
-                                                 for r in requests))
-                wall_s = time.monotonic() - started
-                info = await client.js.stream_info(RESULTS_STREAM)
-                handed_on = log_events(log_dir, "admission",
-                                       "durable request handed on from a lost holder")
-                redelivered = log_events(log_dir, "admission",
-                                         "durable request lost with its holder; redelivering")
-        finally:
-            await stack.stop()
+    async with temporary_stack(executors=2, settings=settings(args, checkpoints)) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="bench") as client:
+            started = time.monotonic()
+            for request in requests:
+                await client.submit(request)
+            if kill:
+                await asyncio.sleep(args.kill_after_s)
+                stack.processes["executor-0"].send_signal(signal.SIGKILL)
+                await stack.processes["executor-0"].wait()
+                await asyncio.sleep(args.pause_s)
+                await stack.restart("executor-0")
+            results = await asyncio.gather(*(client.result(r.request_id, timeout=600)
+                                             for r in requests))
+            wall_s = time.monotonic() - started
+            info = await client.js.stream_info(RESULTS_STREAM)
+            handed_on = log_events(stack.log_dir, "admission",
+                                   "durable request handed on from a lost holder")
+            redelivered = log_events(stack.log_dir, "admission",
+                                     "durable request lost with its holder; redelivering")
     assert all(isinstance(r, Completion) for r in results), results
     return {"e2e_ms": {r.request_id: r.metrics.e2e_ms for r in results},
             "tokens": {r.request_id: r.token_ids for r in results},

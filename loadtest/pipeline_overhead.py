@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import msgspec
 
 from loadtest.datasets import engine_workload
-from loadtest.metrics import nearest_rank
+from loadtest.metrics import nearest_rank, write_result
 from services.executor.engine.llm_engine import Engine
 from shared.model_files import load_model_config
-from services.stack import Stack, free_port
+from services.stack import temporary_stack
 from shared.client import JetserveClient
 from shared.config import engine_config
 from shared.protocol import Completion, Delta, GenerateRequest
@@ -88,17 +86,11 @@ async def run_in_process(settings: dict, load, probes) -> dict:
 
 
 async def run_pipeline(settings: dict, load, probes) -> dict:
-    with tempfile.TemporaryDirectory(prefix="jetserve-overhead-") as state:
-        stack = Stack(state_dir=state, nats_port=free_port(), settings=settings,
-                      log_dir=Path(state) / "logs")
-        await stack.start()
-        try:
-            async with await JetserveClient.connect(stack.url, tenant="bench") as client:
-                await low_load(client.stream, streaming(probes[:2], "warm"))
-                return {"throughput": await throughput(client.stream, streaming(load, "nats")),
-                        "low_load": await low_load(client.stream, streaming(probes, "nats-probe"))}
-        finally:
-            await stack.stop()
+    async with temporary_stack("jetserve-overhead-", settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="bench") as client:
+            await low_load(client.stream, streaming(probes[:2], "warm"))
+            return {"throughput": await throughput(client.stream, streaming(load, "nats")),
+                    "low_load": await low_load(client.stream, streaming(probes, "nats-probe"))}
 
 
 def main() -> None:
@@ -142,8 +134,7 @@ def main() -> None:
           f"(target >= 0.90); added low-load TTFT p50: "
           f"{results['added_low_load_ttft_p50_ms']:.2f} ms (target <= 5)")
     if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps(results, indent=2, default=str))
+        write_result(args.result_json, "pipeline_overhead", **results)
 
 
 if __name__ == "__main__":

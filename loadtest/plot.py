@@ -1,9 +1,15 @@
 """The picture of a `jetserve bench serve` run: latency CDFs per priority class, and output
-throughput with the waiting-queue depth over time."""
+throughput with the waiting-queue depth over time. Imported only when a picture is asked for
+(matplotlib takes a while to import)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 
 
 def _cdf(axis, values: list[float], label: str) -> None:
@@ -19,11 +25,6 @@ def _ttft_ms(records: list[dict]) -> list[float]:
 def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
     """A run set: the TTFT CDF of each run, overall and per priority class, or per tenant when
     all requests share one class (one panel each)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     done = [[r for r in run["requests"] if r["end_time"] is not None and r["error"] is None]
             for run in runs]
     field, name = "priority", "priority"
@@ -69,24 +70,17 @@ def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
             else f"rate {params['request_rate']}/s")
     figure.suptitle(f"{title or 'run set'} — model {params['model']}, {params['executors']} "
                     f"executor(s), {rate}")
-    _save(figure, path)
+    save(figure, path)
 
 
-def _save(figure, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
+def save(figure, path: Path, dpi: int = 100) -> None:
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=dpi)
     plt.close(figure)
 
 
 def plot_run(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     records = [r for r in result["requests"] if r["end_time"] is not None and r["error"] is None]
     classes = sorted({r["priority"] for r in records}, reverse=True)
     figure, axes = plt.subplots(2, 2, figsize=(12, 8))
@@ -94,8 +88,7 @@ def plot_run(result: dict, path: Path) -> None:
         for priority in classes:
             mine = [r for r in records if r["priority"] == priority]
             if name == "ttft":
-                values = [1e3 * (r["delta_times"][0] - r["send_time"]) for r in mine
-                          if r["delta_times"]]
+                values = _ttft_ms(mine)
             elif name == "e2e":
                 values = [1e3 * (r["end_time"] - r["send_time"]) for r in mine]
             else:
@@ -132,4 +125,4 @@ def plot_run(result: dict, path: Path) -> None:
     params = result["parameters"]
     figure.suptitle(f"jetserve bench serve {label} — {params['dataset']}, rate "
                     f"{params['request_rate']}/s, model {params['model']}")
-    _save(figure, path)
+    save(figure, path)

@@ -11,7 +11,6 @@ the scores computed request by request in Python, then sorted.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import random
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtest.metrics import write_result
 from services.priority import policy
 from services.priority.request_level import RequestScheduler
 from shared.config import RequestLevel
@@ -116,10 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{n:>8}{tenants:>8}{k:>5}{row['pull_ms']:>12.3f}"
                       f"{row['sorted_rebuild_ms']:>14.3f}{row['python_rebuild_ms']:>16.3f}")
     if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps({
-            "rows": rows, "machine": f"{platform.machine()}, python {platform.python_version()}",
-            "date": time.strftime("%Y-%m-%d")}, indent=1))
+        write_result(args.result_json, "queue_bench", rows=rows,
+                     machine=f"{platform.machine()}, python {platform.python_version()}")
     return 0
 
 

@@ -258,10 +258,7 @@ def vtc(options, shape: str, cap: float) -> dict:
 
 
 def _plot_gap(path: Path, times, curves, bound: float, duration: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from loadtest.plot import plt, save
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for tenant, curve in curves.items():
@@ -281,9 +278,7 @@ def _plot_gap(path: Path, times, curves, bound: float, duration: float) -> None:
     right.set_ylabel("service gap (tokens)")
     right.legend()
     right.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path, dpi=110)
 
 
 def prefix(options, cap: float) -> dict:

@@ -26,7 +26,6 @@ import math
 import platform
 import random
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -115,9 +114,9 @@ def build_requests(args, rng: random.Random) -> list[GenerateRequest]:
     n = args.num_requests or 100
     if args.duration is not None and not math.isinf(args.request_rate):
         n = max(n, int(args.request_rate * args.duration * 1.5) + 1)  # few repeats
-    if args.dataset in ("random", "shared-prefix"):
-        from shared.model_files import load_model_config
+    from shared.model_files import load_model_config, tokenizer_dir  # (not for every CLI command)
 
+    if args.dataset in ("random", "shared-prefix"):
         vocab = load_model_config(args.model, weights=False)[0].vocab_size
         if args.dataset == "random":
             requests = random_dataset(n, tuple(args.input_len_range),
@@ -132,7 +131,6 @@ def build_requests(args, rng: random.Random) -> list[GenerateRequest]:
         requests = jsonl_dataset(args.dataset_path)
     else:
         from shared.tokenizer import Tokenizer
-        from shared.model_files import load_model_config, tokenizer_dir
 
         tokenizer = Tokenizer(tokenizer_dir(load_model_config(args.model, weights=False)[1]))
         requests = sharegpt_dataset(args.dataset_path, lambda t: len(tokenizer.encode(t)),
@@ -418,20 +416,12 @@ def _parameters(args, url: str) -> dict:
 async def run_with_target(args) -> dict:
     if not args.embedded:
         return await run(args, args.nats_url)
-    from services.stack import Stack, free_port
+    from services.stack import temporary_stack
 
-    settings = {"model.name": args.model}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        settings[key] = value
-    with tempfile.TemporaryDirectory(prefix="jetserve-bench-") as state:
-        stack = Stack(state_dir=state, nats_port=free_port(), executors=args.executors,
-                      config_path=args.config, settings=settings, log_dir=Path(state) / "logs")
-        await stack.start()
-        try:
-            return await run(args, stack.url)
-        finally:
-            await stack.stop()
+    settings = {"model.name": args.model, **dict(item.partition("=")[::2] for item in args.set)}
+    async with temporary_stack("jetserve-bench-", executors=args.executors,
+                               config_path=args.config, settings=settings) as stack:
+        return await run(args, stack.url)
 
 
 def sweep(args) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import nats
 
+from loadtest.metrics import write_result
 from services.stack import free_port, nats_server_binary
 from shared.bus import discover
 from shared.config import env_overrides
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results = asyncio.run(main_async(args))
     if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps(results, indent=2))
+        write_result(args.result_json, "startup", **results)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@ services as child processes. `jetserve up`, the integration tests and the benchm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -172,6 +174,20 @@ class Stack:
         if "nats-server" in self.processes:
             await _terminate([self.processes["nats-server"]], 10.0)
         self.processes.clear()
+
+
+@contextlib.asynccontextmanager
+async def temporary_stack(prefix: str = "jetserve-", **options):
+    """A started Stack (`options` as Stack's) in a temporary directory, stopped and removed on
+    the way out; its logs are under `stack.log_dir`."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as state:
+        stack = Stack(state_dir=state, nats_port=free_port(), log_dir=Path(state) / "logs",
+                      **options)
+        await stack.start()
+        try:
+            yield stack
+        finally:
+            await stack.stop()
 
 
 async def _quiet(_exc: Exception) -> None:
