@@ -222,17 +222,26 @@ async def _reconcile(js: JetStreamContext, current: StreamConfig, wanted: Stream
              changed={name: [value(current, name), value(wanted, name)] for name in differ})
 
 
+async def every(interval_s: float, tick: Callable[[], Awaitable[None]]) -> None:
+    """`await tick()` every `interval_s` seconds until cancelled; one that fails is logged and
+    the next runs (a tick missed is survivable; a dead loop is not)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await tick()
+        except Exception:
+            log.exception("periodic task failed", task=getattr(tick, "__name__", repr(tick)))
+
+
 async def report_holding(nc: Client, subjects: Subjects, holder: str, interval_s: float,
                          held: Callable[[], list[RequestKey]]) -> None:
     """Tell admission every `interval_s` which requests `holder` holds (it hands on those nobody
     reports); a long list is several messages, each within the payload limit."""
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            for part in chunked(held(), holding_entry_bytes, payload_budget(nc)):
-                await nc.publish(subjects.holding, encode(Holding(holder=holder, requests=part)))
-        except Exception:  # missing one report is survivable; a dead loop is not
-            log.exception("holding report failed")
+    async def holding_report() -> None:
+        for part in chunked(held(), holding_entry_bytes, payload_budget(nc)):
+            await nc.publish(subjects.holding, encode(Holding(holder=holder, requests=part)))
+
+    await every(interval_s, holding_report)
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:

@@ -18,7 +18,7 @@ def _add_trace_id(_, __, event: dict) -> dict:
     return event
 
 
-def setup_logging(service: str, monitoring: MonitoringSection) -> structlog.stdlib.BoundLogger:
+def setup_logging(service: str, monitoring: MonitoringSection) -> None:
     as_json = monitoring.log_format == "json" or (
         monitoring.log_format == "auto" and not sys.stderr.isatty())
     level = getattr(logging, monitoring.log_level.upper())
@@ -39,4 +39,3 @@ def setup_logging(service: str, monitoring: MonitoringSection) -> structlog.stdl
     # Libraries that log through the standard module (the engine, nats) go to the same stream.
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
-    return structlog.get_logger(service=service)

@@ -231,5 +231,4 @@ class Done(msgspec.Struct, array_like=True):
 encode = msgspec.msgpack.Encoder().encode
 
 
-def decoder(kind: type) -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder(kind)
+decoder = msgspec.msgpack.Decoder

@@ -50,16 +50,6 @@ def check_prompt_size(tokenizer: Tokenizer, request: GenerateRequest, max_model_
                             f"{request.max_tokens}: more than max_model_len {max_model_len}")
 
 
-def check_limits(request: GenerateRequest, num_prompt_tokens: int, max_model_len: int,
-                 vocab_size: int) -> None:
-    total = num_prompt_tokens + request.max_tokens
-    if total > max_model_len:
-        raise ProtocolError("prompt_too_long", f"prompt has {num_prompt_tokens} tokens and "
-                            f"`max_tokens` is {request.max_tokens}: {total} > max_model_len "
-                            f"{max_model_len}")
-    _check_ids("stop_token_ids", request.stop_token_ids, vocab_size)
-
-
 def _check_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
     bad = [t for t in token_ids if t >= vocab_size]
     if bad:
@@ -77,7 +67,12 @@ def admitted(request: GenerateRequest, prompt: list[int], model: str, max_model_
              vocab_size: int) -> GenerateRequest:
     """The request as every later hop takes it (and trusts): tokenized (its text dropped), within
     the model's limits, naming the model, with an id and a seed. Raises ProtocolError."""
-    check_limits(request, len(prompt), max_model_len, vocab_size)
+    total = len(prompt) + request.max_tokens
+    if total > max_model_len:
+        raise ProtocolError("prompt_too_long", f"prompt has {len(prompt)} tokens and "
+                            f"`max_tokens` is {request.max_tokens}: {total} > max_model_len "
+                            f"{max_model_len}")
+    _check_ids("stop_token_ids", request.stop_token_ids, vocab_size)
     return msgspec.structs.replace(
         request, prompt=None, messages=None, prompt_token_ids=prompt, model=model,
         request_id=request.request_id or f"req-{secrets.token_hex(8)}",

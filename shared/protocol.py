@@ -168,19 +168,28 @@ def check_nesting(payload: bytes | str) -> None:
 
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
+_cancel_decoder = msgspec.json.Decoder(Cancel)
 
 
-def decode_generate_request(payload: bytes | str) -> GenerateRequest:
-    """Parse and check a JSON GenerateRequest; every failure is a ProtocolError naming the field."""
+def _decode(decoder: msgspec.json.Decoder, payload: bytes | str):
     check_nesting(payload)
     try:
-        request = _request_decoder.decode(payload)
+        return decoder.decode(payload)
     except msgspec.ValidationError as exc:
         raise ProtocolError("invalid_request", str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError("invalid_request", f"malformed JSON: {exc}") from None
+
+
+def decode_generate_request(payload: bytes | str) -> GenerateRequest:
+    """Parse and check a JSON GenerateRequest; every failure is a ProtocolError naming the field."""
+    request = _decode(_request_decoder, payload)
     request.check()
     return request
+
+
+def decode_cancel(payload: bytes | str) -> Cancel:
+    return _decode(_cancel_decoder, payload)
 
 
 # The `Nats-Service-Error-Code` of each error code on request/reply (the micro convention is
@@ -201,16 +210,3 @@ def service_error_headers(error: Error) -> dict[str, str]:
     description = " ".join(f"{error.code}: {error.message}".split())  # headers are one line
     return {"Nats-Service-Error": description,
             "Nats-Service-Error-Code": SERVICE_ERROR_CODES[error.code]}
-
-
-_cancel_decoder = msgspec.json.Decoder(Cancel)
-
-
-def decode_cancel(payload: bytes | str) -> Cancel:
-    check_nesting(payload)
-    try:
-        return _cancel_decoder.decode(payload)
-    except msgspec.ValidationError as exc:
-        raise ProtocolError("invalid_request", str(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise ProtocolError("invalid_request", f"malformed JSON: {exc}") from None

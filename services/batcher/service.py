@@ -20,6 +20,7 @@ from shared.bus import (
     Outbox,
     add_micro_service,
     cancel_all,
+    every,
     json_encode,
     payload_budget,
     report_holding,
@@ -92,7 +93,8 @@ class BatcherService:
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         await self.nc.subscribe(self.subjects.kv_events, cb=self.on_kv_event)
         self.tasks = [asyncio.create_task(self._until_stopped(self.dispatch_once), name="dispatch"),
-                      asyncio.create_task(self.liveness_loop(), name="liveness"),
+                      asyncio.create_task(every(self.config.distributed.heartbeat_interval_s,
+                                                self.forget_silent_executors), name="liveness"),
                       # The requests on their way to an executor.
                       asyncio.create_task(report_holding(
                           self.nc, self.subjects, "batcher",
@@ -189,20 +191,17 @@ class BatcherService:
         finally:
             await sub.unsubscribe()
 
-    async def liveness_loop(self) -> None:
-        distributed = self.config.distributed
-        while True:
-            await asyncio.sleep(distributed.heartbeat_interval_s)
-            # One whose last heartbeat said it was stopping (no room: it drains) left on purpose.
-            stopping = {name for name, s in self.registry.executors.items()
-                        if s.heartbeat.max_num_seqs == 0}
-            for name in self.registry.expire(time.monotonic(), distributed.heartbeat_timeout_s):
-                self.counts["executors_lost"] += 1
-                if name in stopping:
-                    log.info("executor left: it stopped", executor=name)
-                else:
-                    log.warning("executor lost: no heartbeat", executor=name,
-                                timeout_s=distributed.heartbeat_timeout_s)
+    async def forget_silent_executors(self) -> None:
+        timeout_s = self.config.distributed.heartbeat_timeout_s
+        # One whose last heartbeat said it was stopping (no room: it drains) left on purpose.
+        stopping = {name for name, s in self.registry.executors.items()
+                    if s.heartbeat.max_num_seqs == 0}
+        for name in self.registry.expire(time.monotonic(), timeout_s):
+            self.counts["executors_lost"] += 1
+            if name in stopping:
+                log.info("executor left: it stopped", executor=name)
+            else:
+                log.warning("executor lost: no heartbeat", executor=name, timeout_s=timeout_s)
 
     async def _until_stopped(self, once) -> None:
         while not self.stopping:

@@ -66,7 +66,8 @@ class ClassWeights:
 
     def __init__(self, cfg: RequestLevel):
         self.cfg = cfg
-        self.targets = dict(cfg.class_ttft_slo_ms)
+        # (a class past the configured levels has no weight to move)
+        self.targets = {p: t for p, t in cfg.class_ttft_slo_ms.items() if p < cfg.priority_levels}
         self.weights = np.ones(cfg.priority_levels)
         self.samples: dict[int, deque[tuple[float, float]]] = {p: deque() for p in self.targets}
 
@@ -87,8 +88,6 @@ class ClassWeights:
         """One feedback step (every `class_feedback_interval_s`)."""
         step, top = self.cfg.class_weight_step, self.cfg.class_weight_max
         for priority, target in self.targets.items():
-            if priority >= len(self.weights):
-                continue
             p90 = self.p90(priority, now)
             if p90 is None:
                 continue  # nothing finished lately: leave the weight where it is
@@ -99,7 +98,7 @@ class ClassWeights:
     def stats(self, now: float) -> dict[str, dict]:
         return {str(p): {"weight": round(float(self.weights[p]), 4), "ttft_slo_ms": target,
                          "ttft_p90_ms": self.p90(p, now)}
-                for p, target in self.targets.items() if p < len(self.weights)}
+                for p, target in self.targets.items()}
 
 
 class OutputPredictor:

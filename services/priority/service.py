@@ -20,6 +20,7 @@ from shared.bus import (
     cancel_all,
     cancelled_completion,
     chunked,
+    every,
     payload_budget,
     report_holding,
     service_main,
@@ -80,6 +81,9 @@ class PriorityService:
         self.distributed = config.distributed
         self.heartbeat_interval_s = config.distributed.heartbeat_interval_s
         self.executor_seen: dict[str, float] = {}  # monotonic time of each one's last heartbeat
+        # The latest Backpressure sent (None: none yet, so the first look reports) and when.
+        self.refused_sent: dict[str, int] | None = None
+        self.refused_sent_at = 0.0
         self.tasks: list[asyncio.Task] = []
         self.pulls: set[asyncio.Task] = set()  # long polls being answered
         self.measuring = config.monitoring.metrics
@@ -99,9 +103,13 @@ class PriorityService:
         self.tasks = [asyncio.create_task(report_holding(  # the requests waiting here
                           self.nc, self.subjects, "priority", self.heartbeat_interval_s,
                           lambda: [item.key for item in self.queue.items()]), name="holding"),
-                      asyncio.create_task(self.expiry_loop(), name="expiry"),
-                      asyncio.create_task(self.feedback_loop(), name="class-feedback"),
-                      asyncio.create_task(self.backpressure_loop(), name="backpressure")]
+                      asyncio.create_task(every(EXPIRY_CHECK_S, self.expire_and_forget),
+                                          name="expiry"),
+                      asyncio.create_task(every(
+                          self.scheduler.cfg.class_feedback_interval_s, self.class_feedback),
+                          name="class-feedback"),
+                      asyncio.create_task(every(BACKPRESSURE_CHECK_S, self.report_backpressure),
+                                          name="backpressure")]
 
     async def stop(self) -> None:
         """Stop taking work; whoever waits here is told now rather than left to time out
@@ -119,29 +127,21 @@ class PriorityService:
                     request_id=item.request_id, code="overloaded",
                     message="the priority service is shutting down; retry"))
 
-    async def backpressure_loop(self) -> None:
+    async def report_backpressure(self) -> None:
         """Tell admission which tenants' new requests the full queue refuses (Backpressure), on
         every change and each interval while it lasts, so it refuses them before any work."""
-        sent: dict[str, int] | None = None  # the first look always reports (a restart: none)
-        sent_at = 0.0
-        while True:
-            await asyncio.sleep(BACKPRESSURE_CHECK_S)
-            try:
-                refused = self.scheduler.refused_tenants(time.time())
-                renew = bool(refused) and time.monotonic() - sent_at >= self.heartbeat_interval_s
-                if refused == sent and not renew:
-                    continue
-                # Within one message: the tenants holding the most first (hundreds of tenants
-                # with a full queue's share each could outgrow a small max_payload).
-                order = sorted(refused.items(), key=lambda e: -self.scheduler.counters.backlog
-                               .get(e[0], 0))
-                fits = next(chunked(order, tenant_entry_bytes,
-                                    payload_budget(self.nc) // 2), [])
-                await self.nc.publish(self.subjects.backpressure,
-                                      encode(Backpressure(tenants=dict(fits))))
-                sent, sent_at = refused, time.monotonic()
-            except Exception:  # a report missed is survivable; a dead loop is not
-                log.exception("backpressure report failed")
+        refused = self.scheduler.refused_tenants(time.time())
+        renew = bool(refused) and time.monotonic() - self.refused_sent_at >= \
+            self.heartbeat_interval_s
+        if refused == self.refused_sent and not renew:
+            return
+        # Within one message: the tenants holding the most first (hundreds of tenants with a
+        # full queue's share each could outgrow a small max_payload).
+        order = sorted(refused.items(), key=lambda e: -self.scheduler.counters.backlog
+                       .get(e[0], 0))
+        fits = next(chunked(order, tenant_entry_bytes, payload_budget(self.nc) // 2), [])
+        await self.nc.publish(self.subjects.backpressure, encode(Backpressure(tenants=dict(fits))))
+        self.refused_sent, self.refused_sent_at = refused, time.monotonic()
 
     def stats(self) -> dict:
         return {"queue_depth": len(self.queue), "queue_by_priority": self.queue.depth_by_priority(),
@@ -176,18 +176,13 @@ class PriorityService:
     async def on_done(self, msg) -> None:
         self.scheduler.done(_done.decode(msg.data), time.time())
 
-    async def expiry_loop(self) -> None:
+    async def expire_and_forget(self) -> None:
         """End waiting requests whose deadline passed; forget executors that stopped beating."""
-        while True:
-            await asyncio.sleep(EXPIRY_CHECK_S)
-            try:
-                await self.expire(time.time())
-                limit = time.monotonic() - self.distributed.heartbeat_timeout_s
-                for name in [n for n, seen in self.executor_seen.items() if seen < limit]:
-                    del self.executor_seen[name]
-                    self.scheduler.executor_gone(name)
-            except Exception:  # a bug must not stop expiry for good
-                log.exception("expiry failed")
+        await self.expire(time.time())
+        limit = time.monotonic() - self.distributed.heartbeat_timeout_s
+        for name in [n for n, seen in self.executor_seen.items() if seen < limit]:
+            del self.executor_seen[name]
+            self.scheduler.executor_gone(name)
 
     async def expire(self, now: float) -> None:
         for item in self.scheduler.expired(now):
@@ -201,15 +196,9 @@ class PriorityService:
                 message=f"`deadline_ms` {item.request.deadline_ms:g} passed after {waited_ms:.0f} "
                         f"ms in the waiting queue, before an executor could take the request"))
 
-    async def feedback_loop(self) -> None:
-        """Class SLO feedback: one step of the class weights every interval."""
-        interval = self.scheduler.cfg.class_feedback_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self.scheduler.class_weights.update(time.time())
-            except Exception:  # a bug must not stop the feedback for good
-                log.exception("class feedback failed")
+    async def class_feedback(self) -> None:
+        """Class SLO feedback: one step of the class weights."""
+        self.scheduler.class_weights.update(time.time())
 
     async def on_submit(self, request: Request) -> None:
         item = _item.decode(request.data)
