@@ -273,6 +273,23 @@ class Admission:
                          message=f"the priority service is not answering ({type(exc).__name__})")
         return _submit_reply.decode(reply.data).error
 
+    async def submit_watched(self, item: WorkItem, msg=None) -> Error | None:
+        """`to_priority`, with the request in the ledger from before priority has it (its Done
+        may come back before priority's reply does), and out of it again if priority did not
+        take it (a durable one's redelivery is then admitted again). A generate without a reply
+        subject has nobody to answer: not watched, so not handed on."""
+        watched = (msg is not None or bool(item.reply_to)) and self.ledger.watch(
+            item.key, encode(item), msg)
+        try:
+            error = await self.to_priority(item)
+        except BaseException:
+            if watched:
+                self.ledger.unwatch(item.key, durable=item.durable)
+            raise
+        if watched and error is not None:
+            self.ledger.unwatch(item.key, durable=item.durable)
+        return error
+
     def read_metrics(self) -> list[Reading]:
         counts = self.counts
         return [Reading("counter", "durable_redeliveries", "Durable requests handed back to "
@@ -391,17 +408,7 @@ class Admission:
                                      "prompt_tokens": item.num_prompt_tokens})
                 item.reply_to = msg.reply
                 item.trace = carrier_of(span)
-                # Watched over like a durable request (one without a reply subject has nobody
-                # to answer: not handed on).
-                watched = bool(msg.reply) and self.ledger.watch(item.key, encode(item))
-                try:
-                    error = await self.to_priority(item)
-                except BaseException:
-                    if watched:
-                        self.ledger.unwatch(item.key, durable=False)
-                    raise
-                if error is not None and watched:
-                    self.ledger.unwatch(item.key, durable=False)
+                error = await self.submit_watched(item)
             except ProtocolError as exc:
                 error = exc.to_error(_peek(msg.data)[0])
             except Exception as exc:  # a bug, not bad input: still an answer, never a hang
@@ -498,14 +505,8 @@ class Admission:
                 await msg.ack()
                 return
             item.trace = carrier_of(span)
-            self.ledger.watch(key, encode(item), msg)
-            try:
-                error = await self.to_priority(item)
-            except BaseException:  # not held after all: its redelivery is admitted again
-                self.ledger.unwatch(key, durable=True)
-                raise
+            error = await self.submit_watched(item, msg)
         if error is not None:  # queue full or priority down: durable, so retry later
-            self.ledger.unwatch(key, durable=True)
             await msg.nak(delay=1.0)
             return
         self.counts["durable_admitted"] += 1
