@@ -64,14 +64,14 @@ def paged_cache(batch: int, context: int):
 
 
 def decode_case(batch: int, context: int, bandwidth: float) -> dict:
-    import jetserve_kernels as kernels
+    from jetserve_kernels.attention import paged_attention
 
     k_cache, v_cache, block_tables = paged_cache(batch, context)
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     scale = HEAD_DIM ** -0.5
-    triton_ms = bench_ms(lambda: kernels.paged_attention(
+    triton_ms = bench_ms(lambda: paged_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens, seq_lens, scale, max_q_len=1,
         max_seq_len=context), graph=True)
 
@@ -91,7 +91,7 @@ def decode_case(batch: int, context: int, bandwidth: float) -> dict:
 
 
 def prefill_case(chunk: int) -> dict:
-    import jetserve_kernels as kernels
+    from jetserve_kernels.attention import paged_attention
 
     context = 2 * chunk  # the chunk comes after as much cached context as it has new tokens
     k_cache, v_cache, block_tables = paged_cache(1, context)
@@ -99,7 +99,7 @@ def prefill_case(chunk: int) -> dict:
     cu_seqlens = torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE)
     seq_lens = torch.tensor([context], dtype=torch.int32, device=DEVICE)
     scale = HEAD_DIM ** -0.5
-    triton_ms = bench_ms(lambda: kernels.paged_attention(
+    triton_ms = bench_ms(lambda: paged_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens, seq_lens, scale, max_q_len=chunk,
         max_seq_len=context))
     # The baseline gets contiguous K/V with the heads already repeated (outside the timing), so
@@ -124,8 +124,7 @@ def prefill_case(chunk: int) -> dict:
 
 
 def small_kernel_cases() -> list[dict]:
-    import jetserve_kernels as kernels
-    from jetserve_kernels import reference
+    from jetserve_kernels import elementwise, reference
 
     tokens = TOKENS
     x = torch.randn(tokens, HIDDEN, dtype=DTYPE, device=DEVICE)
@@ -155,7 +154,7 @@ def small_kernel_cases() -> list[dict]:
     ]
     results = []
     for name, call, elements in cases:
-        triton_ms = bench_ms(lambda call=call: call(kernels))
+        triton_ms = bench_ms(lambda call=call: call(elementwise))
         torch_ms = bench_ms(lambda call=call: call(reference))
         results.append({"kernel": name, "tokens": tokens, "triton_ms": triton_ms,
                         "torch_ms": torch_ms, "speedup": torch_ms / triton_ms,

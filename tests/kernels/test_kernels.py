@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import jetserve_kernels as kernels
+from jetserve_kernels.attention import paged_attention
+from jetserve_kernels.elementwise import reshape_and_cache, rms_norm, rotary_embedding, silu_and_mul
 from jetserve_kernels import kv_int8, reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,7 +58,7 @@ def test_paged_attention_mixed_batch(head_dim, block_size, gqa, dtype):
     batch = paged_batch(**MIXED, num_heads=num_kv_heads * gqa, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, block_size=block_size, dtype=dtype)
     scale = head_dim ** -0.5
-    out = kernels.paged_attention(*batch, scale)
+    out = paged_attention(*batch, scale)
     close(out, reference.paged_attention(*batch, scale))
 
 
@@ -66,7 +67,7 @@ def test_paged_attention_mixed_batch(head_dim, block_size, gqa, dtype):
 def test_decode_only_batches_split_the_context(num_splits, dtype):
     batch = paged_batch(q_lens=[1, 1, 1], seq_lens=[130, 47, 5], num_heads=8, num_kv_heads=2,
                         head_dim=64, block_size=16, dtype=dtype)
-    out = kernels.paged_attention(*batch, 0.125, num_splits=num_splits)
+    out = paged_attention(*batch, 0.125, num_splits=num_splits)
     close(out, reference.paged_attention(*batch, 0.125))
 
 
@@ -75,7 +76,7 @@ def test_a_group_of_three_heads_and_a_given_output_buffer():
     batch = paged_batch(q_lens=[5, 1], seq_lens=[20, 70], num_heads=9, num_kv_heads=3,
                         head_dim=64, block_size=16, dtype=torch.float32)
     out = torch.full_like(batch[0], float("nan"))
-    assert kernels.paged_attention(*batch, 0.125, out=out) is out
+    assert paged_attention(*batch, 0.125, out=out) is out
     close(out, reference.paged_attention(*batch, 0.125))
 
 
@@ -87,7 +88,7 @@ def test_reshape_and_cache_writes_slots_and_skips_negative_ones(block_size, dtyp
     value = torch.randn(6, 2, 64, generator=gen).to(DEVICE, dtype)
     slots = torch.tensor([0, block_size + 3, -1, 3 * block_size - 1, 5, -1], device=DEVICE)
     caches = [torch.zeros(4, block_size, 2, 64, dtype=dtype, device=DEVICE) for _ in range(4)]
-    kernels.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    reshape_and_cache(key, value, caches[0], caches[1], slots)
     reference.reshape_and_cache(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].abs().sum(-1).count_nonzero() == 4 * 2  # four tokens, two heads each
@@ -102,7 +103,7 @@ def test_reshape_and_cache_quantizes_into_an_int8_cache(dtype):
     value = torch.randn(5, 3, 64, generator=gen).to(DEVICE, dtype)
     slots = torch.tensor([0, 19, -1, 47, 5], device=DEVICE)
     caches = [torch.zeros(4, 16, 3, 68, dtype=torch.int8, device=DEVICE) for _ in range(4)]
-    kernels.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    reshape_and_cache(key, value, caches[0], caches[1], slots)
     reference.reshape_and_cache(key, value, caches[2], caches[3], slots)
     for ours, theirs in ((caches[0], caches[2]), (caches[1], caches[3])):
         scale = theirs[..., 64:].contiguous().view(torch.float32)  # [..., 1]
@@ -124,7 +125,7 @@ def test_attention_over_an_int8_cache(num_splits, dtype):
                           head_dim=64, block_size=16, dtype=dtype)
     for q, k_cache, v_cache, *rest in (mixed, decodes):
         batch = (q, kv_int8.quantize(k_cache), kv_int8.quantize(v_cache), *rest)
-        out = kernels.paged_attention(*batch, 0.125, num_splits=num_splits)
+        out = paged_attention(*batch, 0.125, num_splits=num_splits)
         close(out, reference.paged_attention(*batch, 0.125))
 
 
@@ -135,11 +136,11 @@ def test_rms_norm(with_residual, dtype):
     x, residual = (torch.randn(5, 576, generator=gen).to(DEVICE, dtype) for _ in range(2))
     weight = torch.randn(576, generator=gen).to(DEVICE, dtype)
     if with_residual:
-        out, new_residual = kernels.rms_norm(x, weight, 1e-5, residual)
+        out, new_residual = rms_norm(x, weight, 1e-5, residual)
         expected, expected_residual = reference.rms_norm(x, weight, 1e-5, residual)
         close(new_residual, expected_residual)
     else:
-        out, expected = kernels.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5)
+        out, expected = rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5)
     close(out, expected)
 
 
@@ -159,7 +160,7 @@ def test_rotary_embedding_in_place_on_strided_views(head_dim, dtype):
     positions = torch.tensor([0, 7, 63, 8, 1], device=DEVICE)
     q_ref, k_ref = q.clone(), k.clone()
     untouched = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
-    kernels.rotary_embedding(positions, q, k, cos_sin)
+    rotary_embedding(positions, q, k, cos_sin)
     reference.rotary_embedding(positions, q_ref, k_ref, cos_sin)
     close(q, q_ref)
     close(k, k_ref)
@@ -169,7 +170,7 @@ def test_rotary_embedding_in_place_on_strided_views(head_dim, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_and_mul(dtype):
     x = torch.randn(7, 2 * 1536, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
-    close(kernels.silu_and_mul(x), reference.silu_and_mul(x))
+    close(silu_and_mul(x), reference.silu_and_mul(x))
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -177,8 +178,8 @@ def test_sequences_without_new_tokens_are_left_alone(num_splits):
     """A sequence with no new token in the step writes nothing (its neighbours' rows are kept)."""
     batch = paged_batch(q_lens=[1, 0, 1, 0], seq_lens=[70, 20, 33, 5], num_heads=8,
                         num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
-    out = kernels.paged_attention(*batch, 0.125, num_splits=num_splits)
+    out = paged_attention(*batch, 0.125, num_splits=num_splits)
     close(out, reference.paged_attention(*batch, 0.125))
     mixed = paged_batch(q_lens=[0, 9, 0, 1], seq_lens=[20, 40, 7, 12], num_heads=8,
                         num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
-    close(kernels.paged_attention(*mixed, 0.125), reference.paged_attention(*mixed, 0.125))
+    close(paged_attention(*mixed, 0.125), reference.paged_attention(*mixed, 0.125))

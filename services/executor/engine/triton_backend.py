@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-import jetserve_kernels as kernels
+from jetserve_kernels.attention import paged_attention
+from jetserve_kernels.elementwise import reshape_and_cache, rms_norm, rotary_embedding, silu_and_mul
 from jetserve_kernels import kv_int8
 from services.executor.engine.attention import SeqSlice, split_qkv
 
@@ -52,8 +53,8 @@ class TritonBackend:
         )
 
     cpu_kernels = None  # matmuls run on torch's (cuBLAS) kernels
-    rms_norm = staticmethod(kernels.rms_norm)
-    silu_and_mul = staticmethod(kernels.silu_and_mul)
+    rms_norm = staticmethod(rms_norm)
+    silu_and_mul = staticmethod(silu_and_mul)
 
     @staticmethod
     def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -62,14 +63,14 @@ class TritonBackend:
         cache); the q, k, v views."""
         num_kv_heads, head_dim = k_cache.shape[2], kv_int8.head_dim_of(k_cache)
         q, k, v = split_qkv(qkv, qkv.shape[1] // head_dim - 2 * num_kv_heads, num_kv_heads, head_dim)
-        kernels.rotary_embedding(positions, q, k, cos_sin_cache)
-        kernels.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        rotary_embedding(positions, q, k, cos_sin_cache)
+        reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
         return q, k, v
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                   meta: TritonAttentionMetadata) -> torch.Tensor:
         """The new tokens' K/V are already in the cache: attend through it alone."""
-        return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                        meta.seq_lens, scale, max_q_len=meta.max_q_len,
                                        max_seq_len=meta.max_seq_len)
