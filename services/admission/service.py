@@ -123,7 +123,8 @@ class Admission:
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
-                           resumed_tokens=0, generates_handed_on=0, refused_at_once=0)
+                           resumed_tokens=0, generates_handed_on=0, refused_at_once=0,
+                           submits_timed_out=0)
         self.errors_by_code: dict[str, int] = {}
         self.failures: dict[RequestKey, int] = {}  # durable requests admission failed on
         self.tasks: list[asyncio.Task] = []
@@ -263,14 +264,15 @@ class Admission:
                                 retry_after_s=wait_s)
 
     async def to_priority(self, item: WorkItem) -> Error | None:
-        """Queue the item at priority; an Error (`overloaded`, `internal`) when it was not taken."""
+        """Queue the item at priority; an Error (`overloaded`, `internal`) when it was not taken.
+        Raises NatsTimeoutError when priority did not answer in time: it may have taken it."""
         try:
             reply = await self.nc.request(self.subjects.priority_submit, encode(item),
                                           timeout=self.config.nats.request_timeout_s,
                                           headers=item.trace)
-        except (NatsTimeoutError, NoRespondersError) as exc:
+        except NoRespondersError:
             return Error(request_id=item.request_id, code="overloaded",
-                         message=f"the priority service is not answering ({type(exc).__name__})")
+                         message="the priority service is not answering (no responders)")
         return _submit_reply.decode(reply.data).error
 
     async def submit_watched(self, item: WorkItem, msg=None) -> Error | None:
@@ -282,6 +284,17 @@ class Admission:
             item.key, encode(item), msg)
         try:
             error = await self.to_priority(item)
+        except NatsTimeoutError:
+            if watched:
+                # Priority may have queued it and answered late (a starved event loop): an
+                # Error now would be a second answer. The lease decides: a request nobody
+                # reports holding is handed on to priority again.
+                log.warning("priority answered late; the request stays watched",
+                            tenant=item.tenant, request_id=item.request_id)
+                self.counts["submits_timed_out"] += 1
+                return None
+            error = Error(request_id=item.request_id, code="overloaded",
+                          message="the priority service is not answering (TimeoutError)")
         except BaseException:
             if watched:
                 self.ledger.unwatch(item.key, durable=item.durable)
@@ -548,6 +561,8 @@ class Admission:
                                        resume_token_ids=list(tokens))
         try:
             error = await self.to_priority(item)
+        except NatsTimeoutError:  # priority may have taken it, late: as taken (the lease corrects)
+            error = None
         except Exception as exc:
             log.warning("could not hand a request on", tenant=key.tenant,
                         request_id=key.request_id, error=repr(exc))

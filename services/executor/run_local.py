@@ -61,7 +61,7 @@ async def run_requests(engine: Engine, lines: list[str],
     results = [asyncio.get_running_loop().create_future() for _ in lines]
 
     def finish(index: int, output: Output) -> None:
-        if not isinstance(output, Delta):
+        if not isinstance(output, Delta) and not results[index].done():  # a cancelled wait: no one
             results[index].set_result(output)
             if progress:
                 progress.update(output)

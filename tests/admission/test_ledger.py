@@ -67,6 +67,18 @@ def test_the_batcher_or_priority_dies_their_requests_are_handed_on_unstarted():
     assert set(dict(ledger.lost())) == {waiting, pulled}
 
 
+def test_priority_answers_late_the_request_stays_watched_and_the_lease_decides():
+    """Priority answered admission's submission after its timeout: whether it queued the request
+    is unknown, so the watch stays (no answer to the client). Queued, it is reported and ends
+    with its Done; not queued, nobody names it and it is handed on after the lease."""
+    ledger = _ledger()
+    queued, dropped = RequestKey("acme", "queued"), RequestKey("acme", "dropped")
+    assert ledger.watch(queued, b"q") and ledger.watch(dropped, b"d")
+    _pass(ledger, LEASE_S + INTERVAL_S, reported=[queued])
+    assert [key for key, _ in ledger.lost()] == [dropped]
+    assert ledger.done(queued, durable=False) is None and queued not in ledger.generates
+
+
 def test_admission_dies_the_next_one_adopts_what_a_service_still_reports():
     restarted = _ledger()
     running, gone = RequestKey("acme", "running"), RequestKey("acme", "gone")

@@ -275,8 +275,9 @@ async def test_score_orders_requests_and_reaches_the_completion(tiny_engine):
 
 async def test_aging_bound_at_the_executor():
     """With max_wait_s, a request that has waited that long goes ahead of fresher, higher-score
-    ones, and a running request past it is not preempted by them."""
-    engine = Engine(tiny_config({"scheduler.batch_level.max_num_seqs": 1}, max_wait_s=0.3))
+    ones, and a running request past it is not preempted by them. The waits are given as
+    arrival times (10 s ago), not slept: on a loaded host a slept wait also aged the fresh one."""
+    engine = Engine(tiny_config({"scheduler.batch_level.max_num_seqs": 1}, max_wait_s=5.0))
     finished: list[str] = []
     engine.start()
     try:
@@ -284,10 +285,12 @@ async def test_aging_bound_at_the_executor():
             if not isinstance(output, Delta):
                 finished.append(output.request_id)
 
-        add(engine, greedy([20, 21], max_tokens=1500, request_id="busy"), sink, score=5.0)
+        long_ago = time.monotonic() - 10.0
+        add(engine, greedy([20, 21], max_tokens=1500, request_id="busy"), sink, score=5.0,
+            arrival_time=long_ago)
         await asyncio.sleep(0.05)
-        add(engine, greedy([22, 23], max_tokens=8, request_id="low"), sink, score=1.0)
-        await asyncio.sleep(0.5)  # both have waited past the bound now
+        add(engine, greedy([22, 23], max_tokens=8, request_id="low"), sink, score=1.0,
+            arrival_time=long_ago)
         add(engine, greedy([24, 25], max_tokens=8, request_id="high"), sink, score=9.0)
         await asyncio.sleep(0.1)  # high is fresh: it may neither preempt busy nor pass low
         assert [s.key for s in engine.scheduler.running] == ["busy"]

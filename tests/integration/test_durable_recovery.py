@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 
 import msgspec
+import nats.errors
 import pytest
 
-from shared.bus import discover
-from shared.client import JetserveClient
+from shared.bus import Outbox, cancelled_completion, discover
+from shared.client import JetserveClient, _decode_output
+from shared.messages import SubmitReply, WorkItem, encode
 from shared.protocol import Completion, Error, GenerateRequest
+from shared.subjects import Subjects
 from tests.integration.conftest import SMALL_EXECUTOR, busy_executor, running_stack
 
 
@@ -97,6 +101,41 @@ async def test_a_durable_request_that_keeps_failing_in_admission_gets_an_interna
     assert isinstance(result, Error) and result.code == "internal", result
     assert "5 times" in result.message
     assert stats["durable_held"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_late_answer_from_priority_is_not_a_second_answer(tmp_path):
+    """Priority queues a generate but answers admission after its request timeout (a starved
+    event loop: seen with three test workers on two cores). Admission must not also answer the
+    client `overloaded`: the request stays watched (were it lost, the lease would hand it on),
+    and the client gets exactly the one answer the request's run sends. Priority is played by
+    a subscriber that answers late and then sends the request's final output itself."""
+    settings = {"nats.request_timeout_s": 0.5, "distributed.heartbeat_timeout_s": 2.0}
+    async with running_stack(tmp_path, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="late") as client:
+            stack.processes["priority"].kill()
+            await stack.processes["priority"].wait()
+            outbox, attempts = Outbox(client.nc, client.js, Subjects()), []
+
+            async def late_priority(msg) -> None:
+                item = msgspec.msgpack.decode(msg.data, type=WorkItem)
+                attempts.append(item.attempt)
+                await asyncio.sleep(1.0)  # past admission's 0.5 s, inside the 2 s lease
+                await msg.respond(encode(SubmitReply()))
+                await outbox.final(item, cancelled_completion(item))  # as its run would
+
+            await client.nc.subscribe("llm.internal.priority.submit", cb=late_priority)
+            inbox = client.nc.new_inbox()
+            answers = await client.nc.subscribe(inbox)
+            await client.nc.publish("llm.generate.late", msgspec.json.encode(
+                GenerateRequest(request_id="late-1", prompt="hi", max_tokens=2)), reply=inbox)
+            received = []
+            with contextlib.suppress(nats.errors.TimeoutError):
+                while True:
+                    received.append(_decode_output((await answers.next_msg(timeout=4.0)).data))
+            stats = await service_stats(client, "admission")
+    assert [type(r) for r in received] == [Completion], received
+    assert attempts == [0] and stats["submits_timed_out"] == 1
 
 
 @pytest.mark.asyncio
