@@ -68,6 +68,12 @@ class Ledger:
         watched[key] = Watched(msg, self.clock, item)
         return True
 
+    def renew(self, key: RequestKey, durable: bool) -> None:
+        """Its lease starts again now (priority answered late: give it a lease to report it)."""
+        watched = (self.held if durable else self.generates).get(key)
+        if watched is not None:
+            watched.since = self.clock
+
     def unwatch(self, key: RequestKey, durable: bool) -> None:
         """Priority did not take it (or handing it over failed): not watched after all."""
         (self.held if durable else self.generates).pop(key, None)

@@ -287,10 +287,11 @@ class Admission:
         except NatsTimeoutError:
             if watched:
                 # Priority may have queued it and answered late (a starved event loop): an
-                # Error now would be a second answer. The lease decides: a request nobody
-                # reports holding is handed on to priority again.
+                # Error now would be a second answer. The lease decides, counted from now: a
+                # request nobody reports holding is handed on to priority again.
                 log.warning("priority answered late; the request stays watched",
                             tenant=item.tenant, request_id=item.request_id)
+                self.ledger.renew(item.key, durable=item.durable)
                 self.counts["submits_timed_out"] += 1
                 return None
             error = Error(request_id=item.request_id, code="overloaded",
@@ -561,9 +562,7 @@ class Admission:
                                        resume_token_ids=list(tokens))
         try:
             error = await self.to_priority(item)
-        except NatsTimeoutError:  # priority may have taken it, late: as taken (the lease corrects)
-            error = None
-        except Exception as exc:
+        except Exception as exc:  # a timeout too: not taken (if priority did, it reports it)
             log.warning("could not hand a request on", tenant=key.tenant,
                         request_id=key.request_id, error=repr(exc))
             return False

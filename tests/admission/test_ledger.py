@@ -74,7 +74,12 @@ def test_priority_answers_late_the_request_stays_watched_and_the_lease_decides()
     ledger = _ledger()
     queued, dropped = RequestKey("acme", "queued"), RequestKey("acme", "dropped")
     assert ledger.watch(queued, b"q") and ledger.watch(dropped, b"d")
-    _pass(ledger, LEASE_S + INTERVAL_S, reported=[queued])
+    _pass(ledger, LEASE_S)  # the submissions' answers time out about now: each lease restarts
+    ledger.renew(queued, durable=False)
+    ledger.renew(dropped, durable=False)
+    _pass(ledger, LEASE_S, reported=[queued])
+    assert ledger.lost() == []  # a whole lease from the timeout, not from the watch
+    _pass(ledger, INTERVAL_S, reported=[queued])
     assert [key for key, _ in ledger.lost()] == [dropped]
     assert ledger.done(queued, durable=False) is None and queued not in ledger.generates
 

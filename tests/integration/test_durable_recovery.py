@@ -136,6 +136,7 @@ async def test_a_late_answer_from_priority_is_not_a_second_answer(tmp_path):
             stats = await service_stats(client, "admission")
     assert [type(r) for r in received] == [Completion], received
     assert attempts == [0] and stats["submits_timed_out"] == 1
+    assert stats["generates_in_flight"] == 0  # its Done ended the watch
 
 
 @pytest.mark.asyncio
