@@ -40,6 +40,8 @@ class Watched:
     item: bytes | None = None
     tokens: list[int] = field(default_factory=list)  # outputs its checkpoints reported
     attempt: int = 0
+    # Its submission to priority has had no answer yet (nor timed out): not lost meanwhile.
+    submitting: bool = False
 
 
 class Ledger:
@@ -65,14 +67,15 @@ class Ledger:
         watched = self.held if msg is not None else self.generates
         if msg is None and key in watched:
             return False
-        watched[key] = Watched(msg, self.clock, item)
+        watched[key] = Watched(msg, self.clock, item, submitting=True)
         return True
 
-    def renew(self, key: RequestKey, durable: bool) -> None:
-        """Its lease starts again now (priority answered late: give it a lease to report it)."""
+    def submitted(self, key: RequestKey, durable: bool) -> None:
+        """Priority answered the submission, or did not in time (it may have queued it late):
+        the lease starts now, so a late answer costs no early hand-on."""
         watched = (self.held if durable else self.generates).get(key)
         if watched is not None:
-            watched.since = self.clock
+            watched.since, watched.submitting = self.clock, False
 
     def unwatch(self, key: RequestKey, durable: bool) -> None:
         """Priority did not take it (or handing it over failed): not watched after all."""
@@ -137,8 +140,8 @@ class Ledger:
         requests no longer watched."""
         now = self.clock
         lost = [(key, watched) for table in (self.held, self.generates)
-                for key, watched in table.items()
-                if now - max(watched.since, self.last_reported.get(key, -math.inf)) > self.lease_s]
+                for key, watched in table.items() if not watched.submitting
+                and now - max(watched.since, self.last_reported.get(key, -math.inf)) > self.lease_s]
         for _, watched in lost:
             watched.since = now
         for key in [k for k, seen in self.last_reported.items()

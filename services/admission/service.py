@@ -291,7 +291,7 @@ class Admission:
                 # request nobody reports holding is handed on to priority again.
                 log.warning("priority answered late; the request stays watched",
                             tenant=item.tenant, request_id=item.request_id)
-                self.ledger.renew(item.key, durable=item.durable)
+                self.ledger.submitted(item.key, durable=item.durable)
                 self.counts["submits_timed_out"] += 1
                 return None
             error = Error(request_id=item.request_id, code="overloaded",
@@ -300,8 +300,11 @@ class Admission:
             if watched:
                 self.ledger.unwatch(item.key, durable=item.durable)
             raise
-        if watched and error is not None:
-            self.ledger.unwatch(item.key, durable=item.durable)
+        if watched:
+            if error is None:
+                self.ledger.submitted(item.key, durable=item.durable)
+            else:
+                self.ledger.unwatch(item.key, durable=item.durable)
         return error
 
     def read_metrics(self) -> list[Reading]:

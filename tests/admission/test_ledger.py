@@ -14,6 +14,14 @@ def _ledger() -> Ledger:
     return Ledger(LEASE_S, INTERVAL_S)
 
 
+def _watch(ledger: Ledger, key: RequestKey, item: bytes, msg: object = None) -> bool:
+    """Watched and handed to priority, which answered (as admission's submission does)."""
+    taken = ledger.watch(key, item, msg)
+    if taken:
+        ledger.submitted(key, durable=msg is not None)
+    return taken
+
+
 def _pass(ledger: Ledger, seconds: float, reported=()) -> None:
     """Heartbeats go by; the holders name `reported` at each one."""
     for _ in range(round(seconds / INTERVAL_S)):
@@ -24,7 +32,7 @@ def _pass(ledger: Ledger, seconds: float, reported=()) -> None:
 def test_an_executor_dies_its_request_is_handed_on_from_its_last_checkpoint():
     ledger = _ledger()
     message = object()
-    assert ledger.watch(KEY, b"item", message)
+    assert _watch(ledger, KEY, b"item", message)
     _pass(ledger, 2.0, reported=[KEY])
     assert not ledger.checkpoint(KEY, attempt=0, index=0, token_ids=[5, 6, 7])
     assert not ledger.checkpoint(KEY, attempt=0, index=2, token_ids=[7, 8])  # restates one
@@ -52,8 +60,8 @@ def test_an_executor_dies_its_request_is_handed_on_from_its_last_checkpoint():
 def test_the_batcher_or_priority_dies_their_requests_are_handed_on_unstarted():
     ledger = _ledger()
     waiting, pulled = RequestKey("acme", "waiting"), RequestKey("beta", "pulled")
-    assert ledger.watch(waiting, b"w")  # a generate, at priority
-    assert ledger.watch(pulled, b"p", object())  # durable, at the batcher
+    assert _watch(ledger, waiting, b"w")  # a generate, at priority
+    assert _watch(ledger, pulled, b"p", object())  # durable, at the batcher
     _pass(ledger, 1.0, reported=[waiting, pulled])
     _pass(ledger, LEASE_S + INTERVAL_S)
     lost = dict(ledger.lost())
@@ -74,9 +82,10 @@ def test_priority_answers_late_the_request_stays_watched_and_the_lease_decides()
     ledger = _ledger()
     queued, dropped = RequestKey("acme", "queued"), RequestKey("acme", "dropped")
     assert ledger.watch(queued, b"q") and ledger.watch(dropped, b"d")
-    _pass(ledger, LEASE_S)  # the submissions' answers time out about now: each lease restarts
-    ledger.renew(queued, durable=False)
-    ledger.renew(dropped, durable=False)
+    _pass(ledger, 2 * LEASE_S)  # no answer yet: a submission in flight is not lost
+    assert ledger.lost() == []
+    ledger.submitted(queued, durable=False)  # their answers time out: each lease starts now
+    ledger.submitted(dropped, durable=False)
     _pass(ledger, LEASE_S, reported=[queued])
     assert ledger.lost() == []  # a whole lease from the timeout, not from the watch
     _pass(ledger, INTERVAL_S, reported=[queued])
@@ -113,7 +122,7 @@ def test_a_done_that_comes_while_lost_requests_are_handed_on_wins():
 
 def test_a_stalled_event_loop_or_a_server_outage():
     ledger = _ledger()
-    ledger.watch(KEY, b"item", object())
+    _watch(ledger, KEY, b"item", object())
     ledger.reported([KEY])
     # The event loop stalls for a minute: its clock moves two heartbeats, so the reports that
     # queued up meanwhile are read before the request can look lost.
@@ -130,12 +139,12 @@ def test_a_stalled_event_loop_or_a_server_outage():
 
 def test_generates_are_watched_once_and_forgotten_at_their_done():
     ledger = _ledger()
-    assert ledger.watch(KEY, b"first")
-    assert not ledger.watch(KEY, b"second")  # the same id again: refused downstream
+    assert _watch(ledger, KEY, b"first")
+    assert not _watch(ledger, KEY, b"second")  # the same id again: refused downstream
     assert ledger.generates[KEY].item == b"first"
     assert ledger.done(KEY, durable=False) is None and ledger.generates == {}
     assert ledger.done(RequestKey("acme", "unknown"), durable=True) is None  # another admission's
-    ledger.watch(KEY, b"again")
+    _watch(ledger, KEY, b"again")
     ledger.unwatch(KEY, durable=False)  # priority refused it
     assert ledger.generates == {}
 
@@ -150,7 +159,7 @@ def test_reports_of_requests_nobody_watches_are_forgotten_after_a_lease():
 def test_requests_of_two_tenants_with_one_id_are_two_requests():
     ledger = _ledger()
     a, b = RequestKey("acme", "req-1"), RequestKey("beta", "req-1")
-    assert ledger.watch(a, b"a") and ledger.watch(b, b"b")
+    assert _watch(ledger, a, b"a") and _watch(ledger, b, b"b")
     ledger.done(a, durable=False)
     assert list(ledger.generates) == [b]
     assert ("beta", "req-1") in ledger.generates  # a plain tuple from a Holding report matches
