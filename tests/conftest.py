@@ -6,7 +6,15 @@ import asyncio
 import os
 
 import pytest
-import torch
+
+# Each test worker takes its share of the cores (make test runs TEST_JOBS of them), and so do the
+# executors its stacks start (services/stack.py leaves a set OMP_NUM_THREADS alone): torch's
+# OpenMP threads from processes that each took every core spin against each other, and a
+# tiny model's step then takes tens of milliseconds, not one. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", str(max(
+    1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+
+import torch  # noqa: E402
 
 # Triton kernels run on a CPU only in its interpreter, chosen when triton is first imported.
 if not torch.cuda.is_available():
@@ -17,6 +25,24 @@ from shared.config import EngineConfig, engine_config  # noqa: E402
 from shared.protocol import Completion, Delta, Error, GenerateRequest  # noqa: E402
 
 TINY = "dummy:tiny"
+# The files that take longest (stacks of processes, containers, the real model; measured with
+# --durations on a 2-core machine), run first, longest first, so that the workers finish
+# together instead of one running a long file alone at the end. The Makefile turns off
+# pytest-xdist's own order (files with the most tests first); the rest keep collection order.
+LONGEST_FIRST = ("integration/test_podman_compose.py", "integration/test_durable_recovery.py",
+                 "integration/test_chaos.py", "executor/test_smollm2.py",
+                 "integration/test_limits.py", "integration/test_migration.py",
+                 "loadtest/test_migration_bench.py", "executor/test_quantized.py",
+                 "integration/test_drain.py", "integration/test_two_executors.py",
+                 "executor/test_kv_pools.py", "integration/test_scheduling.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
 
 
 def tiny_config(settings: dict | None = None, **fields) -> EngineConfig:
