@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+from collections import Counter
 
 import pytest
 
@@ -25,24 +27,19 @@ from shared.config import EngineConfig, engine_config  # noqa: E402
 from shared.protocol import Completion, Delta, Error, GenerateRequest  # noqa: E402
 
 TINY = "dummy:tiny"
-# The files that take longest (stacks of processes, containers, the real model; measured with
-# --durations on a 2-core machine), run first, longest first, so that the workers finish
-# together instead of one running a long file alone at the end. The Makefile turns off
-# pytest-xdist's own order (files with the most tests first); the rest keep collection order.
-LONGEST_FIRST = ("integration/test_podman_compose.py", "integration/test_durable_recovery.py",
-                 "integration/test_chaos.py", "executor/test_smollm2.py",
-                 "integration/test_limits.py", "integration/test_migration.py",
-                 "loadtest/test_migration_bench.py", "executor/test_quantized.py",
-                 "integration/test_drain.py", "integration/test_two_executors.py",
-                 "executor/test_kv_pools.py", "integration/test_scheduling.py")
+# pytest-xdist hands out whole files, those with the most tests first. The container test is one
+# long test (containers starting, mostly waiting), so it goes first, beside the files that keep
+# the cores busy, instead of running alone at the end. The Makefile passes
+# --no-loadscope-reorder so that this order holds.
+RUN_FIRST = "tests/integration/test_podman_compose.py"
 
 
 def pytest_collection_modifyitems(items):
-    def rank(item) -> int:
-        path = item.nodeid.split("::")[0].removeprefix("tests/")
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+    def file(item) -> str:
+        return item.nodeid.split("::")[0]
 
-    items.sort(key=rank)
+    tests_in = Counter(file(item) for item in items)
+    items.sort(key=lambda item: -math.inf if file(item) == RUN_FIRST else -tests_in[file(item)])
 
 
 def tiny_config(settings: dict | None = None, **fields) -> EngineConfig:
