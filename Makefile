@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # take ~10 minutes (9.5-11.5 in one day's fresh clones, the host's speed varying). Each worker runs whole test files (module fixtures load
 # the model once). TEST_JOBS=0 runs everything in one process.
 TEST_JOBS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 .PHONY: up test test-fast bench schema gpu-check clean
 

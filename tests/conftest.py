@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import os
-from collections import Counter
 
 import pytest
 
@@ -27,19 +25,6 @@ from shared.config import EngineConfig, engine_config  # noqa: E402
 from shared.protocol import Completion, Delta, Error, GenerateRequest  # noqa: E402
 
 TINY = "dummy:tiny"
-# pytest-xdist hands out whole files, those with the most tests first. The container test is one
-# long test (containers starting, mostly waiting), so it goes first, beside the files that keep
-# the cores busy, instead of running alone at the end. The Makefile passes
-# --no-loadscope-reorder so that this order holds.
-RUN_FIRST = "tests/integration/test_podman_compose.py"
-
-
-def pytest_collection_modifyitems(items):
-    def file(item) -> str:
-        return item.nodeid.split("::")[0]
-
-    tests_in = Counter(file(item) for item in items)
-    items.sort(key=lambda item: -math.inf if file(item) == RUN_FIRST else -tests_in[file(item)])
 
 
 def tiny_config(settings: dict | None = None, **fields) -> EngineConfig:

@@ -41,14 +41,16 @@ async def service_stats(client, name: str) -> dict:
 
 @pytest.mark.asyncio
 async def test_a_durable_request_waiting_longer_than_the_lease_runs_once(tmp_path):
-    """Priority reports what waits there, so a long wait is not mistaken for a lost request."""
-    settings = {"distributed.heartbeat_timeout_s": 1.0,
+    """Priority reports what waits there, so a long wait is not mistaken for a lost request.
+    (A simulated executor: its steps take their time however loaded the host is, so the slot is
+    held for ~2.4 s, not for as long as 1,200 tiny-model steps happen to take.)"""
+    settings = {"distributed.heartbeat_timeout_s": 1.0, "model.name": "sim:smollm2-cpu",
                 "scheduler.batch_level.max_num_seqs": 1,
                 "scheduler.batch_level.executor_queue_depth": 0}
     async with running_stack(tmp_path, settings=settings) as stack:
         async with await JetserveClient.connect(stack.url, tenant="patient") as client:
             busy = asyncio.create_task(client.generate(
-                GenerateRequest(prompt="hog the only slot", max_tokens=1200, ignore_eos=True),
+                GenerateRequest(prompt="hog the only slot", max_tokens=40, ignore_eos=True),
                 timeout=60))
             await asyncio.sleep(0.3)
             await client.submit(GenerateRequest(request_id="waits-1", prompt="after you",
