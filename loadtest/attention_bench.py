@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(DUMMY_SHAPES))
     parser.add_argument("--decode", type=pair, nargs="*",
                         default=[(1, 300), (8, 256), (64, 256), (128, 300)])
-    parser.add_argument("--prefill", type=pair, nargs="*",
-                        default=[(40, 0), (384, 0), (200, 300)])
+    parser.add_argument("--prefill", type=pair, nargs="*", default=[(40, 0), (384, 0), (200, 300)])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--result-json", default="results/attention_bench.json")
     args = parser.parse_args(argv)

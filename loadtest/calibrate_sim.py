@@ -76,8 +76,7 @@ def fit(samples: list[tuple]) -> tuple[dict[str, float], dict]:
     """Non-negative least squares on relative error (drop a feature whose weight comes out
     negative and refit)."""
     data = np.array(samples, dtype=float)
-    columns = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2],
-                               data[:, 3]])
+    columns = np.column_stack([np.ones(len(data)), data[:, :4]])
     ms = data[:, 4]
     keep = list(range(len(FEATURES)))
     while True:
@@ -126,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(profile, indent=2) + "\n")
     print(f"wrote {path}")
     if args.result_json:
-        write_result(args.result_json, "calibrate_sim", step_ms=cost, fit=quality,
-                     samples=samples)
+        write_result(args.result_json, "calibrate_sim", step_ms=cost, fit=quality, samples=samples)
     return 0
 
 

@@ -50,8 +50,7 @@ async def sweep(args) -> list[dict]:
             result = await serve.run(bench_args(rate, args.duration, args.model,
                                                 args.executors), stack.url)
             wall = time.perf_counter() - start
-            used = {name: (cpu_seconds(pid) - before[name]) / wall
-                    for name, pid in pids.items()}
+            used = {name: (cpu_seconds(pid) - before[name]) / wall for name, pid in pids.items()}
             executors = sum(v for k, v in used.items() if k.startswith("executor"))
             cpu = {k: round(v, 3) for k, v in used.items() if not k.startswith("executor")}
             cpu["executors (all)"] = round(executors, 3)
@@ -68,8 +67,7 @@ async def sweep(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.control_plane",
-                                     description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtest.control_plane", description=__doc__)
     parser.add_argument("--executors", type=int, default=8)
     parser.add_argument("--model", default="sim:llama3-8b-h100")
     parser.add_argument("--rates", type=float, nargs="+", default=[50, 100, 200, 400])

@@ -23,16 +23,15 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
 import torch
 
 from loadtest.datasets import engine_workload
 from loadtest.metrics import nearest_rank, write_result
+from loadtest.quant_quality import completions
 from services.executor.engine.llm_engine import Engine
-from services.executor.run_local import run_requests
 from shared.config import EngineConfig, engine_config
 from shared.model_files import ModelConfig, default_gguf_path, load_model_config
-from shared.protocol import ChatMessage, Completion, GenerateRequest
+from shared.protocol import ChatMessage, GenerateRequest
 
 # Single stream: short chat prompts, one at a time, as a local chat app sends them.
 CHAT_PROMPTS = [
@@ -85,37 +84,31 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
-def _encode(request: GenerateRequest) -> str:
-    return msgspec.json.encode(request).decode()
-
-
 async def _run_point(engine: Engine, requests: list[GenerateRequest]) -> dict:
     """One sweep point through a running engine: throughput, latency and the step counters."""
     before = dict(vars(engine.stats))
     start = time.perf_counter()
-    results = await run_requests(engine, [_encode(r) for r in requests])
+    done = await completions(engine, requests)
     elapsed = time.perf_counter() - start
-    completions = [r for r in results if isinstance(r, Completion)]
-    assert len(completions) == len(requests), [r for r in results if not isinstance(r, Completion)]
     after = vars(engine.stats)
     delta = {k: after[k] - before[k] for k in ("steps", "prompt_tokens", "decode_tokens",
                                                "model_busy_s", "model_idle_s", "loop_cpu_s")}
-    output_tokens = sum(c.usage.completion_tokens for c in completions)
+    output_tokens = sum(c.usage.completion_tokens for c in done)
     return {
         "elapsed_s": elapsed,
         "output_tokens": output_tokens,
         "output_tok_per_s": output_tokens / elapsed,
-        "ttft_ms_p50": nearest_rank([c.metrics.ttft_ms for c in completions], 50),
-        "ttft_ms_p99": nearest_rank([c.metrics.ttft_ms for c in completions], 99),
-        "tpot_ms_p50": nearest_rank([c.metrics.tpot_ms for c in completions], 50),
-        "preemptions": sum(c.scheduling.preemptions for c in completions),
+        "ttft_ms_p50": nearest_rank([c.metrics.ttft_ms for c in done], 50),
+        "ttft_ms_p99": nearest_rank([c.metrics.ttft_ms for c in done], 99),
+        "tpot_ms_p50": nearest_rank([c.metrics.tpot_ms for c in done], 50),
+        "preemptions": sum(c.scheduling.preemptions for c in done),
         "steps": delta["steps"],
         "model_busy_s": delta["model_busy_s"],
         "model_idle_between_steps_s": delta["model_idle_s"],
         "loop_cpu_s": delta["loop_cpu_s"],
         "mean_tokens_per_step": (delta["prompt_tokens"] + delta["decode_tokens"])
                                 / max(delta["steps"], 1),
-        "token_ids": [c.token_ids for c in completions],
+        "token_ids": [c.token_ids for c in done],
     }
 
 
@@ -125,8 +118,7 @@ async def _single_stream(engine: Engine) -> dict:
     for prompt in CHAT_PROMPTS:
         request = GenerateRequest(messages=[ChatMessage("user", prompt)], temperature=0.0,
                                   max_tokens=SINGLE_STREAM_TOKENS, ignore_eos=True)
-        [completion] = await run_requests(engine, [_encode(request)])
-        assert isinstance(completion, Completion), completion
+        [completion] = await completions(engine, [request])
         runs.append({"prompt_tokens": completion.usage.prompt_tokens,
                      "ttft_ms": completion.metrics.ttft_ms, "tpot_ms": completion.metrics.tpot_ms})
     return {"ttft_ms": statistics.median(r["ttft_ms"] for r in runs),

@@ -30,11 +30,10 @@ import time
 import msgspec
 
 from loadtest.metrics import write_result
-from loadtest.quant_quality import agreement, agreement_cells, prompts
+from loadtest.quant_quality import agreement, agreement_cells, completions, prompts
 from services.executor.engine.llm_engine import Engine
-from services.executor.run_local import run_requests
 from shared.config import EngineConfig, engine_config
-from shared.protocol import Completion, GenerateRequest
+from shared.protocol import GenerateRequest
 
 SEQUENCE_TOKENS = 1024
 HIGH, LOW = 9, 1  # the mixed configuration's two priorities, either side of its bound (5)
@@ -65,11 +64,10 @@ async def _run(engine: Engine, requests: list[GenerateRequest]) -> tuple[list, f
     watcher = asyncio.create_task(watch())
     start = time.perf_counter()
     try:
-        results = await run_requests(engine, [msgspec.json.encode(r).decode() for r in requests])
+        results = await completions(engine, requests)
     finally:
         done.set()
         await watcher
-    assert all(isinstance(r, Completion) for r in results), results
     decode_tok_s = float("nan")
     if len(window) == 2 and window[1][0] > window[0][0]:
         decode_tok_s = (window[1][1] - window[0][1]) / (window[1][0] - window[0][0])

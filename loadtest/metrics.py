@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,8 +137,7 @@ class Slo:
                    for limit, value in checks)
 
 
-def latency_figures(records: list[RequestRecord], duration_s: float,
-                    slo: Slo | None) -> dict:
+def latency_figures(records: list[RequestRecord], duration_s: float, slo: Slo | None) -> dict:
     """The figures of one group of requests (a run, a priority class, a tenant)."""
     done = [r for r in records if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
@@ -186,10 +186,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None =
     """Every figure of a run: overall, per priority class, per tenant; fairness; errors."""
     tenants = sorted({r.tenant for r in records})
     served = {t: sum(r.output_tokens for r in records if r.tenant == t and r.ok) for t in tenants}
-    errors: dict[str, int] = {}
-    for r in records:
-        if r.error is not None:
-            errors[r.error] = errors.get(r.error, 0) + 1
+    errors = dict(Counter(r.error for r in records if r.error is not None))
     summary = latency_figures(records, duration_s, slo)
     summary.update({
         "duration_s": duration_s,

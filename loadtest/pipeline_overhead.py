@@ -33,11 +33,10 @@ from shared.config import engine_config
 from shared.protocol import Completion, Delta, GenerateRequest
 
 
-async def timed(outputs, started: float) -> dict:
-    """Drain one request's outputs; its TTFT, E2E (s) and output token count."""
-    first = None
-    final = None
-    async for output in outputs:
+async def timed(submit, request: GenerateRequest) -> dict:
+    """Submit one request and drain its outputs; its TTFT, E2E (s) and output token count."""
+    started, first, final = time.perf_counter(), None, None
+    async for output in submit(request):
         if isinstance(output, Delta):
             first = first or time.perf_counter()
         else:
@@ -49,12 +48,8 @@ async def timed(outputs, started: float) -> dict:
 
 
 async def throughput(submit, requests: list[GenerateRequest]) -> dict:
-    async def one(request):
-        started = time.perf_counter()
-        return await timed(submit(request), started)
-
     started = time.perf_counter()
-    records = await asyncio.gather(*(one(r) for r in requests))
+    records = await asyncio.gather(*(timed(submit, r) for r in requests))
     makespan = time.perf_counter() - started
     tokens = sum(r["tokens"] for r in records)
     return {"requests": len(records), "output_tokens": tokens, "makespan_s": makespan,
@@ -64,10 +59,7 @@ async def throughput(submit, requests: list[GenerateRequest]) -> dict:
 
 
 async def low_load(submit, requests: list[GenerateRequest]) -> dict:
-    ttfts = []
-    for request in requests:
-        started = time.perf_counter()
-        ttfts.append((await timed(submit(request), started))["ttft"])
+    ttfts = [(await timed(submit, request))["ttft"] for request in requests]
     return {"requests": len(ttfts), "ttft_p50_ms": 1e3 * statistics.median(ttfts),
             "ttft_mean_ms": 1e3 * statistics.fmean(ttfts), "ttft_min_ms": 1e3 * min(ttfts)}
 

@@ -18,6 +18,16 @@ def _cdf(axis, values: list[float], label: str) -> None:
         axis.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
 
 
+def style(axis, xlabel: str, ylabel: str, title: str | None = None) -> None:
+    """Label an axis, grid it and give it a legend."""
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    if title:
+        axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend()
+
+
 def _ttft_ms(records: list[dict]) -> list[float]:
     return [1e3 * (r["delta_times"][0] - r["send_time"]) for r in records if r["delta_times"]]
 
@@ -45,11 +55,7 @@ def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
         for run, series in zip(runs, limits):
             axis.step([t for t, _ in series], [v for _, v in series], where="post",
                       label=run.get("label") or "")
-        axis.set_xlabel("time (s)")
-        axis.set_ylabel("concurrent-sequence limit")
-        axis.set_title("batch limit (from heartbeats)")
-        axis.grid(alpha=0.3)
-        axis.legend()
+        style(axis, "time (s)", "concurrent-sequence limit", "batch limit (from heartbeats)")
     for axis, group in zip(axes[0], panels):
         for run, records in zip(runs, done):
             mine = [r for r in records if group is None or r[field] == group]
@@ -59,12 +65,9 @@ def plot_runset(runs: list[dict], path: Path, title: str = "") -> None:
             axis.plot(values, [(i + 1) / max(1, sent) for i in range(len(values))],
                       label=run.get("label") or "")
         axis.set_xscale("log")
-        axis.set_xlabel("TTFT (ms, log scale)")
-        axis.set_ylabel("fraction of requests sent")
-        axis.set_title("all requests" if group is None else f"{name} {group}")
         axis.set_ylim(0, 1.02)
-        axis.grid(alpha=0.3)
-        axis.legend()
+        style(axis, "TTFT (ms, log scale)", "fraction of requests sent",
+              "all requests" if group is None else f"{name} {group}")
     params = runs[0]["parameters"]
     rate = (f"rate phases {params['rate_phases']} (req/s:s)" if params.get("rate_phases")
             else f"rate {params['request_rate']}/s")
@@ -95,10 +98,7 @@ def plot_run(result: dict, path: Path) -> None:
                 values = [1e3 * (r["end_time"] - r["delta_times"][0]) / (r["output_tokens"] - 1)
                           for r in mine if r["output_tokens"] > 1 and r["delta_times"]]
             _cdf(axis, values, f"priority {priority}")
-        axis.set_xlabel(f"{name.upper()} (ms)")
-        axis.set_ylabel("fraction of requests")
-        axis.grid(alpha=0.3)
-        axis.legend()
+        style(axis, f"{name.upper()} (ms)", "fraction of requests")
     timeline = result["timeline"]
     axis = axes[1][1]
     duration = result["summary"]["duration_s"] or 1.0

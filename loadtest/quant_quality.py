@@ -72,17 +72,20 @@ def prompts() -> list[GenerateRequest]:
             + [GenerateRequest(prompt=p) for p in OPENINGS])
 
 
+async def completions(engine: Engine, requests: list[GenerateRequest]) -> list[Completion]:
+    """The requests through a running engine (as `jetserve run-local` does), every one completed."""
+    results = await run_requests(engine, [msgspec.json.encode(r).decode() for r in requests])
+    assert all(isinstance(r, Completion) for r in results), results
+    return results
+
+
 def greedy_outputs(config: EngineConfig, max_tokens: int) -> list[list[int]]:
     async def go():
         async with Engine(config) as engine:
-            lines = [msgspec.json.encode(msgspec.structs.replace(
-                p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)).decode()
-                for p in prompts()]
-            return await run_requests(engine, lines)
+            return await completions(engine, [msgspec.structs.replace(
+                p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for p in prompts()])
 
-    results = asyncio.run(go())
-    assert all(isinstance(r, Completion) for r in results), results
-    return [r.token_ids for r in results]
+    return [r.token_ids for r in asyncio.run(go())]
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:

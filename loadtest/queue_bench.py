@@ -37,6 +37,14 @@ def fill(sched: RequestScheduler, n: int, tenants: int, rng: random.Random, now:
                             arrival_time=now - rng.uniform(0, 50), deadline=deadline))
 
 
+def mean_s(fn, repeats: int) -> float:
+    """Mean seconds per call of fn over `repeats` calls."""
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
 def time_pulls(sched: RequestScheduler, k: int, now: float, repeats: int) -> float:
     """Mean seconds per pull of k, each followed by pushing the k back (n stays constant)."""
     total = 0.0
@@ -51,13 +59,7 @@ def time_pulls(sched: RequestScheduler, k: int, now: float, repeats: int) -> flo
 
 def time_sorted_rebuild(sched: RequestScheduler, k: int, now: float, repeats: int) -> float:
     """The same vectorised scores, then a full sort: O(n log n) per pull."""
-    total = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        scored = sched.scores(now)
-        np.argsort(-scored.key, kind="stable")[:k]
-        total += time.perf_counter() - start
-    return total / repeats
+    return mean_s(lambda: np.argsort(-sched.scores(now).key, kind="stable")[:k], repeats)
 
 
 def time_python_rebuild(sched: RequestScheduler, k: int, now: float, repeats: int) -> float:
@@ -80,12 +82,7 @@ def time_python_rebuild(sched: RequestScheduler, k: int, now: float, repeats: in
                 - min(cfg.fairness_max,
                       cfg.fairness_factor * lags[item.tenant] / cfg.fairness_scale_tokens))
 
-    total = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        sorted(items, key=key, reverse=True)[:k]
-        total += time.perf_counter() - start
-    return total / repeats
+    return mean_s(lambda: sorted(items, key=key, reverse=True)[:k], repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,26 +258,20 @@ def vtc(options, shape: str, cap: float) -> dict:
 
 
 def _plot_gap(path: Path, times, curves, bound: float, duration: float) -> None:
-    from loadtest.plot import plt, save
+    from loadtest.plot import plt, save, style
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for tenant, curve in curves.items():
         left.plot(times, curve, label=f"tenant {tenant}")
-    left.set_xlabel("time (s)")
-    left.set_ylabel("service (prompt + 2 x output tokens)")
     left.axvline(duration, color="grey", linestyle=":", label="sending stops")
-    left.legend()
-    left.grid(alpha=0.3)
+    style(left, "time (s)", "service (prompt + 2 x output tokens)")
     gap = [a - b for a, b in zip(curves["a"], curves["b"])]
     right.plot(times, gap, label="a - b")
     right.axhline(bound, color="red", linestyle="--", label="VTC bound")
     right.axhline(-bound, color="red", linestyle="--")
     right.axvline(duration, color="grey", linestyle=":")
     right.set_yscale("symlog", linthresh=max(1.0, bound / 1000))
-    right.set_xlabel("time (s)")
-    right.set_ylabel("service gap (tokens)")
-    right.legend()
-    right.grid(alpha=0.3)
+    style(right, "time (s)", "service gap (tokens)")
     save(figure, path, dpi=110)
 
 

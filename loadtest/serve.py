@@ -424,7 +424,7 @@ async def run_with_target(args) -> dict:
         return await run(args, stack.url)
 
 
-def sweep(args) -> int:
+def sweep(args) -> dict:
     settings = []
     for text in args.sweep:
         key, _, values = text.partition("=")
@@ -439,15 +439,7 @@ def sweep(args) -> int:
         print_summary(result)
         runs.append(result)
     print_runset(runs)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(json.dumps({"sweep": args.sweep, "label": args.label,
-                                                "runs": runs}, indent=1))
-    if args.plot:
-        from loadtest.plot import plot_runset
-
-        plot_runset(runs, args.plot, args.label)
-    return 0
+    return {"sweep": args.sweep, "label": args.label, "runs": runs}
 
 
 def main(args) -> int:
@@ -456,16 +448,20 @@ def main(args) -> int:
         print_comparison(a, b)
         return 0
     if args.sweep:
-        return sweep(args)
-    result = asyncio.run(run_with_target(args))
-    print_summary(result)
+        result = sweep(args)
+    else:
+        result = asyncio.run(run_with_target(args))
+        print_summary(result)
     if args.result_json:
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(result, indent=1))
     if args.plot:
-        from loadtest.plot import plot_run
+        from loadtest import plot
 
-        plot_run(result, args.plot)
+        if args.sweep:
+            plot.plot_runset(result["runs"], args.plot, args.label)
+        else:
+            plot.plot_run(result, args.plot)
     return 0
 
 

@@ -16,12 +16,12 @@ import argparse
 import contextlib
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from loadtest.linear_bench import times_ms
 from loadtest.metrics import write_result
 from services.executor.engine.attention import SeqSlice
 from services.executor.engine.llm_engine import Engine
@@ -113,13 +113,9 @@ def run_case(engine: Engine, decodes: int, context: int, prefill: int, repeats: 
         with record_function("sample"):
             return sample(logits, sampling).tolist()
 
-    for _ in range(3):
+    for _ in range(2):  # and times_ms's own warm-up: 3
         step()
-    walls = []
-    for _ in range(repeats):  # unlabelled: the step as the engine runs it
-        start = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - start)
+    walls = times_ms(step, repeats)  # unlabelled: the step as the engine runs it
     with labelled(model), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             with record_function("step"):
@@ -134,7 +130,7 @@ def run_case(engine: Engine, decodes: int, context: int, prefill: int, repeats: 
             parts[PARTS[event.key]] = parts.get(PARTS[event.key], 0.0) + ms
     # The labels' own cost (~10 us each, ~300 a step) lands in this remainder.
     parts["python and dispatch between ops"] = profiled_ms - sum(parts.values())
-    step_ms = statistics.median(walls) * 1e3
+    step_ms = statistics.median(walls)
     tokens = decodes + prefill
     return {"decodes": decodes, "context": context, "prefill_tokens": prefill,
             "step_ms": round(step_ms, 2), "profiled_step_ms": round(profiled_ms, 2),

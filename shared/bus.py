@@ -244,8 +244,11 @@ async def report_holding(nc: Client, subjects: Subjects, holder: str, interval_s
     await every(interval_s, holding_report)
 
 
-async def wait_event(event: asyncio.Event, timeout: float) -> bool:
-    """Wait up to `timeout` s for `event`; whether it was set."""
+async def wait_event(event: asyncio.Event, timeout: float, fresh: bool = False) -> bool:
+    """Wait up to `timeout` s for `event` (`fresh`: cleared first, so only a new set counts);
+    whether it was set."""
+    if fresh:
+        event.clear()
     try:
         await asyncio.wait_for(event.wait(), timeout)
     except TimeoutError:

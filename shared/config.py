@@ -338,19 +338,15 @@ def check_timing(config: JetserveConfig) -> None:
     and keeps a held durable request's JetStream message alive with an in-progress ack every
     third of `ack_wait_s`, looked at once an interval."""
     interval = config.distributed.heartbeat_interval_s
-    lease = config.distributed.heartbeat_timeout_s
-    if lease < 3 * interval:
-        raise ConfigError(
-            f"distributed.heartbeat_timeout_s ({lease:g}) must be at least three times "
-            f"distributed.heartbeat_interval_s ({interval:g}): holders report once an interval, "
-            f"admission looks once an interval, and a lease shorter than one late report plus "
-            f"both takes live holders for dead")
-    ack_wait = config.nats.ack_wait_s
-    if ack_wait < 3 * interval:
-        raise ConfigError(
-            f"nats.ack_wait_s ({ack_wait:g}) must be at least three times "
-            f"distributed.heartbeat_interval_s ({interval:g}): held durable requests are kept "
-            f"alive once an interval, and JetStream would redeliver one that is still running")
+    for key, value, why in (
+            ("distributed.heartbeat_timeout_s", config.distributed.heartbeat_timeout_s,
+             "holders report once an interval, admission looks once an interval, and a lease "
+             "shorter than one late report plus both takes live holders for dead"),
+            ("nats.ack_wait_s", config.nats.ack_wait_s, "held durable requests are kept alive "
+             "once an interval, and JetStream would redeliver one that is still running")):
+        if value < 3 * interval:
+            raise ConfigError(f"{key} ({value:g}) must be at least three times "
+                              f"distributed.heartbeat_interval_s ({interval:g}): {why}")
 
 
 def env_overrides(settings: Mapping[str, object]) -> dict[str, str]:

@@ -104,9 +104,7 @@ class TenantLabels:
         self.seen: set[str] = set()
 
     def __call__(self, tenant: str) -> str:
-        if tenant in self.seen:
-            return tenant
-        if len(self.seen) < TENANT_LABELS_MAX:
+        if tenant in self.seen or len(self.seen) < TENANT_LABELS_MAX:
             self.seen.add(tenant)
             return tenant
         return "other"

@@ -104,33 +104,25 @@ def hf_config(directory: Path) -> ModelConfig:
     raw = json.loads((directory / "config.json").read_text())
     num_heads = raw["num_attention_heads"]
     return ModelConfig(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads", num_heads),
+        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads, num_kv_heads=raw.get("num_key_value_heads", num_heads),
         head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
         rope_theta=float(raw.get("rope_theta", 10000.0)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
-    )
+        bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"))
+
+
+# ModelConfig's fields under the names config.json gives them (the others are the same).
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings"}
 
 
 def write_hf_config(directory: Path, config: ModelConfig) -> None:
-    raw = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.rms_norm_eps, "max_position_embeddings": config.max_position,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
-    }
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           **{_HF_NAMES.get(name, name): value for name, value in asdict(config).items()}}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
 
 
@@ -160,11 +152,9 @@ def gguf_config(reader) -> ModelConfig:
     tensor_names = {t.name for t in reader.tensors}
     vocab = gguf_field(reader, "llama.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
     return ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
+        vocab_size=vocab, hidden_size=hidden, num_heads=num_heads,
         intermediate_size=gguf_field(reader, "llama.feed_forward_length"),
         num_layers=gguf_field(reader, "llama.block_count"),
-        num_heads=num_heads,
         num_kv_heads=gguf_field(reader, "llama.attention.head_count_kv", num_heads),
         head_dim=gguf_field(reader, "llama.rope.dimension_count", hidden // num_heads),
         rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
@@ -172,8 +162,7 @@ def gguf_config(reader) -> ModelConfig:
         max_position=gguf_field(reader, "llama.context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-    )
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"))
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -17,16 +17,8 @@ INT32_MAX = 2**31 - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline"]
-ErrorCode = Literal[
-    "invalid_request",
-    "prompt_too_long",
-    "unknown_model",
-    "overloaded",
-    "rate_limited",
-    "cancelled",
-    "deadline_exceeded",
-    "internal",
-]
+ErrorCode = Literal["invalid_request", "prompt_too_long", "unknown_model", "overloaded",
+                    "rate_limited", "cancelled", "deadline_exceeded", "internal"]
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -57,23 +49,14 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", forbid_u
 
     def check(self) -> None:
         """Cross-field rules msgspec cannot express; raises ProtocolError naming the field."""
-        given = [
-            name
-            for name in ("prompt", "messages", "prompt_token_ids")
-            if getattr(self, name) is not None
-        ]
+        given = [name for name in ("prompt", "messages", "prompt_token_ids")
+                 if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ProtocolError(
-                "invalid_request",
-                "exactly one of `prompt`, `messages`, `prompt_token_ids` must be given"
-                + (f" (got {', '.join(given)})" if given else ""),
-            )
-        if self.prompt is not None and not self.prompt:
-            raise ProtocolError("invalid_request", "`prompt` is empty")
-        if self.messages is not None and not self.messages:
-            raise ProtocolError("invalid_request", "`messages` is empty")
-        if self.prompt_token_ids is not None and not self.prompt_token_ids:
-            raise ProtocolError("invalid_request", "`prompt_token_ids` is empty")
+            raise ProtocolError("invalid_request", "exactly one of `prompt`, `messages`, "
+                                "`prompt_token_ids` must be given"
+                                + (f" (got {', '.join(given)})" if given else ""))
+        if not getattr(self, given[0]):  # the one given is empty
+            raise ProtocolError("invalid_request", f"`{given[0]}` is empty")
 
 
 class Delta(msgspec.Struct, tag="delta", tag_field="type"):
@@ -195,15 +178,9 @@ def decode_cancel(payload: bytes | str) -> Cancel:
 # The `Nats-Service-Error-Code` of each error code on request/reply (the micro convention is
 # numeric, HTTP-like).
 SERVICE_ERROR_CODES: dict[str, str] = {
-    "invalid_request": "400",
-    "unknown_model": "404",
-    "prompt_too_long": "413",
-    "rate_limited": "429",
-    "cancelled": "499",
-    "internal": "500",
-    "deadline_exceeded": "504",
-    "overloaded": "503",
-}
+    "invalid_request": "400", "unknown_model": "404", "prompt_too_long": "413",
+    "rate_limited": "429", "cancelled": "499", "internal": "500", "deadline_exceeded": "504",
+    "overloaded": "503"}
 
 
 def service_error_headers(error: Error) -> dict[str, str]:

@@ -37,17 +37,15 @@ def read_workload(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def sampling(request: dict):
+def generate(llm, requests: list[dict]):
+    """`llm.generate` of the requests as token prompts: greedy, `ignore_eos`, not detokenized."""
     from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
-                          detokenize=False)
-
-
-def prompt(request: dict):
     from vllm.inputs import TokensPrompt
 
-    return TokensPrompt(prompt_token_ids=request["prompt_token_ids"])
+    return llm.generate([TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests],
+                        [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
+                                        ignore_eos=True, detokenize=False) for r in requests],
+                        use_tqdm=False)
 
 
 def request_timing(output) -> dict:
@@ -74,19 +72,15 @@ def run_figures(requests: list[dict], outputs, elapsed_s: float) -> dict:
 
 def run_batch(llm, requests: list[dict]) -> dict:
     start = time.perf_counter()
-    outputs = llm.generate([prompt(r) for r in requests], [sampling(r) for r in requests],
-                           use_tqdm=False)
+    outputs = generate(llm, requests)
     return run_figures(requests, outputs, time.perf_counter() - start)
 
 
 def run_single(llm, requests: list[dict]) -> dict:
     """One request at a time; elapsed_s is the sum of their wall-clock times."""
-    outputs, elapsed = [], 0.0
-    for request in requests:
-        start = time.perf_counter()
-        outputs += llm.generate([prompt(request)], [sampling(request)], use_tqdm=False)
-        elapsed += time.perf_counter() - start
-    return run_figures(requests, outputs, elapsed)
+    runs = [run_batch(llm, [request]) for request in requests]
+    return {"elapsed_s": sum(r["elapsed_s"] for r in runs),
+            "requests": [q for r in runs for q in r["requests"]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,10 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 "enable_prefix_caching": False,
                 # Stats on: RequestOutput.metrics carries the per-request timestamps read above.
                 "disable_log_stats": False}
-    if args.max_num_seqs:
-        llm_args["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens:
-        llm_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm_args.update({k: vars(args)[k] for k in ("max_num_seqs", "max_num_batched_tokens")
+                     if vars(args)[k]})
 
     start = time.perf_counter()
     llm = LLM(**llm_args)
@@ -133,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     warmup = {"request_id": "warmup", "prompt_token_ids": requests[0]["prompt_token_ids"][:16],
               "max_tokens": 4}
-    llm.generate([prompt(warmup)], [sampling(warmup)], use_tqdm=False)
+    generate(llm, [warmup])
     warmup_s = time.perf_counter() - start
 
     modes = {}

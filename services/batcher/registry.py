@@ -56,9 +56,7 @@ class ExecutorState:
     def free_slots(self) -> int:
         """Requests it takes now: a slot (running, waiting or in transit under max_num_seqs +
         queue_depth) and prefill room within its intake horizon."""
-        if self.free_tokens <= 0:
-            return 0
-        return self.free_seats
+        return self.free_seats if self.free_tokens > 0 else 0
 
     @property
     def free_seats(self) -> int:

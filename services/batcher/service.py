@@ -187,7 +187,6 @@ class BatcherService:
                 blocks += part.blocks
                 if part.last:
                     return msgspec.structs.replace(part, blocks=blocks, part=0)
-            raise AssertionError("unreachable")
         finally:
             await sub.unsubscribe()
 
@@ -234,8 +233,7 @@ class BatcherService:
         priority, where a later, more urgent request can still overtake them."""
         free = self.registry.pull_size(time.monotonic())
         if free == 0:
-            self.room.clear()
-            await wait_event(self.room, SUSPEND_S)
+            await wait_event(self.room, SUSPEND_S, fresh=True)
             return
         await asyncio.gather(*(self.hold_and_assign(item) for item in await self.pull(free)))
 
@@ -246,18 +244,13 @@ class BatcherService:
         threshold = None if self.registry.free_slots(now) else \
             self.registry.overtake_threshold(now)
         if threshold is None:
-            await self.next_beat()
+            await wait_event(self.beat, SUSPEND_S, fresh=True)  # until the next heartbeat
             return
         for item in await self.pull(1, threshold):
             if not await self.hold_and_assign(item, overtaking=True):
                 # Its executor's threshold moved, or it serves another model: until the next
                 # heartbeat, pulling again would hand out the same request again.
-                await self.next_beat()
-
-    async def next_beat(self) -> None:
-        """Until the next heartbeat from any executor, or SUSPEND_S."""
-        self.beat.clear()
-        await wait_event(self.beat, SUSPEND_S)
+                await wait_event(self.beat, SUSPEND_S, fresh=True)
 
     async def hold_and_assign(self, item: WorkItem, overtaking: bool = False) -> bool:
         """`assign`, reporting the request as held here until an executor or priority has it."""

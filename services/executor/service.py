@@ -152,8 +152,7 @@ class ExecutorService:
         self.load_changed.set()
         await while_connected(self.nc, self.service.stop(), 5.0)
         if self.running:
-            self.idle.clear()
-            if not await wait_event(self.idle, drain_timeout_s):
+            if not await wait_event(self.idle, drain_timeout_s, fresh=True):
                 log.warning("drain timed out; cancelling", running=len(self.running))
         for key in list(self.running):
             self.engine.abort(key)

@@ -142,14 +142,12 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     adjust = load_adjustment(load, cfg)
     slack = waiting.deadline - now
     service = service_time(waiting, step_s, prefill_per_step)
-    terms = {
-        "base": base(waiting.priority, class_weights[np.minimum(waiting.priority,
-                                                                len(class_weights) - 1)], cfg),
-        "urgency": cfg.urgency_weight * deadline_urgency(slack, service, cfg.time_window)
-        * adjust,
-        "resource": cfg.resource_weight * resource(waiting.demand, cfg.resource_scale),
-        "fairness": waiting.fairness,
-    }
+    weights = class_weights[np.minimum(waiting.priority, len(class_weights) - 1)]
+    terms = {"base": base(waiting.priority, weights, cfg),
+             "urgency": cfg.urgency_weight * deadline_urgency(slack, service, cfg.time_window)
+             * adjust,
+             "resource": cfg.resource_weight * resource(waiting.demand, cfg.resource_scale),
+             "fairness": waiting.fairness}
     score = terms["base"] + terms["urgency"] + terms["resource"] + terms["fairness"]
     standing = score - terms["urgency"]
     waited = now - waiting.arrival

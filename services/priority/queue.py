@@ -67,16 +67,11 @@ class WaitingQueue:
             self._grow()
         seq = self.last_seq = next(self._arrivals)
         deadline = item.deadline if item.deadline is not None else math.inf
-        cols = self._cols
-        cols["priority"][row] = item.request.priority
-        cols["seq"][row] = seq
-        cols["arrival"][row] = item.arrival_time
-        cols["deadline"][row] = deadline
-        cols["demand"][row] = demand_tokens
-        cols["prompt"][row] = item.num_prompt_tokens
-        cols["known"][row] = known
-        cols["tenant"][row] = self.tenant_index(item.tenant)
-        cols["size"][row] = size
+        values = dict(priority=item.request.priority, seq=seq, arrival=item.arrival_time,
+                      deadline=deadline, demand=demand_tokens, prompt=item.num_prompt_tokens,
+                      known=known, tenant=self.tenant_index(item.tenant), size=size)
+        for name, value in values.items():
+            self._cols[name][row] = value
         self._items.append(item)
         self._row_of[key] = row
         self._seq_of[key] = seq
@@ -110,13 +105,9 @@ class WaitingQueue:
         return item
 
     def waiting(self, fairness_by_tenant: np.ndarray) -> policy.Waiting:
-        n, cols = len(self._items), self._cols
-        return policy.Waiting(priority=cols["priority"][:n], seq=cols["seq"][:n],
-                              arrival=cols["arrival"][:n], deadline=cols["deadline"][:n],
-                              demand=cols["demand"][:n],
-                              fairness=fairness_by_tenant[cols["tenant"][:n]],
-                              tenant=cols["tenant"][:n], prompt=cols["prompt"][:n],
-                              known=cols["known"][:n])
+        n = len(self._items)
+        rows = {name: column[:n] for name, column in self._cols.items() if name != "size"}
+        return policy.Waiting(**rows, fairness=fairness_by_tenant[rows["tenant"]])
 
     def item(self, row: int) -> WorkItem:
         return self._items[row]

@@ -169,18 +169,12 @@ class RequestScheduler:
         # of any tenant holding at least as much (those are within one of the largest too).
         held = sorted(((n, tenant) for tenant, n in backlog.items() if n >= largest - 1),
                       reverse=True)
-        refused: dict[str, int] = {}
-        floor = MAX_PRIORITY
-        for i, (n, tenant) in enumerate(held):
-            if i == 0 or n != held[i - 1][0]:  # a new level: all holding as much count
-                for m, other in held[i:]:
-                    if m != n:
-                        break
-                    head = victims.head(other, self.queue)
-                    if head is not None:
-                        floor = min(floor, head[0])
-            refused[tenant] = floor
-        return refused
+        floors: dict[int, int] = {}  # backlog -> the lowest class waiting of those holding it
+        for n, tenant in held:
+            head = victims.head(tenant, self.queue)
+            floors[n] = min(floors.get(n, MAX_PRIORITY), MAX_PRIORITY if head is None else head[0])
+        floors[largest - 1] = min(floors.get(largest - 1, MAX_PRIORITY), floors[largest])
+        return {tenant: floors[n] for n, tenant in held}
 
     def _victims(self, now: float) -> _Victims:
         if self._victim_cache is not None and now - self._victim_cache.at < VICTIMS_S:

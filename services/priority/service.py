@@ -276,14 +276,15 @@ class PriorityService:
         deadline = time.monotonic() + ask.wait_ms / 1e3
         if ask.min_standing is None:
             while not self.queue and (left := deadline - time.monotonic()) > 0:
-                await self.next_arrival(left)
+                await wait_event(self.arrived, left, fresh=True)
         else:
             seen = -1  # the first look covers the whole queue
             while (left := deadline - time.monotonic()) > 0:
                 latest = self.queue.last_seq
                 if self.scheduler.can_overtake(ask.min_standing, time.time(), seen):
                     break
-                seen = latest if await self.next_arrival(min(left, EXPIRY_CHECK_S)) else -1
+                arrived = await wait_event(self.arrived, min(left, EXPIRY_CHECK_S), fresh=True)
+                seen = latest if arrived else -1
         now = time.time()
         await self.expire(now)
         budget = payload_budget(self.nc)
@@ -305,11 +306,6 @@ class PriorityService:
                 QUEUE_WAIT.labels(item.request.priority).observe(item.queue_wait_ms / 1e3)
         self.counts["dispatched"] += len(dispatches)
         await request.respond(encode(NextReply(items=[d.item for d in dispatches])))
-
-    async def next_arrival(self, timeout: float) -> bool:
-        """Wait up to `timeout` for a request to arrive; whether one did."""
-        self.arrived.clear()
-        return await wait_event(self.arrived, timeout)
 
     async def on_cancel(self, msg) -> None:
         tenant = self.subjects.tenant_of(msg.subject)

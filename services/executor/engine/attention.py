@@ -109,8 +109,7 @@ class TorchBackend:
                 block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table))
                                            for s in decodes], dtype=torch.int32),
                 seq_lens=torch.tensor([s.context_len for s in decodes], dtype=torch.int32),
-                q_rows=torch.tensor([s.q_start for s in decodes], dtype=torch.long),
-            )
+                q_rows=torch.tensor([s.q_start for s in decodes], dtype=torch.long))
             decodes = []
         decodes.sort(key=lambda s: s.context_len)
         groups = []
@@ -124,8 +123,7 @@ class TorchBackend:
             groups.append(DecodeGroup(
                 q_index=torch.tensor([s.q_start for s in group], device=device),
                 block_ids=torch.tensor(block_ids, device=device).view(-1),
-                key_mask=key_mask[:, None, None, :].to(device),
-            ))
+                key_mask=key_mask[:, None, None, :].to(device)))
         prefills = []
         for s in seqs:
             if s.q_len == 1:
@@ -140,10 +138,7 @@ class TorchBackend:
                 first_pos=s.context_len - s.q_len))
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            decode_groups=groups,
-            paged_decodes=paged,
-            prefills=prefills,
-        )
+            decode_groups=groups, paged_decodes=paged, prefills=prefills)
 
     # --------------------------------------------------------------------------- per-layer ops
 

@@ -176,21 +176,11 @@ class KvPools:
     def pool_size(self, pool: int) -> int:
         return self.pools[pool].num_blocks
 
-    @property
-    def num_blocks(self) -> int:
-        return sum(p.num_blocks for p in self.pools)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return sum(p.num_free_blocks for p in self.pools)
-
-    @property
-    def prefix_queries(self) -> int:
-        return sum(p.prefix_queries for p in self.pools)
-
-    @property
-    def prefix_hits(self) -> int:
-        return sum(p.prefix_hits for p in self.pools)
+    # The pools' totals.
+    num_blocks = property(lambda self: sum(p.num_blocks for p in self.pools))
+    num_free_blocks = property(lambda self: sum(p.num_free_blocks for p in self.pools))
+    prefix_queries = property(lambda self: sum(p.prefix_queries for p in self.pools))
+    prefix_hits = property(lambda self: sum(p.prefix_hits for p in self.pools))
 
     @property
     def hash_to_block(self) -> dict[bytes, int]:

@@ -113,8 +113,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             pending_dst=torch.tensor(pending_dst, device=device) if pending_dst else None,
             pending_src=torch.tensor(pending_src, device=device) if pending_src else None,
-            sampling=SamplingBatch(params, seeds),
-        )
+            sampling=SamplingBatch(params, seeds))
 
     def _segment(self, pool: int, slices: list[SeqSlice], slots: list[int], start: int,
                  stop: int | None) -> KvSegment:

@@ -52,9 +52,8 @@ class RequestState:
             if sampling.stop and self._truncate_at_stop(len(new_text)):
                 self.finish_reason = "stop"
                 return
-        if len(seq.token_ids) - seq.num_prompt_tokens >= sampling.max_tokens:
-            self.finish_reason = "length"
-        elif len(seq.token_ids) >= self.max_model_len:
+        if (len(seq.token_ids) - seq.num_prompt_tokens >= sampling.max_tokens
+                or len(seq.token_ids) >= self.max_model_len):
             self.finish_reason = "length"
 
     def _truncate_at_stop(self, new_len: int) -> bool:
@@ -82,28 +81,17 @@ class RequestState:
         return delta
 
     def completion(self) -> Completion:
-        now = time.monotonic()
-        seq = self.seq
-        arrival = seq.arrival_time
-        first_token = self.first_token_time or now
-        num_out = len(seq.output_token_ids)
-        e2e = now - arrival
-        ttft = first_token - arrival
+        now, seq = time.monotonic(), self.seq
+        arrival, num_out = seq.arrival_time, len(seq.output_token_ids)
+        e2e, ttft = now - arrival, (self.first_token_time or now) - arrival
         return Completion(
-            request_id=self.request_id,
-            model=self.model,
-            text=self.text,
-            token_ids=seq.output_token_ids,
-            finish_reason=self.finish_reason or "cancelled",
+            request_id=self.request_id, model=self.model, text=self.text,
+            token_ids=seq.output_token_ids, finish_reason=self.finish_reason or "cancelled",
             usage=Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=num_out,
                         cached_tokens=seq.num_cached_tokens),
-            metrics=Metrics(
-                queue_ms=1e3 * ((self.first_scheduled_time or now) - arrival),
-                ttft_ms=1e3 * ttft,
-                e2e_ms=1e3 * e2e,
-                tpot_ms=1e3 * (e2e - ttft) / (num_out - 1) if num_out > 1 else 0.0,
-            ),
+            metrics=Metrics(queue_ms=1e3 * ((self.first_scheduled_time or now) - arrival),
+                            ttft_ms=1e3 * ttft, e2e_ms=1e3 * e2e,
+                            tpot_ms=1e3 * (e2e - ttft) / (num_out - 1) if num_out > 1 else 0.0),
             scheduling=Scheduling(priority_score=seq.score, executor=self.executor,
                                   preemptions=seq.preemptions,
-                                  recomputed_tokens=seq.recomputed_tokens),
-        )
+                                  recomputed_tokens=seq.recomputed_tokens))

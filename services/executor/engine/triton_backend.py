@@ -48,9 +48,7 @@ class TritonBackend:
                                 torch.int32),
             cu_seqlens_q=tensor(cu_seqlens, torch.int32),
             seq_lens=tensor([s.context_len for s in seqs], torch.int32),
-            max_q_len=max(s.q_len for s in seqs),
-            max_seq_len=max(s.context_len for s in seqs),
-        )
+            max_q_len=max(s.q_len for s in seqs), max_seq_len=max(s.context_len for s in seqs))
 
     cpu_kernels = None  # matmuls run on torch's (cuBLAS) kernels
     rms_norm = staticmethod(rms_norm)

@@ -70,10 +70,8 @@ def load_model_files(model: str, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"model.quantization {quantization!r} runs on the CPU engine only; "
                          f"on {device.type} use none")
     config, directory = load_model_config(model, cache_dir)
-    if directory is None:
-        weights = dummy_weights(config, device, dtype)
-    else:
-        weights = hf_weights(directory, device, dtype)
+    weights = (dummy_weights(config, device, dtype) if directory is None
+               else hf_weights(directory, device, dtype))
     if quantization == "none":
         return config, weights, directory
     if "lm_head.weight" not in weights:  # tied: the lookup keeps the dense table
