@@ -6,15 +6,7 @@ import asyncio
 import os
 
 import pytest
-
-# Each test worker takes its share of the cores (make test runs TEST_JOBS of them), and so do the
-# executors its stacks start (services/stack.py leaves a set OMP_NUM_THREADS alone): torch's
-# OpenMP threads from processes that each took every core spin against each other, and a
-# tiny model's step then takes tens of milliseconds, not one. Set before torch is imported.
-os.environ.setdefault("OMP_NUM_THREADS", str(max(
-    1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
-
-import torch  # noqa: E402
+import torch
 
 # Triton kernels run on a CPU only in its interpreter, chosen when triton is first imported.
 if not torch.cuda.is_available():
@@ -25,6 +17,18 @@ from shared.config import EngineConfig, engine_config  # noqa: E402
 from shared.protocol import Completion, Delta, Error, GenerateRequest  # noqa: E402
 
 TINY = "dummy:tiny"
+
+
+def pytest_configure(config):
+    """Each pytest-xdist worker takes its share of the cores (make test runs TEST_JOBS of them),
+    and so do the executors its stacks start (services/stack.py leaves a set OMP_NUM_THREADS
+    alone): torch's OpenMP threads from processes that each took every core spin against each
+    other, and a tiny model's step then takes tens of milliseconds, not one."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # set in the workers only
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def tiny_config(settings: dict | None = None, **fields) -> EngineConfig:
