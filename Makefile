@@ -5,11 +5,13 @@ PY := $(VENV)/bin/python
 # The venv's bin first: torch builds the CPU attention kernel with the ninja installed there.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed
-# Test workers: much of the suite waits on services and timeouts, so two workers on two cores
-# take ~10 minutes (9.5-11.5 in one day's fresh clones, the host's speed varying). Each worker runs whole test files (module fixtures load
-# the model once). TEST_JOBS=0 runs everything in one process.
+# Test workers: much of the suite waits on services and timeouts, so two workers share two cores,
+# each with its share of torch's threads (tests/conftest.py); the suite takes 8-9 minutes on a
+# 2-core machine, the first setup ~1.5 more. Each worker runs whole test files (module fixtures
+# load the model once), the container test first (tests/conftest.py says why). TEST_JOBS=0 runs
+# everything in one process.
 TEST_JOBS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: up test test-fast bench schema gpu-check clean
 

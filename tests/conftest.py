@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -29,6 +31,20 @@ def pytest_configure(config):
         threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+# pytest-xdist hands out whole files, those with the most tests first (the Makefile keeps this
+# order with --no-loadscope-reorder). The container test is one long test that mostly waits on
+# containers, so it goes first, beside files that keep the cores busy, instead of alone at the end.
+RUN_FIRST = "tests/integration/test_podman_compose.py"
+
+
+def pytest_collection_modifyitems(items):
+    def file(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    tests_in = Counter(file(item) for item in items)
+    items.sort(key=lambda item: -math.inf if file(item) == RUN_FIRST else -tests_in[file(item)])
 
 
 def tiny_config(settings: dict | None = None, **fields) -> EngineConfig:
