@@ -22,24 +22,30 @@ TINY = "dummy:tiny"
 
 
 def pytest_configure(config):
-    """Each pytest-xdist worker takes its share of the cores (make test runs TEST_JOBS of them),
-    and so do the executors its stacks start (services/stack.py leaves a set OMP_NUM_THREADS
-    alone): torch's OpenMP threads from processes that each took every core spin against each
-    other, and a tiny model's step then takes tens of milliseconds, not one."""
+    """Each pytest-xdist worker takes its share of the cores (make test runs TEST_JOBS of them):
+    torch's OpenMP threads from processes that each took every core spin against each other,
+    and a tiny model's step then takes tens of milliseconds, not one. Where the share is one
+    thread, so is the executors' that its stacks start (services/stack.py leaves a set
+    OMP_NUM_THREADS alone); a larger share the stack splits among its executors itself."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # set in the workers only
     if workers and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
-        os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+        if threads == 1:
+            os.environ["OMP_NUM_THREADS"] = "1"
 
 
 # pytest-xdist hands out whole files, those with the most tests first (the Makefile keeps this
 # order with --no-loadscope-reorder). The container test is one long test that mostly waits on
 # containers, so it goes first, beside files that keep the cores busy, instead of alone at the end.
+# Only in the workers: a run in one process keeps pytest's order (and --stepwise with it).
 RUN_FIRST = "tests/integration/test_podman_compose.py"
 
 
 def pytest_collection_modifyitems(items):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+
     def file(item) -> str:
         return item.nodeid.split("::")[0]
 
