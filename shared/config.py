@@ -16,6 +16,10 @@ Quantization = Literal["none", "int8", "int4", "auto"]
 class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     url: str = "nats://127.0.0.1:4222"
     prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")] = "llm"
+    # Clients' answers go only to reply subjects under this prefix (docs/protocol.md): the inbox
+    # prefix of the NATS client libraries, unless clients are configured with another.
+    client_inbox_prefix: Annotated[str, msgspec.Meta(
+        pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")] = "_INBOX"
     results_max_age_s: Annotated[float, msgspec.Meta(gt=0)] = 24 * 3600.0
     # A held durable request is kept alive with in-progress acks well inside this window.
     ack_wait_s: Annotated[float, msgspec.Meta(ge=1)] = 30.0
@@ -328,6 +332,10 @@ def _validated(tree: dict) -> JetserveConfig:
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
     check_timing(config)
+    if config.nats.client_inbox_prefix.split(".")[0] == config.nats.prefix:
+        raise ConfigError(f"nats.client_inbox_prefix ({config.nats.client_inbox_prefix}) must not "
+                          f"be under nats.prefix ({config.nats.prefix}): clients' answers would "
+                          f"go to jetserve's own subjects")
     return config
 
 

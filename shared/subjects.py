@@ -15,6 +15,17 @@ TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 DURABLE_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
+def client_reply(subject: str, inbox_prefix: str) -> bool:
+    """Whether a request's reply subject may carry its answers: a subject under the clients'
+    inbox prefix (`nats.client_inbox_prefix`), with no wildcard. Never one of jetserve's own
+    subjects or a `$` subject (the prefix can be neither): a reply subject is the client's
+    word, and answering it unchecked would let any client publish as a service."""
+    head = inbox_prefix.split(".")
+    tokens = subject.split(".")
+    return (len(tokens) > len(head) and tokens[:len(head)] == head
+            and all(token not in ("", "*", ">") for token in tokens))
+
+
 @dataclass(frozen=True)
 class Subjects:
     prefix: str = "llm"

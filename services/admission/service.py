@@ -75,6 +75,7 @@ from shared.subjects import (
     RESULTS_STREAM,
     TENANT_PATTERN,
     Subjects,
+    client_reply,
 )
 from shared.telemetry import SpanKind, carrier_of, context_from
 
@@ -124,7 +125,7 @@ class Admission:
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
                            resumed_tokens=0, generates_handed_on=0, refused_at_once=0,
-                           submits_timed_out=0)
+                           submits_timed_out=0, reply_refused=0)
         self.errors_by_code: dict[str, int] = {}
         self.failures: dict[RequestKey, int] = {}  # durable requests admission failed on
         self.tasks: list[asyncio.Task] = []
@@ -136,6 +137,8 @@ class Admission:
         # Priority's latest Backpressure: tenant -> the highest priority its full queue refuses.
         self.backpressure: dict[str, int] = {}
         self.backpressure_at = 0.0  # time.monotonic() of that report
+        self.inbox_prefix = config.nats.client_inbox_prefix
+        self.reply_refused_logged: set[str] = set()  # tenants told of in the log (bounded)
 
     async def start(self) -> None:
         await ensure_streams(self.js, self.config)
@@ -365,6 +368,9 @@ class Admission:
         # from whichever service makes them, and nats-py's micro Request does not expose it.
         msg = request._msg
         tenant = self.subjects.tenant_of(msg.subject)
+        if msg.reply and not client_reply(msg.reply, self.inbox_prefix):
+            self.refuse_reply(tenant, msg.reply)
+            return
         if not TENANT_PATTERN.fullmatch(tenant):  # not a line of its own in the intake
             await self.refuse(msg, tenant, Error(
                 request_id=None, code="invalid_request",
@@ -394,6 +400,15 @@ class Admission:
                 log.error("generate failed", error=repr(exc))
             finally:
                 self.admitting -= 1
+
+    def refuse_reply(self, tenant: str, reply: str) -> None:
+        """A request whose reply subject is not a client inbox gets nothing, not even an Error
+        (that is what would reach the subject): counted, and logged once per tenant."""
+        self.counts["reply_refused"] += 1
+        if tenant not in self.reply_refused_logged and len(self.reply_refused_logged) < 1000:
+            self.reply_refused_logged.add(tenant)
+            log.warning("reply subject refused", tenant=tenant[:64], reply=reply[:128],
+                        inbox_prefix=self.inbox_prefix)
 
     async def refuse(self, msg, tenant: str, error: Error) -> None:
         """Answer a request with `error` before any other work (and end its stream)."""

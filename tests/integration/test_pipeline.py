@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import msgspec
+import nats.js.errors
 import pytest
 import pytest_asyncio
 
@@ -329,3 +330,31 @@ async def test_a_flood_of_bad_input_breaks_nothing(client, stack):
     infos_after = {i["id"]: i["name"] for i in await discover(client.nc, "INFO", wait_s=0.5)}
     assert infos_after == infos_before  # same service instances: nothing restarted
     assert all(p.returncode is None for p in stack.processes.values())
+
+
+async def test_a_reply_subject_outside_the_client_inbox_gets_nothing(client):
+    """A reply subject is the client's word: aimed at another tenant's result subject, at
+    jetserve's own subjects or at the JetStream API, a request, well-formed or not, gets nothing
+    there (an Error stored as bob's result would refuse bob's real one), only a count."""
+    targets = ["llm.results.bob.stolen-1", "llm.internal.reply-test", "$JS.API.INFO",
+               "_INBOXX.near-miss", "_INBOX"]
+    published: list[str] = []
+
+    async def on(msg):
+        published.append(msg.subject)
+
+    subs = [await client.nc.subscribe(target, cb=on) for target in targets]
+    before = (await service_stats(client, "admission"))["reply_refused"]
+    good = msgspec.json.encode(GenerateRequest(request_id="stolen-1", prompt="hi", max_tokens=2))
+    for target in targets:
+        for payload in (good, b"{not json"):
+            await client.nc.publish(client.subjects.generate("acme"), payload, reply=target)
+    await wait_for_stat(client, "admission", "reply_refused", before + 2 * len(targets))
+    completion = await client.generate(GenerateRequest(prompt="after them", max_tokens=2),
+                                       timeout=30)  # answered: behind the refused ones
+    for sub in subs:
+        await sub.unsubscribe()
+    assert isinstance(completion, Completion)
+    assert published == []
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await client.js.get_last_msg(RESULTS_STREAM, client.subjects.results("bob", "stolen-1"))

@@ -1,6 +1,7 @@
 import pytest
 
 from shared.config import ConfigError, engine_config, env_overrides, load_config
+from shared.subjects import client_reply
 
 
 def test_defaults_need_no_file():
@@ -25,6 +26,10 @@ def test_yaml_then_environment(tmp_path):
     ({"JETSERVE_KV_CACHE__BLOCK_SIZE": "big"}, "$.kv_cache.block_size"),
     ({"JETSERVE_KV_CACHE__BLOKSIZE": "8"}, "unknown field `bloksize` - at `$.kv_cache`"),
     ({"JETSERVE_NATS__PREFIX": "a.b"}, "$.nats.prefix"),
+    ({"JETSERVE_NATS__CLIENT_INBOX_PREFIX": "$SYS"}, "$.nats.client_inbox_prefix"),
+    ({"JETSERVE_NATS__CLIENT_INBOX_PREFIX": "_INBOX.>"}, "$.nats.client_inbox_prefix"),
+    ({"JETSERVE_NATS__CLIENT_INBOX_PREFIX": "llm.inbox"},
+     "nats.client_inbox_prefix (llm.inbox) must not be under nats.prefix (llm)"),
     ({"JETSERVE_SCHEDULER__REQUEST_LEVEL__MAX_PENDING_REQUESTS": "0"},
      "$.scheduler.request_level.max_pending_requests"),
     # Timings under which live holders would be taken for dead: each names both keys.
@@ -83,3 +88,21 @@ def test_an_in_process_engine_takes_the_file_s_keys_and_checks():
         engine_config({"scheduler.batch_level.batch_size": "adaptive"})
     # Values are taken as given, not read as YAML (a path may hold ` #`).
     assert engine_config({"model.name": "/models/run #2.gguf"}).model.name == "/models/run #2.gguf"
+
+
+@pytest.mark.parametrize("reply, prefix, allowed", [
+    ("_INBOX.abc", "_INBOX", True),
+    ("_INBOX.abc.7", "_INBOX", True),
+    ("acme.inbox.x", "acme.inbox", True),
+    ("_INBOX", "_INBOX", False),  # the prefix alone: no inbox under it
+    ("_INBOXX.abc", "_INBOX", False),
+    ("acme.inboxes.x", "acme.inbox", False),
+    ("llm.results.bob.r1", "_INBOX", False),  # another tenant's result
+    ("llm.internal.priority.submit", "_INBOX", False),
+    ("$JS.API.STREAM.DELETE.LLM_RESULTS", "_INBOX", False),
+    ("_INBOX.*", "_INBOX", False),  # wildcards
+    ("_INBOX.a.>", "_INBOX", False),
+    ("_INBOX..a", "_INBOX", False),  # an empty token
+])
+def test_only_a_client_inbox_is_a_reply_subject(reply, prefix, allowed):
+    assert client_reply(reply, prefix) is allowed
