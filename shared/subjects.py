@@ -17,9 +17,9 @@ DURABLE_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 def client_reply(subject: str, inbox_prefix: str) -> bool:
     """Whether a request's reply subject may carry its answers: a subject under the clients'
-    inbox prefix (`nats.client_inbox_prefix`), with no wildcard. Never one of jetserve's own
-    subjects or a `$` subject (the prefix can be neither): a reply subject is the client's
-    word, and answering it unchecked would let any client publish as a service."""
+    inbox prefix (`nats.client_inbox_prefix`), with no wildcard. Never a subject under
+    jetserve's prefix or a `$` subject (the inbox prefix can be neither): a reply subject is
+    the client's word, and answering it unchecked would let any client publish as a service."""
     head = inbox_prefix.split(".")
     tokens = subject.split(".")
     return (len(tokens) > len(head) and tokens[:len(head)] == head
