@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     _request_options(generate)
     generate.add_argument("--stream", action="store_true", help="print text as it arrives")
 
-    submit = commands.add_parser("submit", help="a durable request over llm.requests.<tenant>; "
+    submit = commands.add_parser("submit", help="a durable request over "
+                                                "llm.requests.<tenant>.<request_id>; "
                                                 "waits for its result in LLM_RESULTS")
     _request_options(submit)
     submit.add_argument("--request-id", default=None, help="default: a random one")

@@ -15,7 +15,7 @@ from shared.bus import discover, wait_event
 from shared.client import JetserveClient
 from shared.config import ConfigError, load_config
 from shared.protocol import ChatMessage, Completion, Delta, Error, GenerateRequest
-from shared.subjects import Subjects
+from shared.subjects import RESULTS_STREAM, Subjects
 
 
 def _config(args):
@@ -105,8 +105,14 @@ async def submit(args) -> int:
     async with await _connect(args) as client:
         request = _request(args, args.request_id or f"cli-{secrets.token_hex(8)}")
         ack = await client.submit(request)
-        print(f"accepted: {request.request_id} (stream {ack.stream}, seq {ack.seq}"
-              f"{', duplicate' if ack.duplicate else ''})", file=sys.stderr)
+        if not ack.duplicate:
+            print(f"accepted: {request.request_id} (stream {ack.stream}, seq {ack.seq})",
+                  file=sys.stderr)
+        elif ack.stream == RESULTS_STREAM:
+            print(f"duplicate: {request.request_id} has its result already", file=sys.stderr)
+        else:
+            print(f"duplicate: {request.request_id} is waiting or running; its result follows",
+                  file=sys.stderr)
         return _report(await client.result(request.request_id, timeout=args.timeout), False)
 
 

@@ -151,7 +151,8 @@ class StreamMismatch(Exception):
 
 # The stream settings jetserve sets; of them, JetStream cannot change these on a stream.
 MANAGED_STREAM_FIELDS = ("subjects", "retention", "storage", "max_msgs", "discard",
-                         "duplicate_window", "max_age")
+                         "max_msgs_per_subject", "discard_new_per_subject", "duplicate_window",
+                         "max_age", "allow_direct")
 FIXED_STREAM_FIELDS = ("retention", "storage")
 
 
@@ -163,13 +164,19 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
     subjects = Subjects(config.nats.prefix)
     window = config.nats.duplicate_window_s
     wanted = [
-        StreamConfig(name=REQUESTS_STREAM, subjects=[subjects.requests(">")],
+        # A durable request's subject is its key, llm.requests.<tenant>.<request_id>: one
+        # message per subject, and JetStream refuses another while it waits or runs, so a
+        # tenant's ids can only collide with its own (permissions confine a tenant's subjects;
+        # Nats-Msg-Id would deduplicate across all tenants, so admission refuses it).
+        StreamConfig(name=REQUESTS_STREAM, subjects=[subjects.all_requests],
                      retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
                      max_msgs=config.scheduler.request_level.max_pending_requests,
-                     discard=DiscardPolicy.NEW, duplicate_window=window),
+                     discard=DiscardPolicy.NEW, max_msgs_per_subject=1,
+                     discard_new_per_subject=True, duplicate_window=window),
         StreamConfig(name=RESULTS_STREAM, subjects=[subjects.results(">", "").rstrip(".")],
                      retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-                     max_age=config.nats.results_max_age_s, duplicate_window=window),
+                     max_age=config.nats.results_max_age_s, duplicate_window=window,
+                     allow_direct=True),  # a result read by its subject, which permissions scope
     ]
     for stream in wanted:
         try:

@@ -14,10 +14,11 @@ import msgspec
 import nats
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy, PubAck
+from nats.js.errors import APIError, NotFoundError
 
 from shared.protocol import Cancel, Completion, Delta, Error, GenerateRequest
-from shared.subjects import Subjects
+from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM, Subjects
 
 Output = Delta | Completion | Error
 _decode_output = msgspec.json.Decoder(Output).decode
@@ -126,12 +127,29 @@ class JetserveClient:
                 if not finished and request_id:
                     await self.cancel(request_id)  # the caller stopped listening: free the slot
 
-    async def submit(self, request: GenerateRequest):
-        """Durable submission into LLM_REQUESTS; returns the PubAck (durably accepted)."""
+    async def submit(self, request: GenerateRequest) -> PubAck:
+        """Durable submission into LLM_REQUESTS, on `llm.requests.<tenant>.<request_id>`; the
+        PubAck says it is durably accepted. A repeat is reported, `duplicate` set and nothing
+        stored: when the request has its result (`stream` LLM_RESULTS, `seq` the result's), or
+        is still waiting or running (`stream` LLM_REQUESTS, `seq` 0: JetStream keeps one message
+        per subject and refused this one). A repeat that races its request's end is accepted,
+        and admission answers it with the stored result instead of running it again."""
         if not request.request_id:
             raise ValueError("a durable submission needs a request_id")
-        return await self.js.publish(self.subjects.requests(self.tenant), _encode(request),
-                                     headers={"Nats-Msg-Id": request.request_id})
+        try:
+            stored = await self.js.get_last_msg(
+                RESULTS_STREAM, self.subjects.results(self.tenant, request.request_id),
+                direct=True)
+            return PubAck(stream=RESULTS_STREAM, seq=stored.seq, duplicate=True)
+        except NotFoundError:
+            pass
+        subject = self.subjects.requests(self.tenant, request.request_id)
+        try:
+            return await self.js.publish(subject, _encode(request))
+        except APIError as exc:  # the server's words for the per-subject limit
+            if "per subject" not in (exc.description or ""):
+                raise
+            return PubAck(stream=REQUESTS_STREAM, seq=0, duplicate=True)
 
     async def result(self, request_id: str, timeout: float = 600.0) -> Completion | Error:
         """The final output of a durable request, from LLM_RESULTS (waits until it is stored)."""

@@ -1,4 +1,4 @@
-"""The public protocol (v1): every message a client in any language sends or receives.
+"""The public protocol (v2): every message a client in any language sends or receives.
 
 Payloads are JSON objects tagged by `"type"`. Decoding is strict: unknown fields, wrong types and
 out-of-range values are rejected with a message that names the field (msgspec's `at $.field`).

@@ -5,13 +5,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from shared.keys import RequestKey
+
 REQUESTS_STREAM = "LLM_REQUESTS"
 RESULTS_STREAM = "LLM_RESULTS"
 ADMISSION_CONSUMER = "admission"
 
 # A tenant comes from the subject, never the payload, so NATS permissions can confine it.
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# A durable request id becomes a subject token of llm.results.<tenant>.<request_id>.
+# A durable request id is a subject token: llm.requests.<tenant>.<request_id> (the request's key,
+# one message at a time per subject) and llm.results.<tenant>.<request_id>.
 DURABLE_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -30,12 +33,18 @@ def client_reply(subject: str, inbox_prefix: str) -> bool:
 class Subjects:
     prefix: str = "llm"
 
-    # ------------------------------------------------------------------ public (protocol v1)
+    # ------------------------------------------------------------------ public (protocol v2)
     def generate(self, tenant: str = "*") -> str:
         return f"{self.prefix}.generate.{tenant}"
 
-    def requests(self, tenant: str = "*") -> str:
-        return f"{self.prefix}.requests.{tenant}"
+    def requests(self, tenant: str = "*", request_id: str = "*") -> str:
+        return f"{self.prefix}.requests.{tenant}.{request_id}"
+
+    @property
+    def all_requests(self) -> str:
+        """What LLM_REQUESTS keeps: durable submissions, and protocol v1's, which had no id
+        token (`llm.requests.<tenant>`) and get an Error saying so."""
+        return f"{self.prefix}.requests.>"
 
     def results(self, tenant: str = "*", request_id: str = "*") -> str:
         return f"{self.prefix}.results.{tenant}.{request_id}"
@@ -45,6 +54,15 @@ class Subjects:
 
     def cancel(self, tenant: str = "*") -> str:
         return f"{self.prefix}.cancel.{tenant}"
+
+    def durable_key(self, subject: str) -> RequestKey | None:
+        """The tenant and id of a durable submission's subject (`llm.requests.<tenant>.<id>`),
+        or None when it names none (protocol v1's `llm.requests.<tenant>`, invalid tokens)."""
+        tokens = subject.split(".")
+        if (len(tokens) == 4 and TENANT_PATTERN.fullmatch(tokens[2])
+                and DURABLE_ID_PATTERN.fullmatch(tokens[3])):
+            return RequestKey(tokens[2], tokens[3])
+        return None
 
     def tenant_of(self, subject: str) -> str:
         """The tenant token of a public subject (`llm.<verb>.<tenant>[...]`)."""

@@ -1,16 +1,17 @@
 """The admission service: the edge of jetserve.
 
-Request/reply generates (`llm.generate.<tenant>`) and durable submissions (`llm.requests.<tenant>`,
-stream LLM_REQUESTS) are validated, tokenized, checked against the model's limits and the tenant's
-rate limit, given an id, a seed and an arrival time, and handed to priority. A durable request's
-message is held here (kept alive with in-progress acks) and acknowledged only once its final
-result is stored in LLM_RESULTS; a redelivered one whose result exists is only acknowledged. A
-held request that no service reports holding (priority's queue, an executor) for longer than the
-heartbeat timeout was lost with a dead service: it goes back to priority's queue, still held, with
-the outputs its executor's checkpoints reported, and the next executor continues from there (a
-copy of the admitted request is kept for this). That silence is timed on a clock a stalled event
-loop barely advances, so a stall is not taken for deaths; and a redelivered request that a
-service still reports (this admission restarted) is held again, not admitted a second time.
+Request/reply generates (`llm.generate.<tenant>`) and durable submissions
+(`llm.requests.<tenant>.<request_id>`, stream LLM_REQUESTS) are validated, tokenized, checked
+against the model's limits and the tenant's rate limit, given an id, a seed and an arrival time,
+and handed to priority. A durable request's message is held here (kept alive with in-progress acks)
+and acknowledged only once its final result is stored in LLM_RESULTS; a redelivered one whose
+result exists is only acknowledged. A held request that no service reports holding (priority's
+queue, an executor) for longer than the heartbeat timeout was lost with a dead service: it goes
+back to priority's queue, still held, with the outputs its executor's checkpoints reported, and the
+next executor continues from there (a copy of the admitted request is kept for this). That silence
+is timed on a clock a stalled event loop barely advances, so a stall is not taken for deaths; and a
+redelivered request that a service still reports (this admission restarted) is held again, not
+admitted a second time.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class Admission:
         # Created, or brought up to this config (its limits are editable) if it exists.
         consumer = await self.js.add_consumer(REQUESTS_STREAM, ConsumerConfig(
             name=ADMISSION_CONSUMER, durable_name=ADMISSION_CONSUMER,
-            filter_subject=self.subjects.requests(">"), ack_policy=AckPolicy.EXPLICIT,
+            filter_subject=self.subjects.all_requests, ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.config.nats.ack_wait_s, max_deliver=-1,
             max_ack_pending=self.config.nats.max_ack_pending))
         self.consumer = await self.js.pull_subscribe_bind(durable=ADMISSION_CONSUMER,
@@ -196,12 +197,13 @@ class Admission:
 
     # --------------------------------------------------------------------------- validation
 
-    async def admit(self, tenant: str, payload: bytes, durable: bool) -> WorkItem:
-        """A valid, tokenized WorkItem, or a ProtocolError that names the field or limit.
+    async def admit(self, tenant: str, payload: bytes, durable_id: str | None = None) -> WorkItem:
+        """A valid, tokenized WorkItem, or a ProtocolError that names the field or limit;
+        `durable_id` is a durable submission's id, from its subject.
 
         Every check that needs no tokens comes first (a prompt that must be too long is refused
         by its length); text is tokenized on a small thread pool, never on the event loop."""
-        request = self.check(tenant, payload, durable)
+        request = self.check(tenant, payload, durable_id)
         if request.prompt_token_ids is not None:
             prompt = prompt_token_ids(self.tokenizer, request, self.vocab_size)
         else:
@@ -209,7 +211,8 @@ class Admission:
                 self.tokenize_pool, prompt_token_ids, self.tokenizer, request, self.vocab_size)
         request = admitted(request, prompt, self.model_name, self.max_model_len, self.vocab_size)
         now = time.time()
-        item = WorkItem(request=request, tenant=tenant, arrival_time=now, durable=durable,
+        item = WorkItem(request=request, tenant=tenant, arrival_time=now,
+                        durable=durable_id is not None,
                         deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None,
                         block_hashes=block_hashes(prompt, self.config.kv_cache.block_size))
         self.check_message_sizes(item)
@@ -242,17 +245,20 @@ class Admission:
                 f"max_payload {budget + ENVELOPE_BYTES}); at most {most} fit: lower "
                 f"`max_tokens` or raise the server's max_payload")
 
-    def check(self, tenant: str, payload: bytes, durable: bool) -> GenerateRequest:
-        """The decoded request, if everything but its token count is valid."""
+    def check(self, tenant: str, payload: bytes, durable_id: str | None = None) -> GenerateRequest:
+        """The decoded request, if everything but its token count is valid (a durable one with
+        its subject's id)."""
         if not TENANT_PATTERN.fullmatch(tenant):
             raise ProtocolError("invalid_request", f"tenant {tenant!r} (the subject's last token) "
                                 f"must match [A-Za-z0-9_-]{{1,64}}")
         request = decode_generate_request(payload)
         check_model(request, self.model_name)
-        if durable and (request.request_id is None
-                        or not DURABLE_ID_PATTERN.fullmatch(request.request_id)):
-            raise ProtocolError("invalid_request", "`request_id` is required on a durable "
-                                "submission and must match [A-Za-z0-9_-]{1,128}")
+        if durable_id is not None and request.request_id != durable_id:
+            if request.request_id is not None:
+                raise ProtocolError("invalid_request", f"`request_id` {request.request_id!r} "
+                                    f"must equal the subject's last token {durable_id!r} (or "
+                                    f"be left out): the subject is a durable request's key")
+            request = msgspec.structs.replace(request, request_id=durable_id)
         check_prompt_size(self.tokenizer, request, self.max_model_len)
         return request
 
@@ -435,7 +441,7 @@ class Admission:
                 "admission", context=context_from(msg.headers), kind=SpanKind.SERVER,
                 attributes={"tenant": tenant}) as span:
             try:
-                item = await self.admit(tenant, msg.data, durable=False)
+                item = await self.admit(tenant, msg.data)
                 span.set_attributes({"request_id": item.request_id,
                                      "prompt_tokens": item.num_prompt_tokens})
                 item.reply_to = msg.reply
@@ -476,9 +482,8 @@ class Admission:
 
     async def durable_failed(self, msg, exc: Exception) -> None:
         """A bug, not bad input: retry a few times, then store an `internal` Error as its result."""
-        tenant = self.subjects.tenant_of(msg.subject)
-        request_id = (msg.headers or {}).get("Nats-Msg-Id") or _peek(msg.data)[0]
-        key = RequestKey(tenant, request_id or "")
+        key = self.subjects.durable_key(msg.subject) or RequestKey("", "")
+        tenant, request_id = key
         failures = self.failures[key] = self.failures.get(key, 0) + 1
         log.exception("durable request failed", subject=msg.subject, failures=failures)
         try:
@@ -495,18 +500,12 @@ class Admission:
             log.exception("could not settle a failed durable request")
 
     async def on_durable(self, msg) -> None:
-        tenant = self.subjects.tenant_of(msg.subject)
         headers = msg.headers or {}
-        claimed_id = headers.get("Nats-Msg-Id") or _peek(msg.data)[0]
-        if (len(msg.subject.split(".")) != 3 or not TENANT_PATTERN.fullmatch(tenant)
-                or not claimed_id or not DURABLE_ID_PATTERN.fullmatch(claimed_id)):
-            # No result subject can name it: nothing to answer, so it is dropped (and logged).
-            log.warning("durable request without a valid tenant or request id dropped",
-                        subject=msg.subject, request_id=claimed_id)
-            self.count_error("invalid_request", tenant)
-            await msg.term()
+        key = self.subjects.durable_key(msg.subject)
+        if key is None:
+            await self.refuse_durable(msg)
             return
-        key = RequestKey(tenant, claimed_id)
+        tenant, claimed_id = key
         if self.ledger.redelivered(key, msg):  # still running: the new handle replaces the old
             return
         if await self.has_result(tenant, claimed_id):
@@ -520,10 +519,12 @@ class Admission:
                 "admission", context=context_from(headers), kind=SpanKind.SERVER,
                 attributes={"tenant": tenant, "request_id": claimed_id, "durable": True}) as span:
             try:
-                item = await self.admit(tenant, msg.data, durable=True)
-                if item.request_id != claimed_id:
-                    raise ProtocolError("invalid_request", f"header Nats-Msg-Id {claimed_id!r} "
-                                        f"must equal `request_id` {item.request_id!r}")
+                if "Nats-Msg-Id" in headers:
+                    raise ProtocolError("invalid_request", "header Nats-Msg-Id is refused on a "
+                                        "durable submission: JetStream deduplicates it across "
+                                        "all tenants, so another tenant could suppress the "
+                                        "request; its subject is its key (docs/protocol.md)")
+                item = await self.admit(tenant, msg.data, durable_id=claimed_id)
             except ProtocolError as exc:
                 span.set_attribute("error", exc.code)
                 if exc.retry_after_s is not None:  # rate limited: a durable request waits its turn
@@ -544,6 +545,28 @@ class Admission:
         self.counts["durable_admitted"] += 1
         self.failures.pop(key, None)
         ADMITTED.labels(self.tenant_label(tenant), "true").inc()
+
+    async def refuse_durable(self, msg) -> None:
+        """A submission whose subject names no durable request: protocol v1's
+        `llm.requests.<tenant>`, answered with an Error under the id it carries, or one with no
+        valid tenant or id, which no result subject can name: dropped (and logged)."""
+        tokens = msg.subject.split(".")
+        tenant = tokens[2] if len(tokens) > 2 else ""
+        request_id = (msg.headers or {}).get("Nats-Msg-Id") or _peek(msg.data)[0]
+        self.count_error("invalid_request", tenant)
+        if (len(tokens) == 3 and TENANT_PATTERN.fullmatch(tenant)
+                and request_id and DURABLE_ID_PATTERN.fullmatch(request_id)):
+            await self.outbox.store_result(tenant, request_id, Error(
+                request_id=request_id, code="invalid_request", message=(
+                    f"durable requests are published on "
+                    f"{self.subjects.requests(tenant, request_id)} (protocol v2; "
+                    f"{msg.subject} was v1's): the subject is the request's key, so one "
+                    f"tenant's ids never collide with another's")))
+            await msg.ack()
+            return
+        log.warning("durable request without a valid tenant or request id dropped",
+                    subject=msg.subject[:256], request_id=request_id)
+        await msg.term()
 
     async def has_result(self, tenant: str, request_id: str) -> bool:
         try:

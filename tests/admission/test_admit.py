@@ -25,7 +25,7 @@ def payload(**fields) -> bytes:
 
 async def test_a_request_becomes_a_tokenized_work_item(admission):
     item = await admission.admit("t1", payload(messages=[{"role": "user", "content": "Hi"}],
-                                         max_tokens=4, deadline_ms=2000), durable=False)
+                                         max_tokens=4, deadline_ms=2000))
     request = item.request
     assert request.messages is None and request.prompt is None
     assert request.prompt_token_ids == admission.tokenizer.encode(
@@ -38,36 +38,39 @@ async def test_a_request_becomes_a_tokenized_work_item(admission):
 
 async def test_a_given_seed_and_id_are_kept(admission):
     item = await admission.admit("t1", payload(prompt="Hi", max_tokens=4, seed=11, request_id="r-1"),
-                           durable=True)
+                                 durable_id="r-1")
     assert (item.request.seed, item.request_id, item.durable) == (11, "r-1", True)
+    # A durable request's id is its subject's; the payload may leave it out.
+    item = await admission.admit("t1", payload(prompt="Hi", max_tokens=4), durable_id="r-2")
+    assert (item.request_id, item.durable) == ("r-2", True)
 
 
-@pytest.mark.parametrize("tenant, fields, durable, code, needle", [
-    ("a.b", dict(prompt="x"), False, "invalid_request", "tenant 'a.b'"),
-    ("t", dict(prompt="x", model="other"), False, "unknown_model", "'other' is not served"),
-    ("t", dict(prompt="x"), True, "invalid_request", "`request_id` is required"),
-    ("t", dict(prompt="x", request_id="has.dot"), True, "invalid_request", "must match"),
-    ("t", dict(prompt="x", max_tokens=2048), False, "prompt_too_long", "max_model_len 2048"),
+@pytest.mark.parametrize("tenant, fields, durable_id, code, needle", [
+    ("a.b", dict(prompt="x"), None, "invalid_request", "tenant 'a.b'"),
+    ("t", dict(prompt="x", model="other"), None, "unknown_model", "'other' is not served"),
+    ("t", dict(prompt="x", request_id="r-9"), "r-8", "invalid_request",
+     "must equal the subject's last token 'r-8'"),
+    ("t", dict(prompt="x", max_tokens=2048), None, "prompt_too_long", "max_model_len 2048"),
     # Refused by its length alone: 200,000 characters are more than 81 * 2048.
-    ("t", dict(prompt="x" * 200_000), False, "prompt_too_long", "200000 characters are at least"),
-    ("t", dict(messages=[{"role": "user", "content": "y" * 200_000}]), False, "prompt_too_long",
+    ("t", dict(prompt="x" * 200_000), None, "prompt_too_long", "200000 characters are at least"),
+    ("t", dict(messages=[{"role": "user", "content": "y" * 200_000}]), None, "prompt_too_long",
      "no token is longer than 81 characters"),
-    ("t", dict(prompt_token_ids=[1, 10**6]), False, "invalid_request", "vocab size"),
-    ("t", dict(prompt="x", max_tokens=500), False, "rate_limited", "more than the burst 300"),
+    ("t", dict(prompt_token_ids=[1, 10**6]), None, "invalid_request", "vocab size"),
+    ("t", dict(prompt="x", max_tokens=500), None, "rate_limited", "more than the burst 300"),
 ])
-async def test_rejections_name_the_cause(admission, tenant, fields, durable, code, needle):
+async def test_rejections_name_the_cause(admission, tenant, fields, durable_id, code, needle):
     with pytest.raises(ProtocolError) as error:
-        await admission.admit(tenant, payload(**fields), durable)
+        await admission.admit(tenant, payload(**fields), durable_id)
     assert error.value.code == code and needle in error.value.message
 
 
 async def test_rate_limit_is_per_tenant(admission):
-    await admission.admit("heavy", payload(prompt="x", max_tokens=290), durable=False)
+    await admission.admit("heavy", payload(prompt="x", max_tokens=290))
     with pytest.raises(ProtocolError) as error:
-        await admission.admit("heavy", payload(prompt="x", max_tokens=100), durable=False)
+        await admission.admit("heavy", payload(prompt="x", max_tokens=100))
     assert error.value.code == "rate_limited" and "retry in" in error.value.message
     assert 0 < error.value.retry_after_s <= 10  # 90 tokens short at 10 tokens/s
-    await admission.admit("light", payload(prompt="x", max_tokens=100), durable=False)
+    await admission.admit("light", payload(prompt="x", max_tokens=100))
 
 
 async def test_a_request_refused_for_its_size_takes_none_of_the_rate(tmp_path):
@@ -82,6 +85,6 @@ async def test_a_request_refused_for_its_size_takes_none_of_the_rate(tmp_path):
     async with nats_server(tmp_path, max_payload=16384) as nc:
         admission = Admission(config, nc=nc, js=None, tracer=None)
         with pytest.raises(ProtocolError) as error:
-            await admission.admit("t", payload(prompt="x", max_tokens=200), durable=False)
+            await admission.admit("t", payload(prompt="x", max_tokens=200))
         assert error.value.code == "invalid_request" and "max_payload 16384" in error.value.message
-        await admission.admit("t", payload(prompt="x", max_tokens=150), durable=False)
+        await admission.admit("t", payload(prompt="x", max_tokens=150))

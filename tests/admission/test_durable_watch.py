@@ -32,8 +32,8 @@ async def test_a_done_during_a_hand_on_leaves_the_watch_running(tmp_path):
     async with nats_server(tmp_path) as nc:
         js = nc.jetstream()
         await ensure_streams(js, config)
-        await js.publish(subjects.requests("acme"), b"{}", headers={"Nats-Msg-Id": "durable-1"})
-        pull = await js.pull_subscribe(subjects.requests(">"), durable="test",
+        await js.publish(subjects.requests("acme", "durable-1"), b"{}")
+        pull = await js.pull_subscribe(subjects.all_requests, durable="test",
                                        stream=REQUESTS_STREAM,
                                        config=ConsumerConfig(ack_wait=30))
         [message] = await pull.fetch(1, timeout=5)
@@ -69,9 +69,9 @@ async def test_transient_refusals_are_not_counted_as_failures(tmp_path):
     async with nats_server(tmp_path) as nc:
         js = nc.jetstream()
         await ensure_streams(js, config)
-        await js.publish(subjects.requests("acme"), b'{"type": "generate", "prompt": "Hi"}',
-                         headers={"Nats-Msg-Id": "durable-2"})
-        pull = await js.pull_subscribe(subjects.requests(">"), durable="test",
+        await js.publish(subjects.requests("acme", "durable-2"),
+                         b'{"type": "generate", "prompt": "Hi"}')
+        pull = await js.pull_subscribe(subjects.all_requests, durable="test",
                                        stream=REQUESTS_STREAM)
         for _ in range(6):  # what a rate limit or a full queue does: back for later
             [message] = await pull.fetch(1, timeout=5)

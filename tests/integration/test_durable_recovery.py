@@ -312,10 +312,9 @@ async def test_a_thousand_long_durable_requests_of_one_tenant_do_not_starve_anot
         async with await JetserveClient.connect(stack.url, tenant="heavy") as heavy, \
                 await JetserveClient.connect(stack.url, tenant="light") as light:
             for i in range(1100):
-                await heavy.js.publish("llm.requests.heavy", msgspec.json.encode(
-                    {"type": "generate", "request_id": f"h-{i}", "prompt_token_ids": [5, 6],
-                     "max_tokens": 1000, "ignore_eos": True}),
-                    headers={"Nats-Msg-Id": f"h-{i}"})
+                await heavy.js.publish(f"llm.requests.heavy.h-{i}", msgspec.json.encode(
+                    {"type": "generate", "prompt_token_ids": [5, 6], "max_tokens": 1000,
+                     "ignore_eos": True}))
             await light.submit(GenerateRequest(request_id="urgent", prompt="me first",
                                                max_tokens=4, priority=10))
             result = await light.result("urgent", timeout=60)

@@ -112,8 +112,7 @@ async def test_hostile_payloads_get_exactly_one_answer_each_and_break_nothing(tm
             if i % 100 == 99:
                 await nc.flush()
         for i in range(durables):
-            await client.js.publish("llm.requests.fuzz", hostile(rng, i),
-                                    headers={"Nats-Msg-Id": f"fz-{i}"})
+            await client.js.publish(f"llm.requests.fuzz.fz-{i}", hostile(rng, i))
         for i in range(cancels):
             await nc.publish("llm.cancel.fuzz", hostile(rng, i) if i % 2 else json.dumps(
                 {"type": "cancel", "request_id": f"fz-{i}"}).encode())

@@ -101,8 +101,9 @@ async def test_durable_submit_stores_one_result(client):
     result = await client.result("durable-1", timeout=30)
     assert isinstance(result, Completion), result
     assert result.request_id == "durable-1" and len(result.token_ids) == 6
-    # A resubmission is deduplicated by JetStream (Nats-Msg-Id) and never runs twice.
-    assert (await client.submit(request)).duplicate
+    # A resubmission is answered by the stored result and never runs twice.
+    again = await client.submit(request)
+    assert again.duplicate and again.stream == RESULTS_STREAM
     stored = await client.js.get_last_msg(RESULTS_STREAM, "llm.results.acme.durable-1")
     assert decode_output(stored.data) == result
     info = await client.js.stream_info(RESULTS_STREAM, subjects_filter="llm.results.acme.durable-1")
@@ -124,21 +125,55 @@ async def test_durable_stream_deltas_add_up_to_the_stored_result(client):
     assert "".join(d.text for d in received) == result.text
 
 
-async def test_durable_submit_without_request_id_is_rejected_by_the_server(client):
-    # The client library refuses, so publish directly: admission stores an Error under the
-    # Nats-Msg-Id it was given.
-    payload = msgspec.json.encode({"type": "generate", "prompt": "hi", "max_tokens": 2})
-    await client.js.publish("llm.requests.acme", payload, headers={"Nats-Msg-Id": "no-id-1"})
-    result = await client.result("no-id-1", timeout=30)
-    assert isinstance(result, Error) and result.code == "invalid_request"
-    assert "request_id" in result.message
+async def test_durable_ids_are_per_tenant_and_the_server_refuses_a_repeat_while_it_runs(
+        client, stack):
+    """A durable request's subject is its key: another tenant taking bob's next id first does
+    not stop bob's request, and bob's own repeat while it runs is refused by JetStream (one
+    message per subject), reported as a duplicate, and never runs twice."""
+    async with await JetserveClient.connect(stack.url, tenant="bob") as bob:
+        await client.submit(long_request("next-7", 3))  # acme squats bob's next id
+        first = await bob.submit(long_request("next-7", 60))
+        repeat = await bob.submit(long_request("next-7", 60))
+        assert not first.duplicate and repeat.duplicate and repeat.stream == "LLM_REQUESTS"
+        mine, theirs = await asyncio.gather(client.result("next-7", timeout=30),
+                                            bob.result("next-7", timeout=60))
+    assert isinstance(mine, Completion) and len(mine.token_ids) == 3
+    assert isinstance(theirs, Completion) and len(theirs.token_ids) == 60, theirs
+    info = await client.js.stream_info(RESULTS_STREAM, subjects_filter="llm.results.*.next-7")
+    assert info.state.subjects == {"llm.results.acme.next-7": 1, "llm.results.bob.next-7": 1}
+
+
+@pytest.mark.parametrize("subject, payload, headers, names", [
+    # protocol v1's subject had no id: an Error says where durable requests go now
+    ("llm.requests.acme", {"request_id": "v1-form"}, None, "llm.requests.acme.v1-form"),
+    ("llm.requests.acme", {}, {"Nats-Msg-Id": "v1-header"}, "llm.requests.acme.v1-header"),
+    # Nats-Msg-Id deduplicates across tenants, so it is refused
+    ("llm.requests.acme.with-msg-id", {}, {"Nats-Msg-Id": "with-msg-id"}, "Nats-Msg-Id"),
+    ("llm.requests.acme.one-id", {"request_id": "other-id"}, None, "subject's last token"),
+])
+async def test_a_durable_submission_that_names_no_key_gets_a_clear_error(
+        client, subject, payload, headers, names):
+    request_id = (headers or {}).get("Nats-Msg-Id") or payload.get("request_id")
+    request_id = subject.split(".")[3] if subject.count(".") == 3 else request_id
+    body = msgspec.json.encode({"type": "generate", "prompt": "hi", "max_tokens": 2, **payload})
+    await client.js.publish(subject, body, headers=headers)
+    result = await client.result(request_id, timeout=30)
+    assert isinstance(result, Error) and result.code == "invalid_request", result
+    assert names in result.message
+
+
+async def test_a_durable_request_without_request_id_takes_its_subjects(client):
+    body = msgspec.json.encode({"type": "generate", "prompt": "hi", "max_tokens": 2})
+    await client.js.publish("llm.requests.acme.from-subject", body)
+    result = await client.result("from-subject", timeout=30)
+    assert isinstance(result, Completion) and result.request_id == "from-subject", result
 
 
 async def test_a_deeply_nested_durable_request_stores_an_error_and_a_cancel_breaks_nothing(
         client, stack):
     payload = b'{"type": "generate", "request_id": "deep-2", "prompt": "hi", "stop": ' + \
         b"[" * 4000 + b"]" * 4000 + b"}"
-    await client.js.publish("llm.requests.acme", payload, headers={"Nats-Msg-Id": "deep-2"})
+    await client.js.publish("llm.requests.acme.deep-2", payload)
     result = await client.result("deep-2", timeout=30)
     assert isinstance(result, Error) and result.code == "invalid_request"
     assert "32 levels" in result.message
@@ -332,7 +367,7 @@ async def test_a_flood_of_bad_input_breaks_nothing(client, stack):
     assert all(p.returncode is None for p in stack.processes.values())
 
 
-async def test_a_reply_subject_outside_the_client_inbox_gets_nothing(client):
+async def test_a_reply_subject_outside_the_client_inbox_gets_nothing(client, stack):
     """A reply subject is the client's word: aimed at another tenant's result subject, at
     jetserve's own subjects or at the JetStream API, a request, well-formed or not, gets nothing
     there (an Error stored as bob's result would refuse bob's real one), only a count."""
@@ -358,3 +393,7 @@ async def test_a_reply_subject_outside_the_client_inbox_gets_nothing(client):
     assert published == []
     with pytest.raises(nats.js.errors.NotFoundError):
         await client.js.get_last_msg(RESULTS_STREAM, client.subjects.results("bob", "stolen-1"))
+    async with await JetserveClient.connect(stack.url, tenant="bob") as bob:
+        await bob.submit(GenerateRequest(request_id="stolen-1", prompt="mine", max_tokens=2))
+        result = await bob.result("stolen-1", timeout=30)
+    assert isinstance(result, Completion) and len(result.token_ids) == 2, result

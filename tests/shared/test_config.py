@@ -1,7 +1,7 @@
 import pytest
 
 from shared.config import ConfigError, engine_config, env_overrides, load_config
-from shared.subjects import client_reply
+from shared.subjects import Subjects, client_reply
 
 
 def test_defaults_need_no_file():
@@ -106,3 +106,14 @@ def test_an_in_process_engine_takes_the_file_s_keys_and_checks():
 ])
 def test_only_a_client_inbox_is_a_reply_subject(reply, prefix, allowed):
     assert client_reply(reply, prefix) is allowed
+
+
+@pytest.mark.parametrize("subject, key", [
+    ("llm.requests.acme.order-42", ("acme", "order-42")),
+    ("llm.requests.acme", None),  # protocol v1's: no id token
+    ("llm.requests.acme.a.b", None),
+    ("llm.requests.ac:me.r1", None),
+    ("llm.requests.acme." + "x" * 129, None),
+])
+def test_a_durable_subject_names_its_tenant_and_id(subject, key):
+    assert Subjects("llm").durable_key(subject) == key
