@@ -27,9 +27,13 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", forbid_unknown_fields=True):
-    """One generation request. Exactly one of `prompt`, `messages`, `prompt_token_ids` is given."""
+    """One generation request, on `llm.generate.<tenant>` (request/reply) or durably on
+    `llm.requests.<tenant>.<request_id>` (a JetStream publish). Exactly one of `prompt`,
+    `messages`, `prompt_token_ids` is given."""
 
-    request_id: RequestId | None = None
+    request_id: Annotated[RequestId | None, msgspec.Meta(description=(
+        "Assigned when left out of a generate. A durable request's id is its subject's last "
+        "token ([A-Za-z0-9_-]{1,128}); here it may be left out or must equal it."))] = None
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
