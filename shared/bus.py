@@ -23,6 +23,7 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
+from nats import micro
 
 from shared.config import JetserveConfig, NatsSection
 from shared.keys import RequestKey
@@ -36,9 +37,13 @@ from shared.protocol import (
     Usage,
     service_error_headers,
 )
-from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM, Subjects
+from shared.metrics import counter
+from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM, Subjects, client_reply
 
 log = structlog.get_logger()
+
+REPLIES_REFUSED = counter("replies_refused", "Requests given no answer: their reply subject was "
+                          "not a client inbox (docs/protocol.md)", ("endpoint",))
 
 json_encode = msgspec.json.Encoder().encode
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the expected last sequence did not match
@@ -107,6 +112,7 @@ async def connect(section: NatsSection, name: str) -> Client:
     connecting = asyncio.ensure_future(nc.connect(
         section.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         connect_timeout=min(5.0, section.connect_wait_s), allow_reconnect=True,
+        inbox_prefix=section.client_inbox_prefix,  # services answer one another's inboxes too
         error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect))
     try:
         await asyncio.wait([connecting, refused], timeout=section.connect_wait_s,
@@ -364,14 +370,24 @@ class Outbox:
     the reply inbox (request/reply; Error headers; empty sentinel after a stream) or, for a
     durable request, llm.stream.* and the LLM_RESULTS stream, then tells admission to ack."""
 
-    def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects):
+    def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects, inbox_prefix: str):
         self.nc, self.js, self.subjects = nc, js, subjects
+        self.inbox_prefix = inbox_prefix
+
+    def reply_to(self, item: WorkItem) -> str | None:
+        """A generate's reply subject when it is a client inbox. Admission answers no other,
+        but an item may reach a service by another way (a forged submission to priority)."""
+        if item.reply_to and client_reply(item.reply_to, self.inbox_prefix):
+            return item.reply_to
+        if item.reply_to:
+            REPLIES_REFUSED.labels("outbox").inc()
+        return None
 
     async def delta(self, item: WorkItem, delta: Delta, reply: str | None = None) -> None:
         """`reply`: where the server may answer "no responders" (the executor's check that a
         streaming client still listens); clients ignore it."""
         subject = (self.subjects.stream(item.tenant, item.request_id) if item.durable
-                   else item.reply_to)
+                   else self.reply_to(item))
         if subject:
             await self.nc.publish(subject, json_encode(delta), reply=reply or "")
 
@@ -419,12 +435,12 @@ class Outbox:
                        headers: dict[str, str] | None) -> None:
         if item.durable:
             await self.store_result(item.tenant, item.request_id, output, headers)
-        elif item.reply_to:
+        elif reply_to := self.reply_to(item):
             if isinstance(output, Error):
                 headers = {**(headers or {}), **service_error_headers(output)}
-            await self.nc.publish(item.reply_to, json_encode(output), headers=headers)
+            await self.nc.publish(reply_to, json_encode(output), headers=headers)
             if item.request.stream:
-                await self.nc.publish(item.reply_to, b"")  # end of a request-many stream
+                await self.nc.publish(reply_to, b"")  # end of a request-many stream
 
 
 def done_of(item: WorkItem, output: Completion | Error) -> Done:
@@ -517,16 +533,65 @@ def service_main(name: str, service_class) -> Callable[[list[str] | None], None]
     return lambda argv=None: asyncio.run(serve_forever(name, serve, argv))
 
 
+class MicroService(micro.Service):
+    """A `nats.micro` service that answers only a client inbox (`client_reply`), on its
+    endpoints and on $SRV.PING/INFO/STATS alike: a reply subject is the asker's word, and an
+    answer published wherever it says (another tenant's `llm.results.…`, an internal subject,
+    the JetStream API) would be the service speaking there. Any other request gets nothing,
+    counted (`jetserve:replies_refused_total`) and logged once per endpoint; an endpoint may
+    take the refusal over (`on_refused`: admission logs it per tenant)."""
+
+    def __init__(self, nc: Client, config: micro.ServiceConfig, inbox_prefix: str):
+        super().__init__(nc, config)
+        self.inbox_prefix = inbox_prefix
+        self.refusals_logged: set[str] = set()
+
+    def answers(self, msg, endpoint: str,
+                on_refused: Callable[[object], None] | None = None) -> bool:
+        if not msg.reply or client_reply(msg.reply, self.inbox_prefix):
+            return True
+        if on_refused is not None:
+            on_refused(msg)
+            return False
+        REPLIES_REFUSED.labels(endpoint).inc()
+        if endpoint not in self.refusals_logged:
+            self.refusals_logged.add(endpoint)
+            log.warning("reply subject refused", endpoint=endpoint, reply=msg.reply[:128],
+                        inbox_prefix=self.inbox_prefix)
+        return False
+
+    async def add_endpoint(self, *, name: str, subject: str, handler,
+                           on_refused: Callable[[object], None] | None = None) -> None:
+        async def guarded(request: micro.Request) -> None:
+            if self.answers(request._msg, name, on_refused):  # (Request hides its reply)
+                await handler(request)
+
+        await super().add_endpoint(name=name, subject=subject, handler=guarded)
+
+    async def _handle_ping_request(self, msg) -> None:
+        if self.answers(msg, "PING"):
+            await super()._handle_ping_request(msg)
+
+    async def _handle_info_request(self, msg) -> None:
+        if self.answers(msg, "INFO"):
+            await super()._handle_info_request(msg)
+
+    async def _handle_stats_request(self, msg) -> None:
+        if self.answers(msg, "STATS"):
+            await super()._handle_stats_request(msg)
+
+
 async def add_micro_service(nc: Client, name: str, description: str,
-                            stats: Callable[[], dict]):
-    """A `nats.micro` service: $SRV.PING/INFO/STATS answer; `stats()` is each endpoint's data.
+                            stats: Callable[[], dict], inbox_prefix: str) -> MicroService:
+    """A started MicroService: $SRV.PING/INFO/STATS answer; `stats()` is each endpoint's data.
     Its metadata names the host and process, which is how a container's healthcheck
     (`python -m shared.health`) finds its own instance among the answers."""
-    from nats import micro
-
-    return await micro.add_service(nc, name=name, version="0.1.0", description=description,
-                                   metadata={"host": socket.gethostname(), "pid": str(os.getpid())},
-                                   stats_handler=lambda _endpoint: stats())
+    service = MicroService(nc, micro.ServiceConfig(
+        name=name, version="0.1.0", description=description,
+        metadata={"host": socket.gethostname(), "pid": str(os.getpid())},
+        stats_handler=lambda _endpoint: stats()), inbox_prefix)
+    await service.start()
+    return service
 
 
 async def discover(nc: Client, verb: str = "PING", name: str | None = None,

@@ -76,7 +76,6 @@ from shared.subjects import (
     RESULTS_STREAM,
     TENANT_PATTERN,
     Subjects,
-    client_reply,
 )
 from shared.telemetry import SpanKind, carrier_of, context_from
 
@@ -106,7 +105,7 @@ class Admission:
     def __init__(self, config: JetserveConfig, nc, js, tracer):
         self.config, self.nc, self.js, self.tracer = config, nc, js, tracer
         self.subjects = Subjects(config.nats.prefix)
-        self.outbox = Outbox(nc, js, self.subjects)
+        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix)
         model = config.model
         self.model_name = model.name
         model_config, model_dir = load_model_config(model.name, model.weights_cache_dir,
@@ -144,9 +143,11 @@ class Admission:
     async def start(self) -> None:
         await ensure_streams(self.js, self.config)
         self.service = await add_micro_service(self.nc, "admission", "validates and tokenizes",
-                                               self.stats)
-        await self.service.add_endpoint(name="generate", subject=self.subjects.generate(),
-                                        handler=self.on_generate)
+                                               self.stats, self.inbox_prefix)
+        await self.service.add_endpoint(
+            name="generate", subject=self.subjects.generate(), handler=self.on_generate,
+            on_refused=lambda msg: self.refuse_reply(self.subjects.tenant_of(msg.subject),
+                                                     msg.reply))
         await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)
         await self.nc.subscribe(self.subjects.backpressure, cb=self.on_backpressure)
@@ -370,13 +371,11 @@ class Admission:
         """Only queued here, in its tenant's line of the intake (or refused at once): the
         subscription is read as fast as requests come, and the backlog, when admission cannot
         keep up, forms in the flooding tenant's line rather than in front of everyone."""
-        # The message itself: its reply subject is where every delta and the final answer go,
-        # from whichever service makes them, and nats-py's micro Request does not expose it.
+        # The message itself: its reply subject (a client inbox: MicroService refused any
+        # other) is where every delta and the final answer go, from whichever service makes
+        # them, and nats-py's micro Request does not expose it.
         msg = request._msg
         tenant = self.subjects.tenant_of(msg.subject)
-        if msg.reply and not client_reply(msg.reply, self.inbox_prefix):
-            self.refuse_reply(tenant, msg.reply)
-            return
         if not TENANT_PATTERN.fullmatch(tenant):  # not a line of its own in the intake
             await self.refuse(msg, tenant, Error(
                 request_id=None, code="invalid_request",

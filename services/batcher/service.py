@@ -64,7 +64,7 @@ class BatcherService:
     def __init__(self, config: JetserveConfig, nc, js, tracer):
         self.config, self.nc, self.tracer = config, nc, tracer
         self.subjects = Subjects(config.nats.prefix)
-        self.outbox = Outbox(nc, js, self.subjects)
+        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix)
         self.timeout = config.nats.request_timeout_s
         self.block_size = config.kv_cache.block_size
         batch = config.scheduler.batch_level
@@ -87,7 +87,7 @@ class BatcherService:
 
     async def start(self) -> None:
         self.service = await add_micro_service(self.nc, "batcher", "routes requests to executors",
-                                               self.stats)
+                                               self.stats, self.outbox.inbox_prefix)
         await self.service.add_endpoint(name="executors", subject=self.subjects.batcher_executors,
                                         handler=self.on_executors)
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)

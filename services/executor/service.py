@@ -51,7 +51,7 @@ from shared.messages import (
 )
 from shared.metrics import Reading, StatsCollector
 from shared.protocol import Completion, Delta, Error, ProtocolError, decode_cancel
-from shared.subjects import Subjects
+from shared.subjects import Subjects, client_reply
 from shared.telemetry import Span, carrier_of, context_from
 
 log = structlog.get_logger()
@@ -97,7 +97,7 @@ class ExecutorService:
                  engine: Engine | None = None):
         self.config, self.nc, self.tracer, self.name = config, nc, tracer, name
         self.subjects = Subjects(config.nats.prefix)
-        self.outbox = Outbox(nc, js, self.subjects)
+        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix)
         self.engine = engine or Engine(config.engine_config(name))
         self.running: dict[RequestKey, _Running] = {}
         self.outputs: asyncio.Queue[tuple[WorkItem, Output]] = asyncio.Queue()
@@ -129,7 +129,7 @@ class ExecutorService:
     async def start(self) -> None:
         self.engine.start()
         self.service = await add_micro_service(self.nc, "executor", f"engine {self.name}",
-                                               self.stats)
+                                               self.stats, self.outbox.inbox_prefix)
         await self.service.add_endpoint(name="assign", subject=self.subjects.executor_assign(
             self.name), handler=self.on_assign)
         await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
@@ -430,6 +430,8 @@ class ExecutorService:
 
     async def on_kv_dump(self, msg) -> None:
         """Every cached block, as of an event published just before: the two stay in order."""
+        if not (msg.reply and client_reply(msg.reply, self.outbox.inbox_prefix)):
+            return  # an answer only to an inbox (shared.bus.MicroService says why)
         try:
             await self.publish_kv_changes()
             blocks = list(self.engine.block_manager.hash_to_block)

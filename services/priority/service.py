@@ -69,7 +69,7 @@ class PriorityService:
     def __init__(self, config: JetserveConfig, nc, js, tracer):
         self.subjects = Subjects(config.nats.prefix)
         self.nc, self.tracer = nc, tracer
-        self.outbox = Outbox(nc, js, self.subjects)
+        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix)
         self.scheduler = RequestScheduler(config.scheduler.request_level,
                                           config.scheduler.batch_level.max_num_batched_tokens)
         self.queue = self.scheduler.queue
@@ -91,7 +91,8 @@ class PriorityService:
         self.tenant_label = TenantLabels()
 
     async def start(self) -> None:
-        service = await add_micro_service(self.nc, "priority", "global waiting queue", self.stats)
+        service = await add_micro_service(self.nc, "priority", "global waiting queue", self.stats,
+                                          self.outbox.inbox_prefix)
         await service.add_endpoint(name="submit", subject=self.subjects.priority_submit,
                                    handler=self.on_submit)
         await service.add_endpoint(name="next", subject=self.subjects.priority_next,

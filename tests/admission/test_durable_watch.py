@@ -48,7 +48,7 @@ async def test_a_done_during_a_hand_on_leaves_the_watch_running(tmp_path):
         await nc.subscribe(subjects.priority_submit, cb=slow_priority)
         generate = WorkItem(request=GenerateRequest(request_id="gen-1", prompt_token_ids=[1, 2],
                                                     max_tokens=4, model="dummy:tiny"),
-                            tenant="acme", arrival_time=0.0, reply_to="client.inbox")
+                            tenant="acme", arrival_time=0.0, reply_to="_INBOX.client")
         admission.ledger.generates[generate.key] = Watched(None, 0.0, encode(generate))
         admission.ledger.held[RequestKey("acme", "durable-1")] = Watched(message, 0.0)
         admission.ledger.clock = admission.ledger.lease_s + 1

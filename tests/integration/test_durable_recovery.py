@@ -117,7 +117,7 @@ async def test_a_late_answer_from_priority_is_not_a_second_answer(tmp_path):
         async with await JetserveClient.connect(stack.url, tenant="late") as client:
             stack.processes["priority"].kill()
             await stack.processes["priority"].wait()
-            outbox, attempts = Outbox(client.nc, client.js, Subjects()), []
+            outbox, attempts = Outbox(client.nc, client.js, Subjects(), "_INBOX"), []
 
             async def late_priority(msg) -> None:
                 item = msgspec.msgpack.decode(msg.data, type=WorkItem)

@@ -384,9 +384,15 @@ async def test_a_reply_subject_outside_the_client_inbox_gets_nothing(client, sta
     for target in targets:
         for payload in (good, b"{not json"):
             await client.nc.publish(client.subjects.generate("acme"), payload, reply=target)
+        # Every service's NATS micro endpoints and internal endpoints answer no such subject.
+        for subject in ("$SRV.PING", "$SRV.INFO.priority", "$SRV.STATS", "llm.internal.batcher"
+                        ".executors", "llm.internal.priority.next", "llm.internal.kv.dump"
+                        ".executor-0", "llm.internal.priority.submit"):
+            await client.nc.publish(subject, b"{}", reply=target)
     await wait_for_stat(client, "admission", "reply_refused", before + 2 * len(targets))
     completion = await client.generate(GenerateRequest(prompt="after them", max_tokens=2),
                                        timeout=30)  # answered: behind the refused ones
+    assert len(await discover(client.nc, "PING", wait_s=0.5)) == 4  # the services still answer
     for sub in subs:
         await sub.unsubscribe()
     assert isinstance(completion, Completion)

@@ -1,13 +1,15 @@
 """A request's final output, against a real nats-server: a durable result is stored once (a second
 result for the same request is refused inside the duplicate window and past it), and an output
 that cannot be delivered (over max_payload, refused by the result store) ends its request with an
-Error saying why, and admission is told it is done, so it is not run again."""
+Error saying why, and admission is told it is done, so it is not run again; and an answer goes
+to a reply subject only when it is a client inbox."""
 
 from __future__ import annotations
 
 import asyncio
 
 import msgspec
+import nats.errors
 import pytest
 
 from shared.bus import Outbox, ensure_streams
@@ -15,6 +17,7 @@ from shared.config import JetserveConfig, NatsSection
 from shared.messages import Done, WorkItem, decoder
 from shared.protocol import (
     Completion,
+    Delta,
     Error,
     GenerateRequest,
     Metrics,
@@ -36,7 +39,7 @@ async def js(tmp_path):
 async def test_a_second_result_past_the_duplicate_window_is_not_stored(js):
     config = JetserveConfig(nats=NatsSection(duplicate_window_s=0.5))
     await ensure_streams(js, config)
-    outbox = Outbox(js._nc, js, Subjects("llm"))
+    outbox = Outbox(js._nc, js, Subjects("llm"), "_INBOX")
     first = Error(request_id="once", code="internal", message="first")
     await outbox.store_result("acme", "once", first)
     await outbox.store_result("acme", "once", Error(request_id="once", code="internal",
@@ -67,9 +70,9 @@ def work_item(request_id: str, durable: bool, reply_to: str | None = None) -> Wo
 
 async def test_an_output_over_max_payload_is_answered_with_an_error(tmp_path):
     async with nats_server(tmp_path, max_payload=16384) as nc:
-        outbox = Outbox(nc, nc.jetstream(), Subjects("llm"))
-        inbox, done = await nc.subscribe("client.inbox"), await nc.subscribe("llm.internal.>")
-        await outbox.final(work_item("huge", durable=False, reply_to="client.inbox"),
+        outbox = Outbox(nc, nc.jetstream(), Subjects("llm"), "_INBOX")
+        inbox, done = await nc.subscribe("_INBOX.client"), await nc.subscribe("llm.internal.>")
+        await outbox.final(work_item("huge", durable=False, reply_to="_INBOX.client"),
                            completion("huge", "x" * 20000))
         answer = decode_output((await inbox.next_msg(timeout=2)).data)
         told = decoder(Done).decode((await done.next_msg(timeout=2)).data)
@@ -88,10 +91,26 @@ async def test_a_result_the_store_refuses_ends_the_request_with_an_error(tmp_pat
         config.max_msg_size = 1024
         await js.update_stream(config)
         done = await nc.subscribe("llm.internal.>")
-        await Outbox(nc, js, Subjects("llm")).final(work_item("big", durable=True),
+        await Outbox(nc, js, Subjects("llm"), "_INBOX").final(work_item("big", durable=True),
                                                     completion("big", "y" * 5000))
         stored = decode_output((await js.get_last_msg(RESULTS_STREAM, "llm.results.acme.big")).data)
         told = decoder(Done).decode((await done.next_msg(timeout=2)).data)
     assert isinstance(stored, Error) and stored.code == "internal", stored
     assert "the result store refused it" in stored.message, stored.message
     assert (told.request_id, told.tenant, told.durable) == ("big", "acme", True)
+
+
+async def test_an_item_whose_reply_subject_is_no_client_inbox_gets_nothing_there(tmp_path):
+    """An item can reach a service without admission (a forged submission to priority): its
+    deltas and answer go to its reply subject only when that is a client inbox."""
+    async with nats_server(tmp_path) as nc:
+        outbox = Outbox(nc, nc.jetstream(), Subjects("llm"), "_INBOX")
+        heard = await nc.subscribe("llm.results.>")
+        done = await nc.subscribe("llm.internal.done")
+        item = work_item("forged", durable=False, reply_to="llm.results.bob.forged")
+        await outbox.delta(item, Delta(request_id="forged", index=0, token_ids=[1], text="x"))
+        await outbox.final(item, completion("forged", "x"))
+        told = decoder(Done).decode((await done.next_msg(timeout=2)).data)
+        with pytest.raises(nats.errors.TimeoutError):
+            await heard.next_msg(timeout=0.3)
+    assert told.request_id == "forged"  # it ended all the same
