@@ -49,7 +49,8 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", help="default: nats.url of the config (NATS_URL), "
                                            "nats://127.0.0.1:4222")
     parser.add_argument("--config", help="jetserve.yaml")
-    parser.add_argument("--tenant", default="default")
+    parser.add_argument("--tenant", default=None,
+                        help="default: the URL's user (a tenant's URL), else `default`")
 
 
 def _request_options(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--model", default=None, help=f"default: the config's, else {DEFAULT_MODEL}")
     _quantization_option(up, None)
     up.add_argument("--config", help="jetserve.yaml (environment variables override it)")
+    up.add_argument("--auth", action="store_true",
+                    help="the embedded nats-server takes users: the services log in as theirs, "
+                         "each tenant as its own, confined to its own subjects (jetserve tenant)")
+
+    tenant = commands.add_parser("tenant", help="add or remove a tenant of a stack run with "
+                                                "--auth (the server reloads)")
+    tenant.add_argument("action", choices=["add", "remove"])
+    tenant.add_argument("name")
+    tenant.add_argument("--state-dir", default=".jetserve", help="the stack's --state-dir")
 
     generate = commands.add_parser("generate", help="one request over llm.generate.<tenant>")
     _request_options(generate)

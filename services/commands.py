@@ -7,11 +7,13 @@ import contextlib
 import secrets
 import signal
 import sys
+import urllib.parse
 
 import msgspec
 
+from services.auth import AuthError, Users, tenant_url, wait_login
 from services.stack import SERVICES, Stack
-from shared.bus import discover, wait_event
+from shared.bus import connect_options, discover, wait_event
 from shared.client import JetserveClient
 from shared.config import ConfigError, load_config
 from shared.protocol import ChatMessage, Completion, Delta, Error, GenerateRequest
@@ -28,10 +30,13 @@ def _config(args):
 async def up(args) -> int:
     config = _config(args)
     model = args.model or config.model.name
-    stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
-                  executors=args.executors, config_path=args.config,
-                  settings={"model.name": model} | (
-                      {"model.quantization": args.quantization} if args.quantization else {}))
+    try:
+        stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
+                      executors=args.executors, config_path=args.config, auth=args.auth,
+                      settings={"model.name": model} | (
+                          {"model.quantization": args.quantization} if args.quantization else {}))
+    except ValueError as exc:
+        raise SystemExit(f"jetserve: {exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -48,8 +53,13 @@ async def up(args) -> int:
     if starting.exception() is not None:
         print(f"jetserve: failed to start: {starting.exception()}", file=sys.stderr)
         return 1
-    print(f"jetserve ready on {stack.url} (model {model}); try: jetserve generate "
-          f"\"What is the capital of France?\"   Ctrl-C stops.", flush=True)
+    if args.auth:
+        print(f"jetserve ready on {stack.url} (model {model}), with authentication: add a "
+              f"tenant with `jetserve tenant add NAME --state-dir {args.state_dir}` and use the "
+              f"URL it prints.   Ctrl-C stops.", flush=True)
+    else:
+        print(f"jetserve ready on {stack.url} (model {model}); try: jetserve generate "
+              f"\"What is the capital of France?\"   Ctrl-C stops.", flush=True)
     while not await wait_event(stop, 1.0):
         dead = [n for n, p in stack.processes.items() if p.returncode is not None]
         if dead:
@@ -58,6 +68,30 @@ async def up(args) -> int:
     print("jetserve: stopping", flush=True)
     await stack.stop()
     print("jetserve: stopped", flush=True)
+    return 0
+
+
+async def tenant(args) -> int:
+    """`jetserve tenant add|remove NAME`: the running stack's server takes the change (a reload)
+    before this returns; `add` prints the URL the tenant's clients use as its last line."""
+    users = Users(args.state_dir)
+    try:
+        if args.action == "add":
+            url = users.add_tenant(args.name)
+            await wait_login(url, accepted=True)
+            print(f"tenant {args.name} added; its clients connect with (keep it secret):",
+                  file=sys.stderr)
+            print(url)
+        else:
+            url = tenant_url(users.load()["url"], args.name,
+                             users.load()["tenants"].get(args.name, ""))
+            users.remove_tenant(args.name)
+            await wait_login(url, accepted=False)
+            print(f"tenant {args.name} removed: its credentials are refused and its "
+                  f"connections closed", file=sys.stderr)
+    except AuthError as exc:
+        print(f"jetserve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -72,9 +106,14 @@ def _request(args, request_id: str | None = None) -> GenerateRequest:
 
 
 async def _connect(args) -> JetserveClient:
+    """A client of `--tenant`, by default the URL's user (a tenant's URL names it), else
+    `default`."""
     config = _config(args)
-    return await JetserveClient.connect(args.nats_url or config.nats.url, tenant=args.tenant,
-                                        prefix=config.nats.prefix)
+    url = args.nats_url or config.nats.url
+    user = urllib.parse.urlsplit(url.split(",")[0]).username
+    return await JetserveClient.connect(
+        url, tenant=args.tenant or user or "default", prefix=config.nats.prefix,
+        inbox_prefix=config.nats.client_inbox_prefix, **connect_options(config.nats))
 
 
 def _report(final: Completion | Error, printed_text: bool) -> int:

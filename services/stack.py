@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import nats
 
+from services.auth import SERVICE_USER, Users
 from shared.bus import discover
 from shared.config import env_overrides, load_config
 from shared.subjects import Subjects
@@ -46,9 +47,11 @@ class Stack:
     def __init__(self, *, state_dir: str | Path, nats_url: str | None = None,
                  nats_port: int = 4222, executors: int = 1, config_path: str | None = None,
                  settings: dict[str, object] | None = None, log_dir: str | Path | None = None,
-                 env: dict[str, str] | None = None, nats_settings: dict[str, object] | None = None):
+                 env: dict[str, str] | None = None, nats_settings: dict[str, object] | None = None,
+                 auth: bool = False):
         """`nats_settings`: the embedded nats-server's configuration beyond port and store
-        (`max_payload`, for one), written to a config file it reads."""
+        (`max_payload`, for one), written to a config file it reads. `auth`: the embedded
+        server takes users and permissions (services/auth.py); the services log in as theirs."""
         self.state_dir = Path(state_dir)
         self.embedded = nats_url is None
         self.url = nats_url or f"nats://127.0.0.1:{nats_port}"
@@ -60,10 +63,19 @@ class Stack:
         self.extra_env = env or {}
         self.nats_settings = dict(nats_settings or {})
         self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self.users = Users(self.state_dir) if auth else None
+        if auth and not self.embedded:
+            raise ValueError("--auth sets up the users of the embedded nats-server; for a server "
+                             "of your own, see docs/operations.md (Authentication)")
 
     def _env(self) -> dict[str, str]:
         return {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
-                **env_overrides({**self.settings, "nats.url": self.url})}
+                **env_overrides({**self.settings, "nats.url": self.url}),
+                **(self.users.service_env() if self.users else {})}
+
+    def add_tenant(self, name: str) -> str:
+        """A tenant of this stack (`auth` on): the URL its clients connect with."""
+        return self.users.add_tenant(name)
 
     def _executor_env(self) -> dict[str, str]:
         """Executors on one host share its cores: unless the configuration (or OMP_NUM_THREADS)
@@ -94,15 +106,22 @@ class Stack:
         data = self.state_dir / "nats"
         data.mkdir(parents=True, exist_ok=True)
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats_port), "-js",
-                "-sd", str(data)]
-        if self.nats_settings:
+                "-sd", str(data), "-P", str(self.state_dir / "nats-server.pid")]
+        if self.nats_settings or self.users:
             conf = self.state_dir / "nats-server.conf"
-            conf.write_text("".join(f"{key}: {msgspec.json.encode(value).decode()}\n"
-                                    for key, value in self.nats_settings.items()))
+            lines = [f"{key}: {msgspec.json.encode(value).decode()}\n"
+                     for key, value in self.nats_settings.items()]
+            if self.users:
+                lines.append(f"include {self.users.conf.relative_to(self.state_dir)}\n")
+            conf.write_text("".join(lines))
             argv += ["-c", str(conf)]
         return argv
 
     async def start(self, timeout: float = 180.0) -> None:
+        if self.users:  # before the services' environment, which holds their login
+            nats = load_config(self.config_path, {**os.environ, **self.extra_env,
+                                                  **env_overrides(self.settings)}).nats
+            self.users.create(self.url, nats.prefix, nats.client_inbox_prefix)
         try:
             if self.embedded:
                 await self._spawn("nats-server", self._nats_argv(),
@@ -146,7 +165,8 @@ class Stack:
                 if nc is None:
                     try:
                         nc = await nats.connect(self.url, connect_timeout=1, error_cb=_quiet,
-                                                max_reconnect_attempts=0, allow_reconnect=False)
+                                                max_reconnect_attempts=0, allow_reconnect=False,
+                                                **self.service_login())
                     except Exception:
                         await asyncio.sleep(0.2)
                         continue
@@ -160,6 +180,12 @@ class Stack:
         finally:
             if nc is not None:
                 await nc.close()
+
+    def service_login(self) -> dict[str, str]:
+        """nats-py's options to log in as the services do (none without auth)."""
+        if not self.users:
+            return {}
+        return {"user": SERVICE_USER, "password": self.users.load()["service_password"]}
 
     def _check_alive(self) -> None:
         for name, process in self.processes.items():

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import re
 import signal
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -25,7 +27,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from nats import micro
 
-from shared.config import JetserveConfig, NatsSection
+from shared.config import ConfigError, JetserveConfig, NatsSection
 from shared.keys import RequestKey
 from shared.messages import Done, Holding, WorkItem, encode, holding_entry_bytes
 from shared.protocol import (
@@ -113,14 +115,15 @@ async def connect(section: NatsSection, name: str) -> Client:
         section.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         connect_timeout=min(5.0, section.connect_wait_s), allow_reconnect=True,
         inbox_prefix=section.client_inbox_prefix,  # services answer one another's inboxes too
+        **connect_options(section),
         error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect))
     try:
         await asyncio.wait([connecting, refused], timeout=section.connect_wait_s,
                            return_when=asyncio.FIRST_COMPLETED)
         if refused.done():
             raise NatsUnreachable(f"the NATS server at {url} refused this connection's "
-                                  f"credentials ({refused.result()}): check the user, password "
-                                  f"or token in nats.url")
+                                  f"credentials ({refused.result()}): check nats.url's user and "
+                                  f"password, or nats.user/password/token/nkey_seed/creds")
         if not connecting.done():
             reason = f": last error {last_error[0]!r}" if last_error else ""
             raise NatsUnreachable(f"no NATS server answered at {url} within "
@@ -139,6 +142,32 @@ async def connect(section: NatsSection, name: str) -> Client:
     refused.cancel()
     connected = True
     return nc
+
+
+def connect_options(section: NatsSection) -> dict:
+    """nats-py's connect options for the section's credentials and TLS (the URL's own
+    user:password@ needs none)."""
+    options: dict = {}
+    if section.user:
+        options.update(user=section.user, password=section.password)
+    if section.token:
+        options["token"] = section.token
+    if section.nkey_seed:
+        options["nkeys_seed"] = section.nkey_seed
+    if section.creds:
+        options["user_credentials"] = section.creds
+    if (section.nkey_seed or section.creds) and importlib.util.find_spec("nkeys") is None:
+        raise ConfigError("nats.nkey_seed and nats.creds need the `nkeys` package (pip install "
+                          "nkeys): nats-py signs the server's challenge with it")
+    if section.tls:
+        try:
+            context = ssl.create_default_context(cafile=section.tls.ca)
+            if section.tls.cert:
+                context.load_cert_chain(section.tls.cert, section.tls.key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"nats.tls: {exc}") from None
+        options["tls"] = context
+    return options
 
 
 def redacted(url: str) -> str:

@@ -14,7 +14,7 @@ import msgspec
 import nats
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
-from nats.js.api import ConsumerConfig, DeliverPolicy, PubAck
+from nats.js.api import PubAck
 from nats.js.errors import APIError, NotFoundError
 
 from shared.protocol import Cancel, Completion, Delta, Error, GenerateRequest
@@ -68,11 +68,19 @@ class JetserveClient:
         self.subjects = Subjects(prefix)
 
     @classmethod
-    async def connect(cls, url: str, tenant: str = "default", prefix: str = "llm") -> JetserveClient:
-        return cls(await nats.connect(url, name="jetserve-client"), tenant, prefix)
+    async def connect(cls, url: str, tenant: str = "default", prefix: str = "llm",
+                      inbox_prefix: str = "_INBOX", **options) -> JetserveClient:
+        """`url` may hold the tenant's credentials (`jetserve tenant add` prints such a URL);
+        `options` are nats-py's (`tls`, `user_credentials`, ...). Inboxes are made under
+        `<inbox_prefix>.<tenant>.`, the only inboxes a tenant's NATS permissions let it read
+        (docs/operations.md)."""
+        nc = await nats.connect(url, name="jetserve-client",
+                                inbox_prefix=f"{inbox_prefix}.{tenant}", **options)
+        return cls(nc, tenant, prefix)
 
     async def close(self) -> None:
-        await self.nc.drain()
+        if not self.nc.is_closed:  # (the server may have closed it: a tenant removed)
+            await self.nc.drain()
 
     async def __aenter__(self) -> JetserveClient:
         return self
@@ -152,15 +160,22 @@ class JetserveClient:
             return PubAck(stream=REQUESTS_STREAM, seq=0, duplicate=True)
 
     async def result(self, request_id: str, timeout: float = 600.0) -> Completion | Error:
-        """The final output of a durable request, from LLM_RESULTS (waits until it is stored)."""
-        sub = await self.js.subscribe(
-            self.subjects.results(self.tenant, request_id), ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT))
+        """The final output of a durable request, from LLM_RESULTS (waits until it is stored):
+        its result subject is subscribed to first, then looked up in the stream, so a result
+        stored in between is not missed. Both are scoped to the subject, which is what a
+        tenant's permissions allow (no JetStream consumer is made)."""
+        subject = self.subjects.results(self.tenant, request_id)
+        sub = await self.nc.subscribe(subject, max_msgs=1)
         try:
-            msg = await sub.next_msg(timeout=timeout)
-            return _decode_output(msg.data)
+            try:
+                stored = await self.js.get_last_msg(RESULTS_STREAM, subject, direct=True)
+                return _decode_output(stored.data)
+            except NotFoundError:
+                msg = await sub.next_msg(timeout=timeout)
+                return _decode_output(msg.data)
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(NatsError):
+                await sub.unsubscribe()
 
     async def stream_deltas(self, request_id: str):
         """A subscription to a durable streaming request's deltas (subscribe before submitting)."""

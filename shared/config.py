@@ -13,8 +13,24 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 Quantization = Literal["none", "int8", "int4", "auto"]
 
 
+class TlsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """TLS to the NATS server: `ca` verifies the server's certificate (the system's CAs
+    without it); `cert` and `key` are this connection's own, for a server that asks for one."""
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
 class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    url: str = "nats://127.0.0.1:4222"
+    url: str = "nats://127.0.0.1:4222"  # may hold user:password@; a comma-separated list too
+    # Credentials, one kind at most (or in the URL). Secrets come best from the environment
+    # (JETSERVE_NATS__PASSWORD, JETSERVE_NATS__TOKEN) or a file; none is ever logged.
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    nkey_seed: str | None = None  # a file holding an nkey seed (needs PyPI `nkeys`)
+    creds: str | None = None  # a .creds file: a user JWT and its seed (needs PyPI `nkeys`)
+    tls: TlsSection | None = None
     prefix: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")] = "llm"
     # Clients' answers go only to reply subjects under this prefix (docs/protocol.md): the inbox
     # prefix of the NATS client libraries, unless clients are configured with another.
@@ -332,6 +348,16 @@ def _validated(tree: dict) -> JetserveConfig:
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
     check_timing(config)
+    nats = config.nats
+    kinds = [kind for kind, given in (("user/password", nats.user or nats.password),
+                                      ("token", nats.token), ("nkey_seed", nats.nkey_seed),
+                                      ("creds", nats.creds)) if given]
+    if len(kinds) > 1:
+        raise ConfigError(f"nats: give one kind of credentials, not {' and '.join(kinds)}")
+    if bool(nats.user) != bool(nats.password):
+        raise ConfigError("nats.user and nats.password go together")
+    if nats.tls and bool(nats.tls.cert) != bool(nats.tls.key):
+        raise ConfigError("nats.tls.cert and nats.tls.key go together")
     if config.nats.client_inbox_prefix.split(".")[0] == config.nats.prefix:
         raise ConfigError(f"nats.client_inbox_prefix ({config.nats.client_inbox_prefix}) must not "
                           f"be under nats.prefix ({config.nats.prefix}): clients' answers would "

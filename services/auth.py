@@ -1,0 +1,174 @@
+"""NATS authentication and permissions for the embedded server (`jetserve up --auth`) and the
+tenants of a running stack (`jetserve tenant add|remove`).
+
+Every connection logs in with a user and a password. The services share one user, `jetserve`,
+allowed what they need and nothing else (jetserve's subjects, inboxes, the $SRV discovery
+subjects, the JetStream API calls they make, with no deletes or purges). A tenant's user may
+publish only its own public subjects (generate, durable requests, cancel) and the one
+JetStream API call its own results need (a direct get, scoped to its result subjects), and
+subscribe only to its own results, streams and inboxes (`<inbox prefix>.<tenant>.`, where
+`shared.client.JetserveClient` makes them). Everything else, other tenants' subjects, internal
+ones and `$SRV`, is a permission violation the client hears about.
+
+The state lives in `<state dir>/auth/` (mode 0700): `users.json` holds the passwords (the
+server's configuration needs them in clear text, as do the tenants' URLs) and `users.conf` is the
+`authorization` block the server's configuration includes, rewritten on every change, after
+which the server is told to reload (SIGHUP to the pid in `<state dir>/nats-server.pid`).
+docs/operations.md shows a production layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+from pathlib import Path
+
+from shared.subjects import RESULTS_STREAM, TENANT_PATTERN, Subjects
+
+SERVICE_USER = "jetserve"
+# What the services call in the JetStream API: streams made and brought to the configuration,
+# admission's consumer, its fetches, result lookups. No delete, purge or snapshot.
+SERVICE_JS_API = ("INFO", "STREAM.INFO.*", "STREAM.CREATE.*", "STREAM.UPDATE.*",
+                  "STREAM.MSG.GET.*", "DIRECT.GET.>", "CONSUMER.CREATE.>",
+                  "CONSUMER.DURABLE.CREATE.>", "CONSUMER.INFO.>", "CONSUMER.MSG.NEXT.>")
+
+
+class AuthError(Exception):
+    """A tenant command that cannot be carried out; the message says why."""
+
+
+def service_permissions(prefix: str, inbox_prefix: str) -> dict:
+    return {
+        "publish": {"allow": [f"{prefix}.>", f"{inbox_prefix}.>", "$SRV.>", "$JS.ACK.>",
+                              *(f"$JS.API.{call}" for call in SERVICE_JS_API)]},
+        "subscribe": {"allow": [f"{prefix}.>", f"{inbox_prefix}.>", "$SRV.>"]},
+    }
+
+
+def tenant_permissions(prefix: str, inbox_prefix: str, tenant: str) -> dict:
+    subjects = Subjects(prefix)
+    return {
+        "publish": {"allow": [subjects.generate(tenant), subjects.requests(tenant),
+                              subjects.cancel(tenant),
+                              f"$JS.API.DIRECT.GET.{RESULTS_STREAM}.{subjects.results(tenant)}"]},
+        "subscribe": {"allow": [subjects.results(tenant), subjects.stream(tenant, "*"),
+                                f"{inbox_prefix}.{tenant}.>"]},
+    }
+
+
+class Users:
+    """The users of one stack's server, kept in `<state dir>/auth/`."""
+
+    def __init__(self, state_dir: str | Path):
+        self.state_dir = Path(state_dir)
+        self.dir = self.state_dir / "auth"
+        self.path = self.dir / "users.json"
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def load(self) -> dict:
+        if not self.exists():
+            raise AuthError(f"no jetserve stack with --auth has run in {self.state_dir} (no "
+                            f"{self.path}); start one with `jetserve up --auth --state-dir "
+                            f"{self.state_dir}`")
+        return json.loads(self.path.read_text())
+
+    def create(self, url: str, prefix: str, inbox_prefix: str) -> dict:
+        """The service user's password, made once and kept across restarts (tenants too); the
+        URL and subject prefixes are this run's."""
+        state = json.loads(self.path.read_text()) if self.exists() else {
+            "service_password": secrets.token_urlsafe(24), "tenants": {}}
+        state.update(url=url, prefix=prefix, inbox_prefix=inbox_prefix)
+        self.save(state)
+        return state
+
+    def save(self, state: dict) -> None:
+        """users.json and the users.conf the server includes, each written whole, then moved
+        into place (a reload never reads half a file)."""
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        users = [{"user": SERVICE_USER, "password": state["service_password"],
+                  "permissions": service_permissions(state["prefix"], state["inbox_prefix"])}]
+        users += [{"user": name, "password": secret,
+                   "permissions": tenant_permissions(state["prefix"], state["inbox_prefix"], name)}
+                  for name, secret in sorted(state["tenants"].items())]
+        for path, text in ((self.path, json.dumps(state, indent=1)),
+                           (self.conf, "authorization: " + json.dumps({"users": users}, indent=1))):
+            part = path.with_suffix(".part")
+            part.write_text(text + "\n")
+            part.chmod(0o600)
+            part.replace(path)
+
+    @property
+    def conf(self) -> Path:
+        return self.dir / "users.conf"
+
+    def service_env(self) -> dict[str, str]:
+        """What the services log in with (the environment, never their command line)."""
+        return {"JETSERVE_NATS__USER": SERVICE_USER,
+                "JETSERVE_NATS__PASSWORD": self.load()["service_password"]}
+
+    def add_tenant(self, name: str) -> str:
+        """A new tenant's URL, `nats://NAME:SECRET@host:port`, after the server reloaded."""
+        if not TENANT_PATTERN.fullmatch(name) or name == SERVICE_USER:
+            raise AuthError(f"tenant {name!r} must match [A-Za-z0-9_-]{{1,64}} and not be "
+                            f"{SERVICE_USER!r}")
+        state = self.load()
+        if name in state["tenants"]:
+            raise AuthError(f"tenant {name!r} exists; `jetserve tenant remove {name}` first to "
+                            f"give it a new secret")
+        state["tenants"][name] = secrets.token_urlsafe(24)
+        self.save(state)
+        self.reload()
+        return tenant_url(state["url"], name, state["tenants"][name])
+
+    def remove_tenant(self, name: str) -> None:
+        """Revoke: the server refuses the tenant's credentials from the reload on and closes
+        its open connections."""
+        state = self.load()
+        if state["tenants"].pop(name, None) is None:
+            raise AuthError(f"no tenant {name!r} in {self.path}")
+        self.save(state)
+        self.reload()
+
+    def reload(self) -> None:
+        pid_file = self.state_dir / "nats-server.pid"
+        try:
+            os.kill(int(pid_file.read_text().strip()), signal.SIGHUP)
+        except (OSError, ValueError) as exc:
+            raise AuthError(f"the credentials are saved, but no running nats-server took them "
+                            f"({pid_file}: {exc}); the next `jetserve up --auth` will") from None
+
+
+async def wait_login(url: str, accepted: bool, timeout_s: float = 10.0) -> None:
+    """Until the server at `url` accepts its credentials (or, `accepted` False, refuses them):
+    a reload takes effect a moment after the signal."""
+    import nats
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False,
+                                    max_reconnect_attempts=0, error_cb=_quiet)
+            await nc.close()
+            works = True
+        except Exception:
+            works = False
+        if works == accepted:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AuthError(f"the server did not {'take' if accepted else 'drop'} the "
+                            f"credentials within {timeout_s:g} s of the reload")
+        await asyncio.sleep(0.1)
+
+
+async def _quiet(_exc: Exception) -> None:
+    pass
+
+
+def tenant_url(url: str, name: str, secret: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{name}:{secret}@{rest}"
