@@ -23,7 +23,9 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 from shared.subjects import RESULTS_STREAM, TENANT_PATTERN, Subjects
@@ -141,6 +143,34 @@ class Users:
         except (OSError, ValueError) as exc:
             raise AuthError(f"the credentials are saved, but no running nats-server took them "
                             f"({pid_file}: {exc}); the next `jetserve up --auth` will") from None
+
+
+def make_certificates(directory: Path) -> dict[str, str]:
+    """A local CA and a server certificate it signs (for 127.0.0.1 and localhost), made once
+    with the openssl command: the embedded server's TLS (`jetserve up --tls`). Clients trust
+    the server by the CA (`nats.tls.ca`); a client without it cannot connect."""
+    files = {name: str(directory / f"{name}.pem") for name in ("ca", "server", "server-key")}
+    if all(Path(f).exists() for f in files.values()):
+        return files
+    if shutil.which("openssl") is None:
+        raise AuthError("--tls makes its certificates with the openssl command, which is not "
+                        "installed; or configure a server of your own (docs/operations.md)")
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ca_key, csr = directory / "ca-key.pem", directory / "server.csr"
+    extensions = directory / "server.ext"
+    extensions.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+                          "extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature\n")
+    for argv in (
+            ["req", "-x509", *key, "-keyout", ca_key, "-out", files["ca"], "-days", "3650",
+             "-subj", "/CN=jetserve local CA"],
+            ["req", *key, "-keyout", files["server-key"], "-out", csr, "-subj", "/CN=localhost"],
+            ["x509", "-req", "-in", csr, "-CA", files["ca"], "-CAkey", ca_key,
+             "-CAcreateserial", "-out", files["server"], "-days", "825", "-extfile", extensions]):
+        done = subprocess.run(["openssl", *map(str, argv)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise AuthError(f"openssl {argv[0]} failed: {done.stderr.strip()[-500:]}")
+    return files
 
 
 async def wait_login(url: str, accepted: bool, timeout_s: float = 10.0) -> None:

@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--auth", action="store_true",
                     help="the embedded nats-server takes users: the services log in as theirs, "
                          "each tenant as its own, confined to its own subjects (jetserve tenant)")
+    up.add_argument("--tls", action="store_true",
+                    help="the embedded nats-server takes TLS connections only, with a certificate "
+                         "of a local CA made in the state directory (clients need its ca.pem)")
 
     tenant = commands.add_parser("tenant", help="add or remove a tenant of a stack run with "
                                                 "--auth (the server reloads)")

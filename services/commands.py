@@ -33,9 +33,10 @@ async def up(args) -> int:
     try:
         stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
                       executors=args.executors, config_path=args.config, auth=args.auth,
+                      tls=args.tls,
                       settings={"model.name": model} | (
                           {"model.quantization": args.quantization} if args.quantization else {}))
-    except ValueError as exc:
+    except (ValueError, AuthError) as exc:
         raise SystemExit(f"jetserve: {exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -53,6 +54,9 @@ async def up(args) -> int:
     if starting.exception() is not None:
         print(f"jetserve: failed to start: {starting.exception()}", file=sys.stderr)
         return 1
+    if stack.tls:
+        print(f"jetserve: TLS only; clients trust the server by its CA, {stack.tls['ca']} "
+              f"(nats.tls.ca, or JETSERVE_NATS__TLS__CA)", flush=True)
     if args.auth:
         print(f"jetserve ready on {stack.url} (model {model}), with authentication: add a "
               f"tenant with `jetserve tenant add NAME --state-dir {args.state_dir}` and use the "

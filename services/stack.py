@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import sys
 import tempfile
 from collections import Counter
@@ -17,7 +18,7 @@ from pathlib import Path
 import msgspec
 import nats
 
-from services.auth import SERVICE_USER, Users
+from services.auth import SERVICE_USER, Users, make_certificates
 from shared.bus import discover
 from shared.config import env_overrides, load_config
 from shared.subjects import Subjects
@@ -48,10 +49,12 @@ class Stack:
                  nats_port: int = 4222, executors: int = 1, config_path: str | None = None,
                  settings: dict[str, object] | None = None, log_dir: str | Path | None = None,
                  env: dict[str, str] | None = None, nats_settings: dict[str, object] | None = None,
-                 auth: bool = False):
+                 auth: bool = False, tls: bool = False):
         """`nats_settings`: the embedded nats-server's configuration beyond port and store
         (`max_payload`, for one), written to a config file it reads. `auth`: the embedded
-        server takes users and permissions (services/auth.py); the services log in as theirs."""
+        server takes users and permissions (services/auth.py); the services log in as theirs.
+        `tls`: it takes TLS connections only, with a certificate of a local CA (made once in
+        `<state dir>/tls/`); the services trust that CA, and so must every client."""
         self.state_dir = Path(state_dir)
         self.embedded = nats_url is None
         self.url = nats_url or f"nats://127.0.0.1:{nats_port}"
@@ -64,14 +67,16 @@ class Stack:
         self.nats_settings = dict(nats_settings or {})
         self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.users = Users(self.state_dir) if auth else None
-        if auth and not self.embedded:
-            raise ValueError("--auth sets up the users of the embedded nats-server; for a server "
-                             "of your own, see docs/operations.md (Authentication)")
+        self.tls = make_certificates(self.state_dir / "tls") if tls else None
+        if (auth or tls) and not self.embedded:
+            raise ValueError("--auth and --tls set up the embedded nats-server; for a server of "
+                             "your own, see docs/operations.md (Authentication and TLS)")
 
     def _env(self) -> dict[str, str]:
         return {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
                 **env_overrides({**self.settings, "nats.url": self.url}),
-                **(self.users.service_env() if self.users else {})}
+                **(self.users.service_env() if self.users else {}),
+                **env_overrides({"nats.tls.ca": self.tls["ca"]} if self.tls else {})}
 
     def add_tenant(self, name: str) -> str:
         """A tenant of this stack (`auth` on): the URL its clients connect with."""
@@ -107,10 +112,13 @@ class Stack:
         data.mkdir(parents=True, exist_ok=True)
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats_port), "-js",
                 "-sd", str(data), "-P", str(self.state_dir / "nats-server.pid")]
-        if self.nats_settings or self.users:
+        if self.nats_settings or self.users or self.tls:
             conf = self.state_dir / "nats-server.conf"
+            settings = {**self.nats_settings, **({"tls": {
+                "cert_file": self.tls["server"], "key_file": self.tls["server-key"]}}
+                if self.tls else {})}
             lines = [f"{key}: {msgspec.json.encode(value).decode()}\n"
-                     for key, value in self.nats_settings.items()]
+                     for key, value in settings.items()]
             if self.users:
                 lines.append(f"include {self.users.conf.relative_to(self.state_dir)}\n")
             conf.write_text("".join(lines))
@@ -181,11 +189,14 @@ class Stack:
             if nc is not None:
                 await nc.close()
 
-    def service_login(self) -> dict[str, str]:
-        """nats-py's options to log in as the services do (none without auth)."""
-        if not self.users:
-            return {}
-        return {"user": SERVICE_USER, "password": self.users.load()["service_password"]}
+    def service_login(self) -> dict:
+        """nats-py's options to connect as the services do: their user, the local CA."""
+        options: dict = {}
+        if self.users:
+            options.update(user=SERVICE_USER, password=self.users.load()["service_password"])
+        if self.tls:
+            options["tls"] = ssl.create_default_context(cafile=self.tls["ca"])
+        return options
 
     def _check_alive(self) -> None:
         for name, process in self.processes.items():

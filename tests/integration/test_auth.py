@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import ssl
 import subprocess
 import sys
 
@@ -156,3 +157,22 @@ async def test_tenant_add_prints_a_url_that_works_and_remove_revokes_it(stack):
     unknown = await asyncio.to_thread(jetserve, "tenant", "remove", "nobody",
                                       "--state-dir", str(stack.state_dir))
     assert unknown.returncode == 1 and "no tenant 'nobody'" in unknown.stderr
+
+
+async def test_with_tls_a_client_without_the_ca_cannot_connect_and_one_with_it_is_served(
+        tmp_path):
+    async with running_stack(tmp_path, auth=True, tls=True) as tls_stack:
+        url = tls_stack.add_tenant("dora")
+        with pytest.raises(Exception) as refused:
+            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0)
+        trusted = ssl.create_default_context(cafile=tls_stack.tls["ca"])
+        for _ in range(50):  # the reload after add_tenant takes a moment
+            with contextlib.suppress(nats.errors.Error):
+                client = await JetserveClient.connect(url, tenant="dora", tls=trusted)
+                break
+            await asyncio.sleep(0.1)
+        async with client:
+            completion = await client.generate(GenerateRequest(prompt="hi", max_tokens=2),
+                                               timeout=30)
+    assert isinstance(refused.value, ssl.SSLCertVerificationError), refused.value
+    assert isinstance(completion, Completion) and len(completion.token_ids) == 2
