@@ -3,7 +3,8 @@ feedback on the class weights)."""
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -21,11 +22,25 @@ class TenantCounters:
     def __init__(self, weights: dict[str, float] | None = None):
         self.weights = dict(weights or {})
         self.counters: dict[str, float] = {}
+        self.highest = 0.0  # the highest counter forgotten (see forget_idle)
         self.backlog: dict[str, int] = {}  # tenant -> requests waiting
         self.running: set[str] = set()  # tenants with requests at executors (kept by the caller)
 
     def active(self) -> set[str]:
         return self.running.union(self.backlog)
+
+    def forget_idle(self) -> int:
+        """Drop the counters of idle tenants that are no further ahead than the least-served
+        active one (with nobody active: all of them), and return how many went. Nothing about
+        the order changes: such a tenant, active again, would start at that floor anyway (with
+        nobody active, at the highest counter, which is kept). So the counters follow the
+        tenants active lately and those still paying off a lead, not every tenant ever seen."""
+        active = self.active()
+        floor = min((self.counters.get(t, 0.0) for t in active), default=math.inf)
+        idle = [t for t, c in self.counters.items() if c <= floor and t not in active]
+        for tenant in idle:
+            self.highest = max(self.highest, self.counters.pop(tenant))
+        return len(idle)
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         return float(prompt_tokens + 2 * output_tokens)
@@ -35,7 +50,7 @@ class TenantCounters:
         if tenant not in active:
             floor = min((self.counters.get(t, 0.0) for t in active), default=None)
             if floor is None:  # nobody is active: start level with the most served so far
-                floor = max(self.counters.values(), default=0.0)
+                floor = max(self.highest, max(self.counters.values(), default=0.0))
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
         self.backlog[tenant] = self.backlog.get(tenant, 0) + 1
 
@@ -107,18 +122,20 @@ class OutputPredictor:
 
     KNOWN_AFTER = 5  # completions of a (tenant, priority) before its prediction is trusted
 
-    def __init__(self, alpha: float, prior: float):
+    def __init__(self, alpha: float, prior: float, capacity: int = 10_000):
         self.alpha, self.prior = alpha, prior
-        self.ratios: dict[tuple[str, int], float] = {}
-        self.seen: dict[tuple[str, int], int] = {}
+        # (tenant, priority) -> (ratio, completions seen), least recently finished first; past
+        # `capacity` the least recent is forgotten (it starts again from the prior).
+        self.capacity = capacity
+        self.history: OrderedDict[tuple[str, int], tuple[float, int]] = OrderedDict()
 
     def knows(self, tenant: str, priority: int) -> bool:
         """Whether the prediction stands on that tenant's class's own completions (not the
         prior alone, which assumes the whole max_tokens)."""
-        return self.seen.get((tenant, priority), 0) >= self.KNOWN_AFTER
+        return self.history.get((tenant, priority), (0.0, 0))[1] >= self.KNOWN_AFTER
 
     def predict(self, tenant: str, priority: int, max_tokens: int) -> int:
-        ratio = self.ratios.get((tenant, priority), self.prior)
+        ratio = self.history.get((tenant, priority), (self.prior, 0))[0]
         return max(1, min(max_tokens, round(max_tokens * ratio)))
 
     def observe(self, tenant: str, priority: int, max_tokens: int, output_tokens: int,
@@ -126,7 +143,8 @@ class OutputPredictor:
         if finish_reason not in ("stop", "length") or max_tokens <= 0:
             return  # cut short (cancelled, deadline, an error): says nothing of its length
         key = (tenant, priority)
-        seen = min(1.0, output_tokens / max_tokens)
-        old = self.ratios.get(key, self.prior)
-        self.ratios[key] = old + self.alpha * (seen - old)
-        self.seen[key] = self.seen.get(key, 0) + 1
+        used = min(1.0, output_tokens / max_tokens)
+        old, seen = self.history.pop(key, (self.prior, 0))
+        self.history[key] = (old + self.alpha * (used - old), seen + 1)
+        if len(self.history) > self.capacity:
+            self.history.popitem(last=False)

@@ -33,8 +33,13 @@ class WaitingQueue:
         self._row_of: dict[RequestKey, int] = {}  # -> row
         self._seq_of: dict[RequestKey, int] = {}
         self._deadlines: list[tuple[float, int, RequestKey]] = []  # heap
+        # Tenants with requests here, each by an index (a column value); the index of a tenant
+        # whose last request leaves is free for the next newcomer, so these stay as large as the
+        # most tenants ever waiting at once, not every tenant ever seen.
         self._tenant_ids: dict[str, int] = {}
-        self.tenants: list[str] = []  # index -> name
+        self.tenants: list[str | None] = []  # index -> name (None: free)
+        self._tenant_rows: list[int] = []  # index -> its requests here
+        self._free_indices: list[int] = []
         self._arrivals = itertools.count()
         self.last_seq = -1  # the arrival sequence number of the latest push
 
@@ -49,11 +54,26 @@ class WaitingQueue:
         return len(self) >= self.capacity
 
     def tenant_index(self, tenant: str) -> int:
+        """The tenant's index, given it for one more request here."""
         index = self._tenant_ids.get(tenant)
         if index is None:
-            index = self._tenant_ids[tenant] = len(self.tenants)
-            self.tenants.append(tenant)
+            if self._free_indices:
+                index = self._free_indices.pop()
+                self.tenants[index] = tenant
+            else:
+                index = len(self.tenants)
+                self.tenants.append(tenant)
+                self._tenant_rows.append(0)
+            self._tenant_ids[tenant] = index
+        self._tenant_rows[index] += 1
         return index
+
+    def _release_tenant(self, index: int) -> None:
+        self._tenant_rows[index] -= 1
+        if self._tenant_rows[index] == 0:
+            del self._tenant_ids[self.tenants[index]]
+            self.tenants[index] = None
+            self._free_indices.append(index)
 
     def push(self, item: WorkItem, demand_tokens: float, past_bound: bool = False,
              known: bool = False, size: int = 0) -> None:
@@ -94,6 +114,7 @@ class WaitingQueue:
         item = self._items[row]
         key = item.key
         del self._row_of[key], self._seq_of[key]
+        self._release_tenant(int(self._cols["tenant"][row]))
         last = len(self._items) - 1
         if row != last:
             moved = self._items[last]

@@ -17,6 +17,7 @@ from services.priority.fairness import ClassWeights, OutputPredictor, TenantCoun
 from services.priority.queue import WaitingQueue
 from shared.config import RequestLevel
 from shared.keys import RequestKey
+from shared.metrics import TENANT_LABELS_MAX
 from shared.messages import DISPATCH_BYTES, Done, WorkItem, encode
 
 
@@ -231,7 +232,8 @@ class RequestScheduler:
                              self.step_s, self.prefill_per_step)
 
     def fairness_terms(self) -> np.ndarray:
-        """The fairness term of every tenant the queue has seen, by tenant index."""
+        """The fairness term of every tenant waiting in the queue, by tenant index (0 at a free
+        index)."""
         cfg = self.cfg
         factor = cfg.fairness_factor / cfg.fairness_scale_tokens
         return np.array([-min(cfg.fairness_max, factor * lag)
@@ -392,7 +394,10 @@ class RequestScheduler:
         del self.charges[report.key]
         self.counters.charge(report.tenant, 2 * (report.output_tokens
                                                  - charge.predicted_output_tokens))
-        served = self.served.setdefault(report.tenant, {"prompt_tokens": 0, "output_tokens": 0})
+        # Past TENANT_LABELS_MAX tenants, the rest as "other" (as the metrics label them).
+        tenant = report.tenant if (report.tenant in self.served
+                                   or len(self.served) < TENANT_LABELS_MAX) else "other"
+        served = self.served.setdefault(tenant, {"prompt_tokens": 0, "output_tokens": 0})
         served["prompt_tokens"] += report.prompt_tokens
         served["output_tokens"] += report.output_tokens
         self.predictor.observe(report.tenant, report.priority, report.max_tokens,
@@ -403,11 +408,22 @@ class RequestScheduler:
             self.class_weights.observe(report.priority, MISSED_MS, now)
 
     def stats(self, now: float) -> dict:
+        """What $SRV.STATS shows; per-tenant tables as their TENANT_LABELS_MAX largest entries
+        (one reply must stay small whatever the number of tenants)."""
         return {"policy": self.cfg.policy, "load": round(self.load, 4),
                 "class_weights": self.class_weights.stats(now),
-                "tenant_counters": {t: round(c, 1) for t, c in self.counters.counters.items()},
-                "backlogged_tenants": dict(self.counters.backlog),
-                "running_tenants": sorted(self.counters.running), "tenant_served": self.served}
+                "tenants_counted": len(self.counters.counters),
+                "tenant_counters": _largest({t: round(c, 1)
+                                             for t, c in self.counters.counters.items()}),
+                "backlogged_tenants": _largest(self.counters.backlog),
+                "running_tenants": sorted(self.counters.running)[:TENANT_LABELS_MAX],
+                "tenant_served": self.served}
+
+
+def _largest(values: dict[str, float]) -> dict[str, float]:
+    if len(values) <= TENANT_LABELS_MAX:
+        return dict(values)
+    return dict(sorted(values.items(), key=lambda kv: -kv[1])[:TENANT_LABELS_MAX])
 
 
 def _fitting(sizes: np.ndarray, max_bytes: float) -> int:

@@ -198,8 +198,10 @@ class PriorityService:
                         f"ms in the waiting queue, before an executor could take the request"))
 
     async def class_feedback(self) -> None:
-        """Class SLO feedback: one step of the class weights."""
+        """Class SLO feedback: one step of the class weights; and idle tenants' fairness
+        counters forgotten (an O(tenants) sweep, so once a feedback interval, not a request)."""
         self.scheduler.class_weights.update(time.time())
+        self.scheduler.counters.forget_idle()
 
     async def on_submit(self, request: Request) -> None:
         item = _item.decode(request.data)

@@ -380,3 +380,30 @@ def test_a_second_request_reusing_a_running_id_is_not_taken_for_the_first():
     assert sched.counters.counters["t"] == charged and RequestKey("t", "x") in sched.charges
     done(sched, "x", "t", output_tokens=100, arrival=1.0)  # the first ends: corrected, gone
     assert sched.counters.counters["t"] == charged and not sched.charges
+
+
+def test_per_tenant_state_follows_the_tenants_active_lately_not_every_tenant_seen():
+    """20,000 tenants, each one request, a few waiting at a time: the queue's tenant table,
+    the fairness counters (once idle ones are forgotten), the length predictor and the served
+    table stay bounded, and a tenant's fairness counter forgotten at or below the floor is
+    where it would start again anyway."""
+    sched = RequestScheduler(RequestLevel())
+    sched.predictor.capacity = 1000
+    for i in range(20_000):
+        tenant = f"t{i}"
+        sched.push(item(f"r{i}", tenant=tenant))
+        if i % 4 == 3:
+            for dispatch in sched.pop(4, now=float(i)):
+                done(sched, dispatch.item.request_id, dispatch.item.tenant, output_tokens=10)
+    assert len(sched.queue) == 0 and len(sched.queue.tenants) <= 4
+    floor = max(sched.counters.counters.values())
+    sched.counters.running = {"t19999"}  # one tenant still runs something, the most served
+    sched.counters.counters["t19999"] = floor
+    sched.counters.counters["lead"] = floor + 900.0  # idle, ahead of it: still paying that off
+    assert sched.counters.forget_idle() == 19_999
+    assert set(sched.counters.counters) == {"t19999", "lead"}
+    sched.push(item("back", tenant="t7"))  # forgotten: it starts at the floor, as it would have
+    assert sched.counters.counters["t7"] == floor
+    assert len(sched.predictor.history) == 1000
+    assert len(sched.served) == 101 and sched.served["other"]["output_tokens"] > 0
+    assert len(sched.stats(0.0)["tenant_counters"]) <= 100

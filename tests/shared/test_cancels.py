@@ -40,3 +40,18 @@ def test_many_tenants_stay_within_the_capacity():
     for i in range(500):
         cancels.add(f"t{i}", "x", now=float(i))
     assert len(cancels) <= 50
+
+
+def test_a_flood_on_distinct_tenant_names_is_bounded_and_leaves_no_trace():
+    """Each cancel of a flood on 100,000 tenant names costs one entry, evicting the oldest past
+    the capacity (the store once scanned every tenant to find one to evict, on each cancel); the
+    tenants leave with their cancels."""
+    cancels = RecentCancels(ttl_s=10, per_tenant=100, capacity=1000)
+    cancels.add("calm", "late", now=0.0)
+    for i in range(100_000):
+        cancels.add(f"flood-{i}", "x", now=1.0)
+    assert len(cancels) == 1000 and cancels.tenants == 1000
+    assert not cancels.take("calm", "late", admitted_at=-1.0, now=2.0)  # the oldest went
+    assert cancels.take("flood-99999", "x", admitted_at=0.0, now=2.0)
+    cancels.add("calm", "new", now=20.0)  # the flood's cancels have expired by now
+    assert len(cancels) == 1 and cancels.tenants == 1
