@@ -93,9 +93,6 @@ class RequestLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Admission and the global queue: its order (docs/scheduling.md) and its limits."""
 
     max_pending_requests: Annotated[int, msgspec.Meta(ge=1)] = 10_000
-    # Per-tenant token bucket over prompt + max_tokens; None turns rate limiting off.
-    rate_limit_tokens_per_s: Positive | None = None
-    rate_limit_burst_tokens: Annotated[int, msgspec.Meta(ge=1)] = 100_000
     # fcfs: arrival order. priority: base priority, then arrival. adaptive: the score below.
     policy: Literal["fcfs", "priority", "adaptive"] = "adaptive"
     # The score, in units of one priority level when base_weight is priority_levels - 1:
@@ -248,6 +245,50 @@ class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     metrics_port: MetricsPorts = msgspec.field(default_factory=MetricsPorts)
 
 
+Share = Annotated[float, msgspec.Meta(gt=0, le=1)]
+Count = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class TenantQuota(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What one tenant may ask of jetserve (docs/operations.md, "Quotas"). Past a limit of
+    flow (concurrency, tokens, shares) a request gets `rate_limited` with `retry_after_ms`;
+    past a limit of shape (prompt, max_tokens, stop strings, payload) `invalid_request` naming
+    the key, since the same request would never fit. None: no limit of jetserve's own."""
+
+    max_concurrent_requests: Count | None = None  # admitted and not yet ended
+    # A token bucket over prompt + max_tokens of each request.
+    tokens_per_s: Positive | None = None
+    burst_tokens: Count = 100_000
+    max_prompt_tokens: Count | None = None
+    max_tokens: Count | None = None
+    max_stop: Annotated[int, msgspec.Meta(ge=0)] = 64  # stop strings (and stop_token_ids)
+    max_stop_length: Count = 256  # characters in one stop string
+    max_payload_bytes: Count | None = None
+    # Of scheduler.request_level.max_pending_requests, the waiting requests one tenant may
+    # have at priority; and of the durable backlog (LLM_REQUESTS holds as many), its durable
+    # requests admitted or waiting their turn: so no tenant fills either alone.
+    queue_share: Share = 0.5
+    durable_share: Share = 0.5
+
+
+class QuotasSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True):
+    default: TenantQuota = msgspec.field(default_factory=TenantQuota)
+    # tenant -> the keys of `default` it has otherwise, e.g. {acme: {max_concurrent_requests: 8}}
+    tenants: dict[str, dict[str, object]] = {}
+
+    def __post_init__(self):
+        self._of: dict[str, TenantQuota] = {}
+        for tenant, keys in self.tenants.items():
+            try:
+                self._of[tenant] = msgspec.convert(
+                    {**msgspec.to_builtins(self.default), **keys}, TenantQuota)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"{exc}, in quotas.tenants.{tenant}") from None
+
+    def of(self, tenant: str) -> TenantQuota:
+        return self._of.get(tenant, self.default)
+
+
 class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole of jetserve.yaml. Every key may be overridden by an environment variable
     `JETSERVE_<SECTION>__<KEY>` (e.g. `JETSERVE_KV_CACHE__BLOCK_SIZE=32`); `NATS_URL` sets
@@ -259,6 +300,7 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     scheduler: SchedulerSection = msgspec.field(default_factory=SchedulerSection)
     distributed: DistributedSection = msgspec.field(default_factory=DistributedSection)
     monitoring: MonitoringSection = msgspec.field(default_factory=MonitoringSection)
+    quotas: QuotasSection = msgspec.field(default_factory=QuotasSection)
 
     def engine_config(self, executor_name: str) -> EngineConfig:
         scheduler = self.scheduler

@@ -104,14 +104,21 @@ class Completion(msgspec.Struct, tag="completion", tag_field="type"):
     scheduling: Scheduling
 
 
-class Error(msgspec.Struct, tag="error", tag_field="type"):
+class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
     request_id: str | None
     code: ErrorCode
     message: str
+    # `rate_limited`: when the same request may be sent again (a hint, in milliseconds)
+    retry_after_ms: float | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type", forbid_unknown_fields=True):
     request_id: RequestId
+
+
+# The retry_after_ms of a request refused by a quota that frees as requests end (concurrency,
+# a share of a queue): a hint, since when that happens is not known.
+QUOTA_RETRY_MS = 1000.0
 
 
 class ProtocolError(Exception):
@@ -124,7 +131,9 @@ class ProtocolError(Exception):
         self.retry_after_s = retry_after_s  # set when the same request may succeed later
 
     def to_error(self, request_id: str | None) -> Error:
-        return Error(request_id=request_id, code=self.code, message=self.message)
+        retry_ms = None if self.retry_after_s is None else round(1e3 * self.retry_after_s, 1)
+        return Error(request_id=request_id, code=self.code, message=self.message,
+                     retry_after_ms=retry_ms)
 
 
 # Arrays and objects inside one another that a payload may have: a GenerateRequest needs three

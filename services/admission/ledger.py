@@ -52,6 +52,30 @@ class Ledger:
         self.held: dict[RequestKey, Watched] = {}  # durable requests, by key
         self.generates: dict[RequestKey, Watched] = {}  # generates not yet answered
         self.last_reported: dict[RequestKey, float] = {}  # clock of a holder's last report
+        # tenant -> [requests watched, durable ones among them] (tenants with none: not kept)
+        self.by_tenant: dict[str, list[int]] = {}
+
+    def watching(self, tenant: str) -> tuple[int, int]:
+        """The tenant's requests watched here, and how many of them are durable."""
+        counts = self.by_tenant.get(tenant)
+        return (counts[0], counts[1]) if counts else (0, 0)
+
+    def _put(self, table: dict[RequestKey, Watched], key: RequestKey, watched: Watched) -> None:
+        if key not in table:
+            counts = self.by_tenant.setdefault(key.tenant, [0, 0])
+            counts[0] += 1
+            counts[1] += table is self.held
+        table[key] = watched
+
+    def _pop(self, table: dict[RequestKey, Watched], key: RequestKey) -> Watched | None:
+        watched = table.pop(key, None)
+        if watched is not None:
+            counts = self.by_tenant[key.tenant]
+            counts[0] -= 1
+            counts[1] -= table is self.held
+            if counts[0] == 0:
+                del self.by_tenant[key.tenant]
+        return watched
 
     def tick(self, elapsed_s: float) -> None:
         """Time passes: by at most two heartbeat intervals, however long the loop stalled."""
@@ -64,10 +88,10 @@ class Ledger:
         Done may come back before priority's reply does). False for a generate whose id is
         already watched: priority or the executor refuses that one, and the first keeps its
         watch."""
-        watched = self.held if msg is not None else self.generates
-        if msg is None and key in watched:
+        table = self.held if msg is not None else self.generates
+        if msg is None and key in table:
             return False
-        watched[key] = Watched(msg, self.clock, item, submitting=True)
+        self._put(table, key, Watched(msg, self.clock, item, submitting=True))
         return True
 
     def submitted(self, key: RequestKey, durable: bool) -> None:
@@ -79,7 +103,7 @@ class Ledger:
 
     def unwatch(self, key: RequestKey, durable: bool) -> None:
         """Priority did not take it (or handing it over failed): not watched after all."""
-        (self.held if durable else self.generates).pop(key, None)
+        self._pop(self.held if durable else self.generates, key)
 
     def redelivered(self, key: RequestKey, msg: object) -> bool:
         """JetStream delivers a durable request again. True when it is already held (still
@@ -96,7 +120,7 @@ class Ledger:
         reported it within the lease (it is still running: not to be run a second time)."""
         if self.clock - self.last_reported.get(key, -math.inf) > self.lease_s:
             return False
-        self.held[key] = Watched(msg, self.clock)
+        self._put(self.held, key, Watched(msg, self.clock))
         return True
 
     # -------------------------------------------------------------------------- reports
@@ -126,10 +150,10 @@ class Ledger:
         one, what this ledger held, whose message the caller acks (None: another admission
         holds it)."""
         if not durable:
-            self.generates.pop(key, None)
+            self._pop(self.generates, key)
             return None
         self.last_reported.pop(key, None)
-        return self.held.pop(key, None)
+        return self._pop(self.held, key)
 
     # ------------------------------------------------------------------------ the lease
 
@@ -158,6 +182,6 @@ class Ledger:
         it ended (or was taken on again) since `lost` named it."""
         if self.held.get(key) is not watched:
             return False
-        del self.held[key]
+        self._pop(self.held, key)
         self.last_reported.pop(key, None)
         return True

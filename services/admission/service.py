@@ -17,6 +17,7 @@ admitted a second time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
@@ -47,7 +48,7 @@ from shared.bus import (
     service_main,
     while_connected,
 )
-from shared.config import JetserveConfig
+from shared.config import JetserveConfig, TenantQuota
 from shared.keys import RequestKey
 from shared.messages import (
     DISPATCH_BYTES,
@@ -62,6 +63,7 @@ from shared.messages import (
 )
 from shared.metrics import Reading, StatsCollector, TenantLabels, counter
 from shared.protocol import (
+    QUOTA_RETRY_MS,
     Error,
     GenerateRequest,
     ProtocolError,
@@ -115,9 +117,14 @@ class Admission:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(model.max_model_len or model_config.max_position,
                                  model_config.max_position)
-        limits = config.scheduler.request_level
-        self.buckets = (TokenBuckets(limits.rate_limit_tokens_per_s, limits.rate_limit_burst_tokens)
-                        if limits.rate_limit_tokens_per_s else None)
+        self.quotas = config.quotas
+        self.buckets = TokenBuckets()
+        # The durable backlog LLM_REQUESTS holds, which tenants share (quotas durable_share).
+        self.durable_backlog = config.scheduler.request_level.max_pending_requests
+        # tenant -> ids of its durable requests put back for later by a quota (still in
+        # LLM_REQUESTS, not held here); tenants with none are not kept
+        self.delayed: dict[str, set[str]] = {}
+        self.in_admission: dict[str, int] = {}  # tenant -> its requests being admitted now
         # Every request handed to priority and not yet ended, and who last reported holding it.
         self.ledger = Ledger(config.distributed.heartbeat_timeout_s,
                              config.distributed.heartbeat_interval_s)
@@ -204,7 +211,20 @@ class Admission:
 
         Every check that needs no tokens comes first (a prompt that must be too long is refused
         by its length); text is tokenized on a small thread pool, never on the event loop."""
+        quota = self.quotas.of(tenant)
+        if quota.max_payload_bytes is not None and len(payload) > quota.max_payload_bytes:
+            raise ProtocolError("invalid_request", f"the request is {len(payload)} bytes, over "
+                                f"the quota of tenant {tenant!r} (max_payload_bytes "
+                                f"{quota.max_payload_bytes})")
         request = self.check(tenant, payload, durable_id)
+        check_quota(request, quota, tenant)
+        # Its tenant's requests watched, and those being admitted besides this one.
+        watched = self.ledger.watching(tenant)[0] + self.in_admission.get(tenant, 1) - 1
+        if quota.max_concurrent_requests is not None and watched >= quota.max_concurrent_requests:
+            raise ProtocolError("rate_limited", f"tenant {tenant!r} has {watched} requests "
+                                f"running or waiting, its quota (max_concurrent_requests "
+                                f"{quota.max_concurrent_requests})",
+                                retry_after_s=QUOTA_RETRY_MS / 1e3)
         if request.prompt_token_ids is not None:
             prompt = prompt_token_ids(self.tokenizer, request, self.vocab_size)
         else:
@@ -217,9 +237,13 @@ class Admission:
                         deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None,
                         block_hashes=block_hashes(prompt, self.config.kv_cache.block_size))
         self.check_message_sizes(item)
+        if quota.max_prompt_tokens is not None and len(prompt) > quota.max_prompt_tokens:
+            raise ProtocolError("invalid_request", f"the prompt is {len(prompt)} tokens, over "
+                                f"the quota of tenant {tenant!r} (max_prompt_tokens "
+                                f"{quota.max_prompt_tokens})")
         # Last: a request refused for any other reason takes nothing from its tenant's tokens.
-        if self.buckets is not None:
-            self.check_rate(tenant, len(prompt) + request.max_tokens)
+        if quota.tokens_per_s is not None:
+            self.check_rate(tenant, len(prompt) + request.max_tokens, quota)
         return item
 
     def check_message_sizes(self, item: WorkItem) -> None:
@@ -263,15 +287,16 @@ class Admission:
         check_prompt_size(self.tokenizer, request, self.max_model_len)
         return request
 
-    def check_rate(self, tenant: str, tokens: int) -> None:
-        if tokens > self.buckets.burst:
+    def check_rate(self, tenant: str, tokens: int, quota: TenantQuota) -> None:
+        if tokens > quota.burst_tokens:
             raise ProtocolError("rate_limited", f"the request may use {tokens} tokens (prompt + "
-                                f"`max_tokens`), more than the burst {int(self.buckets.burst)}")
-        wait_s = self.buckets.take(tenant, tokens)
+                                f"`max_tokens`), more than the burst {quota.burst_tokens} "
+                                f"(quotas burst_tokens)")
+        wait_s = self.buckets.take(tenant, tokens, quota.tokens_per_s, quota.burst_tokens)
         if wait_s:
             raise ProtocolError("rate_limited", f"tenant {tenant!r} is over "
-                                f"{self.buckets.rate:g} tokens/s; retry in {wait_s:.2f} s",
-                                retry_after_s=wait_s)
+                                f"{quota.tokens_per_s:g} tokens/s (quotas tokens_per_s); retry "
+                                f"in {wait_s:.2f} s", retry_after_s=wait_s)
 
     async def to_priority(self, item: WorkItem) -> Error | None:
         """Queue the item at priority; an Error (`overloaded`, `internal`) when it was not taken.
@@ -285,13 +310,17 @@ class Admission:
                          message="the priority service is not answering (no responders)")
         return _submit_reply.decode(reply.data).error
 
-    async def submit_watched(self, item: WorkItem, msg=None) -> Error | None:
+    async def submit_watched(self, item: WorkItem, msg=None,
+                             seat: list[str] | None = None) -> Error | None:
         """`to_priority`, with the request in the ledger from before priority has it (its Done
         may come back before priority's reply does), and out of it again if priority did not
         take it (a durable one's redelivery is then admitted again). A generate without a reply
-        subject has nobody to answer: not watched, so not handed on."""
+        subject has nobody to answer: not watched, so not handed on. `seat`: its seat of
+        `being_admitted`, given up once it is watched (counted there from then on)."""
         watched = (msg is not None or bool(item.reply_to)) and self.ledger.watch(
             item.key, encode(item), msg)
+        if watched and seat is not None:
+            self.release(seat)
         try:
             error = await self.to_priority(item)
         except NatsTimeoutError:
@@ -440,12 +469,13 @@ class Admission:
                 "admission", context=context_from(msg.headers), kind=SpanKind.SERVER,
                 attributes={"tenant": tenant}) as span:
             try:
-                item = await self.admit(tenant, msg.data)
-                span.set_attributes({"request_id": item.request_id,
-                                     "prompt_tokens": item.num_prompt_tokens})
-                item.reply_to = msg.reply
-                item.trace = carrier_of(span)
-                error = await self.submit_watched(item)
+                with self.being_admitted(tenant) as seat:
+                    item = await self.admit(tenant, msg.data)
+                    span.set_attributes({"request_id": item.request_id,
+                                         "prompt_tokens": item.num_prompt_tokens})
+                    item.reply_to = msg.reply
+                    item.trace = carrier_of(span)
+                    error = await self.submit_watched(item, seat=seat)
             except ProtocolError as exc:
                 error = exc.to_error(_peek(msg.data)[0])
             except Exception as exc:  # a bug, not bad input: still an answer, never a hang
@@ -507,6 +537,7 @@ class Admission:
         tenant, claimed_id = key
         if self.ledger.redelivered(key, msg):  # still running: the new handle replaces the old
             return
+        delayed = self.delay(key, False)  # it is here again: settled below, or put back
         if await self.has_result(tenant, claimed_id):
             self.counts["redelivered_with_result"] += 1
             await msg.ack()
@@ -514,9 +545,17 @@ class Admission:
         if self.ledger.adopt(key, msg):  # a service still reports it: not run a second time
             self.counts["durable_adopted"] += 1
             return
+        if not delayed and (share := self.over_durable_share(tenant)) is not None:
+            self.count_error("rate_limited", tenant)
+            await self.outbox.store_result(tenant, claimed_id, Error(
+                request_id=claimed_id, code="rate_limited", message=share,
+                retry_after_ms=QUOTA_RETRY_MS))
+            await msg.ack()  # its place in LLM_REQUESTS is free again
+            return
         with self.tracer.start_as_current_span(
                 "admission", context=context_from(headers), kind=SpanKind.SERVER,
-                attributes={"tenant": tenant, "request_id": claimed_id, "durable": True}) as span:
+                attributes={"tenant": tenant, "request_id": claimed_id, "durable": True}) as span, \
+                self.being_admitted(tenant) as seat:
             try:
                 if "Nats-Msg-Id" in headers:
                     raise ProtocolError("invalid_request", "header Nats-Msg-Id is refused on a "
@@ -528,6 +567,7 @@ class Admission:
                 span.set_attribute("error", exc.code)
                 if exc.retry_after_s is not None:  # rate limited: a durable request waits its turn
                     self.counts["durable_delayed"] += 1
+                    self.delay(key, True)
                     await msg.nak(delay=exc.retry_after_s)
                     return
                 self.count_error(exc.code, tenant)
@@ -537,13 +577,62 @@ class Admission:
                 await msg.ack()
                 return
             item.trace = carrier_of(span)
-            error = await self.submit_watched(item, msg)
+            error = await self.submit_watched(item, msg, seat)
         if error is not None:  # queue full or priority down: durable, so retry later
+            self.delay(key, True)
             await msg.nak(delay=1.0)
             return
         self.counts["durable_admitted"] += 1
         self.failures.pop(key, None)
         ADMITTED.labels(self.tenant_label(tenant), "true").inc()
+
+    @contextlib.contextmanager
+    def being_admitted(self, tenant: str):
+        """A request of `tenant` is being admitted: until it is watched (`submit_watched` then
+        releases its seat) or refused, it counts toward its tenant's concurrency like the
+        requests watched (many are admitted at once)."""
+        self.in_admission[tenant] = self.in_admission.get(tenant, 0) + 1
+        seat = [tenant]
+        try:
+            yield seat
+        finally:
+            self.release(seat)
+
+    def release(self, seat: list[str]) -> None:
+        """Give up a seat of `being_admitted` (once: later calls do nothing)."""
+        if seat:
+            tenant = seat.pop()
+            left = self.in_admission[tenant] - 1
+            if left:
+                self.in_admission[tenant] = left
+            else:
+                del self.in_admission[tenant]
+
+    def delay(self, key: RequestKey, put_back: bool) -> bool:
+        """Note a durable request put back in LLM_REQUESTS for later (`put_back`), or taken up
+        again; whether it had been put back. Such requests hold their place in the durable
+        backlog as much as admitted ones do."""
+        ids = self.delayed.get(key.tenant)
+        was = ids is not None and key.request_id in ids
+        if put_back:
+            self.delayed.setdefault(key.tenant, set()).add(key.request_id)
+        elif was:
+            ids.discard(key.request_id)
+            if not ids:
+                del self.delayed[key.tenant]
+        return was
+
+    def over_durable_share(self, tenant: str) -> str | None:
+        """Why a new durable request of `tenant` is refused by its share of the durable backlog
+        (its durable requests held here or put back for later), if it is."""
+        quota = self.quotas.of(tenant)
+        most = max(1, int(quota.durable_share * self.durable_backlog))
+        backlog = self.ledger.watching(tenant)[1] + len(self.delayed.get(tenant, ()))
+        if backlog < most:
+            return None
+        return (f"tenant {tenant!r} has {backlog} durable requests admitted or waiting their "
+                f"turn, its share of the durable backlog (quotas durable_share "
+                f"{quota.durable_share:g} of max_pending_requests {self.durable_backlog})")
 
     async def refuse_durable(self, msg) -> None:
         """A submission whose subject names no durable request: protocol v1's
@@ -678,6 +767,24 @@ def _decode_head(payload: bytes) -> _Head | None:
         return _head.decode(payload)
     except (ProtocolError, msgspec.DecodeError):
         return None
+
+
+def check_quota(request: GenerateRequest, quota: TenantQuota, tenant: str) -> None:
+    """The limits of shape a tenant's quota sets (before any tokenizing): `invalid_request`
+    naming the key, since the same request would never fit."""
+    def refuse(what: str, key: str, limit: int) -> None:
+        raise ProtocolError("invalid_request", f"{what}, over the quota of tenant {tenant!r} "
+                            f"({key} {limit})")
+
+    if quota.max_tokens is not None and request.max_tokens > quota.max_tokens:
+        refuse(f"`max_tokens` is {request.max_tokens}", "max_tokens", quota.max_tokens)
+    stops = len(request.stop) + len(request.stop_token_ids)
+    if stops > quota.max_stop:
+        refuse(f"`stop` and `stop_token_ids` hold {stops}", "max_stop", quota.max_stop)
+    longest = max(map(len, request.stop), default=0)
+    if longest > quota.max_stop_length:
+        refuse(f"a `stop` string is {longest} characters", "max_stop_length",
+               quota.max_stop_length)
 
 
 def _peek(payload: bytes) -> tuple[str | None, bool]:

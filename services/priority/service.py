@@ -48,7 +48,7 @@ from shared.metrics import (
     TenantLabels,
     histogram,
 )
-from shared.protocol import Error, ProtocolError, decode_cancel
+from shared.protocol import QUOTA_RETRY_MS, Error, ProtocolError, decode_cancel
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from
 
@@ -70,6 +70,7 @@ class PriorityService:
         self.subjects = Subjects(config.nats.prefix)
         self.nc, self.tracer = nc, tracer
         self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix)
+        self.quotas = config.quotas
         self.scheduler = RequestScheduler(config.scheduler.request_level,
                                           config.scheduler.batch_level.max_num_batched_tokens)
         self.queue = self.scheduler.queue
@@ -216,7 +217,12 @@ class PriorityService:
                 return
             error = Error(request_id=item.request_id, code="invalid_request",
                           message=f"`request_id` {item.request_id!r} is already waiting")
-        elif self.queue.full and self.scheduler.dispatched(item) is None:  # (one back: taken)
+        elif self.scheduler.dispatched(item) is not None:
+            pass  # back from the batcher or handed on: it had its place, and keeps it
+        elif (share := self.over_share(item.tenant)) is not None:
+            error = Error(request_id=item.request_id, code="rate_limited", message=share,
+                          retry_after_ms=QUOTA_RETRY_MS)
+        elif self.queue.full:
             error = await self.make_room(item)
         if error is not None:
             await request.respond(encode(SubmitReply(error=error)))
@@ -230,6 +236,16 @@ class PriorityService:
                         "priority": item.request.priority})
         self.arrived.set()
         await request.respond(encode(SubmitReply()))
+
+    def over_share(self, tenant: str) -> str | None:
+        """Why a new request of `tenant` is refused by its queue share, if it is."""
+        quota = self.quotas.of(tenant)
+        most = max(1, int(quota.queue_share * self.queue.capacity))
+        if self.scheduler.counters.backlog.get(tenant, 0) < most:
+            return None
+        return (f"tenant {tenant!r} has {most} requests waiting, its share of the waiting queue "
+                f"(quotas queue_share {quota.queue_share:g} of max_pending_requests "
+                f"{self.queue.capacity})")
 
     async def make_room(self, newcomer: WorkItem) -> Error | None:
         """The queue is full: push a waiting request out for `newcomer` (it gets its answer

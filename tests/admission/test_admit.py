@@ -13,9 +13,11 @@ from shared.protocol import ProtocolError
 @pytest.fixture(scope="module")
 def admission():
     config = load_config(None, {"JETSERVE_MODEL__NAME": "dummy:tiny",
-                                "JETSERVE_SCHEDULER__REQUEST_LEVEL__RATE_LIMIT_TOKENS_PER_S": "10",
-                                "JETSERVE_SCHEDULER__REQUEST_LEVEL__RATE_LIMIT_BURST_TOKENS":
-                                    "300"})
+                                "JETSERVE_QUOTAS__DEFAULT__TOKENS_PER_S": "10",
+                                "JETSERVE_QUOTAS__DEFAULT__BURST_TOKENS": "300",
+                                "JETSERVE_QUOTAS__TENANTS": "{capped: {max_tokens: 8, max_stop: 2, "
+                                "max_stop_length: 5, max_prompt_tokens: 3, max_payload_bytes: "
+                                "200, max_concurrent_requests: 1}}"})
     return Admission(config, nc=None, js=None, tracer=None)
 
 
@@ -57,6 +59,17 @@ async def test_a_given_seed_and_id_are_kept(admission):
      "no token is longer than 81 characters"),
     ("t", dict(prompt_token_ids=[1, 10**6]), None, "invalid_request", "vocab size"),
     ("t", dict(prompt="x", max_tokens=500), None, "rate_limited", "more than the burst 300"),
+    # A tenant's quota of shape (here `capped`'s); the default allows 64 stop strings.
+    ("t", dict(prompt="x", stop=["s"] * 10_000), None, "invalid_request", "(max_stop 64)"),
+    ("capped", dict(prompt="x", max_tokens=9), None, "invalid_request", "(max_tokens 8)"),
+    ("capped", dict(prompt="x", max_tokens=2, stop=["a"], stop_token_ids=[1, 2]), None,
+     "invalid_request", "`stop` and `stop_token_ids` hold 3, over the quota of tenant 'capped' "
+     "(max_stop 2)"),
+    ("capped", dict(prompt="x", max_tokens=2, stop=["longer"]), None, "invalid_request",
+     "(max_stop_length 5)"),
+    ("capped", dict(prompt_token_ids=[1, 2, 3, 4], max_tokens=2), None, "invalid_request",
+     "the prompt is 4 tokens, over the quota of tenant 'capped' (max_prompt_tokens 3)"),
+    ("capped", dict(prompt="x" * 300), None, "invalid_request", "(max_payload_bytes 200)"),
 ])
 async def test_rejections_name_the_cause(admission, tenant, fields, durable_id, code, needle):
     with pytest.raises(ProtocolError) as error:
@@ -79,12 +92,25 @@ async def test_a_request_refused_for_its_size_takes_none_of_the_rate(tmp_path):
     from tests.nats_server import nats_server
 
     config = load_config(None, {"JETSERVE_MODEL__NAME": "dummy:tiny",
-                                "JETSERVE_SCHEDULER__REQUEST_LEVEL__RATE_LIMIT_TOKENS_PER_S": "1",
-                                "JETSERVE_SCHEDULER__REQUEST_LEVEL__RATE_LIMIT_BURST_TOKENS":
-                                    "300"})
+                                "JETSERVE_QUOTAS__DEFAULT__TOKENS_PER_S": "1",
+                                "JETSERVE_QUOTAS__DEFAULT__BURST_TOKENS": "300"})
     async with nats_server(tmp_path, max_payload=16384) as nc:
         admission = Admission(config, nc=nc, js=None, tracer=None)
         with pytest.raises(ProtocolError) as error:
             await admission.admit("t", payload(prompt="x", max_tokens=200))
         assert error.value.code == "invalid_request" and "max_payload 16384" in error.value.message
         await admission.admit("t", payload(prompt="x", max_tokens=150))
+
+
+async def test_a_tenant_at_its_concurrency_quota_is_rate_limited_until_one_ends(admission):
+    from shared.keys import RequestKey
+
+    admission.ledger.watch(RequestKey("capped", "running"), b"")  # one request of its one
+    with pytest.raises(ProtocolError) as error:
+        await admission.admit("capped", payload(prompt="x", max_tokens=2))
+    assert error.value.code == "rate_limited" and "(max_concurrent_requests 1)" in \
+        error.value.message and error.value.retry_after_s == 1.0
+    assert error.value.to_error("r").retry_after_ms == 1000.0
+    await admission.admit("other", payload(prompt="x", max_tokens=2))  # others are not held up
+    admission.ledger.done(RequestKey("capped", "running"), durable=False)
+    await admission.admit("capped", payload(prompt="x", max_tokens=2))

@@ -10,7 +10,6 @@ import msgspec
 from nats.js.api import ConsumerConfig
 from nats.js.errors import NotFoundError
 
-from services.admission.ledger import Watched
 from services.admission.service import MAX_FAILURES, Admission
 from shared.bus import ensure_streams
 from shared.config import load_config
@@ -49,8 +48,11 @@ async def test_a_done_during_a_hand_on_leaves_the_watch_running(tmp_path):
         generate = WorkItem(request=GenerateRequest(request_id="gen-1", prompt_token_ids=[1, 2],
                                                     max_tokens=4, model="dummy:tiny"),
                             tenant="acme", arrival_time=0.0, reply_to="_INBOX.client")
-        admission.ledger.generates[generate.key] = Watched(None, 0.0, encode(generate))
-        admission.ledger.held[RequestKey("acme", "durable-1")] = Watched(message, 0.0)
+        ledger, durable = admission.ledger, RequestKey("acme", "durable-1")
+        ledger.watch(generate.key, encode(generate))
+        ledger.watch(durable, None, message)  # adopted after a restart: no copy
+        ledger.submitted(generate.key, durable=False)
+        ledger.submitted(durable, durable=True)
         admission.ledger.clock = admission.ledger.lease_s + 1
         await admission.watch_over()
         info = await js.consumer_info(REQUESTS_STREAM, "test")
