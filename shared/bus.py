@@ -15,6 +15,7 @@ import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -149,7 +150,13 @@ def connect_options(section: NatsSection) -> dict:
     user:password@ needs none)."""
     options: dict = {}
     if section.user:
-        options.update(user=section.user, password=section.password)
+        password = section.password
+        if section.password_file:
+            try:
+                password = Path(section.password_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"nats.password_file: {exc}") from None
+        options.update(user=section.user, password=password)
     if section.token:
         options["token"] = section.token
     if section.nkey_seed:

@@ -27,6 +27,7 @@ class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # (JETSERVE_NATS__PASSWORD, JETSERVE_NATS__TOKEN) or a file; none is ever logged.
     user: str | None = None
     password: str | None = None
+    password_file: str | None = None  # the password from a file (a mounted secret) instead
     token: str | None = None
     nkey_seed: str | None = None  # a file holding an nkey seed (needs PyPI `nkeys`)
     creds: str | None = None  # a .creds file: a user JWT and its seed (needs PyPI `nkeys`)
@@ -245,7 +246,9 @@ class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     metrics_port: MetricsPorts = msgspec.field(default_factory=MetricsPorts)
 
 
-Share = Annotated[float, msgspec.Meta(gt=0, le=1)]
+# (Floats: typing caches Annotated types by equal metadata, and the protocol's top_p, gt=0.0 and
+# le=1.0, would have been written into its schema with ints.)
+Portion = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 
 
@@ -267,8 +270,8 @@ class TenantQuota(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Of scheduler.request_level.max_pending_requests, the waiting requests one tenant may
     # have at priority; and of the durable backlog (LLM_REQUESTS holds as many), its durable
     # requests admitted or waiting their turn: so no tenant fills either alone.
-    queue_share: Share = 0.5
-    durable_share: Share = 0.5
+    queue_share: Portion = 0.5
+    durable_share: Portion = 0.5
 
 
 class QuotasSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True):
@@ -391,13 +394,16 @@ def _validated(tree: dict) -> JetserveConfig:
         raise ConfigError(f"invalid configuration: {exc}") from None
     check_timing(config)
     nats = config.nats
-    kinds = [kind for kind, given in (("user/password", nats.user or nats.password),
+    kinds = [kind for kind, given in (("user/password",
+                                       nats.user or nats.password or nats.password_file),
                                       ("token", nats.token), ("nkey_seed", nats.nkey_seed),
                                       ("creds", nats.creds)) if given]
     if len(kinds) > 1:
         raise ConfigError(f"nats: give one kind of credentials, not {' and '.join(kinds)}")
-    if bool(nats.user) != bool(nats.password):
-        raise ConfigError("nats.user and nats.password go together")
+    if nats.password and nats.password_file:
+        raise ConfigError("nats.password and nats.password_file: give one")
+    if bool(nats.user) != bool(nats.password or nats.password_file):
+        raise ConfigError("nats.user and nats.password (or nats.password_file) go together")
     if nats.tls and bool(nats.tls.cert) != bool(nats.tls.key):
         raise ConfigError("nats.tls.cert and nats.tls.key go together")
     if config.nats.client_inbox_prefix.split(".")[0] == config.nats.prefix:

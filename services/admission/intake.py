@@ -5,7 +5,8 @@ set of workers admits them, taking one tenant's oldest request after another's. 
 cannot keep up (a flood from one tenant), the backlog forms in the flooding tenant's line, and
 a request of any other tenant is taken within one turn, not after the whole flood. Full, the
 latest request of the tenant with the longest line is refused to make room (longest-queue drop:
-one tenant's flood cannot lock the others out).
+one tenant's flood cannot lock the others out). Every operation is O(1), however many tenants
+have lines: the longest is kept track of, not searched for.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class FairIntake(Generic[T]):
         self.capacity = capacity
         self.lines: dict[str, deque[T]] = {}  # tenant -> its requests, oldest first
         self.turns: deque[str] = deque()  # tenants with requests, in the order they are served
+        self.by_length: dict[int, set[str]] = {}  # line length -> the tenants with such a line
+        self.longest = 0
         self.size = 0
         self._waiting = asyncio.Semaphore(0)  # one release per request queued: wakes one worker
 
@@ -33,16 +36,18 @@ class FairIntake(Generic[T]):
         `item` itself when its own tenant's line is the longest), or None."""
         refused = None
         if self.size >= self.capacity:
-            longest = max(self.lines, key=lambda t: len(self.lines[t]))
-            if len(self.lines[longest]) <= len(self.lines.get(tenant, ())) + 1:
+            if self.longest <= len(self.lines.get(tenant, ())) + 1:
                 return item
+            longest = next(iter(self.by_length[self.longest]))
             refused = self.lines[longest].pop()
+            self._resized(longest, self.longest, -1)
             self.size -= 1
         line = self.lines.get(tenant)
         if line is None:
             line = self.lines[tenant] = deque()
             self.turns.append(tenant)
         line.append(item)
+        self._resized(tenant, len(line) - 1, +1)
         self.size += 1
         if refused is None:  # one more request (a swap leaves the count, and its wake-up, as is)
             self._waiting.release()
@@ -53,12 +58,27 @@ class FairIntake(Generic[T]):
         tenant = self.turns.popleft()
         line = self.lines[tenant]
         item = line.popleft()
+        self._resized(tenant, len(line) + 1, -1)
         self.size -= 1
         if line:
             self.turns.append(tenant)
         else:
             del self.lines[tenant]
         return tenant, item
+
+    def _resized(self, tenant: str, length: int, change: int) -> None:
+        """`tenant`'s line went from `length` by `change` (+1 or -1). A refused request leaves
+        its line non-empty (it was the longest, and longer than the newcomer's)."""
+        tenants = self.by_length[length] if length else None
+        if tenants is not None:
+            tenants.discard(tenant)
+            if not tenants:
+                del self.by_length[length]
+                if self.longest == length and change < 0:
+                    self.longest -= 1
+        if length + change:
+            self.by_length.setdefault(length + change, set()).add(tenant)
+        self.longest = max(self.longest, length + change)
 
     async def get(self) -> tuple[str, T]:
         """The next request, waiting for one (each queued request wakes one waiter)."""

@@ -626,6 +626,8 @@ class Admission:
         """Why a new durable request of `tenant` is refused by its share of the durable backlog
         (its durable requests held here or put back for later), if it is."""
         quota = self.quotas.of(tenant)
+        if quota.durable_share >= 1:  # the whole backlog: JetStream's own limit
+            return None
         most = max(1, int(quota.durable_share * self.durable_backlog))
         backlog = self.ledger.watching(tenant)[1] + len(self.delayed.get(tenant, ()))
         if backlog < most:

@@ -238,8 +238,11 @@ class PriorityService:
         await request.respond(encode(SubmitReply()))
 
     def over_share(self, tenant: str) -> str | None:
-        """Why a new request of `tenant` is refused by its queue share, if it is."""
+        """Why a new request of `tenant` is refused by its queue share, if it is (a share of
+        the whole queue is none: a full queue's push-out decides)."""
         quota = self.quotas.of(tenant)
+        if quota.queue_share >= 1:
+            return None
         most = max(1, int(quota.queue_share * self.queue.capacity))
         if self.scheduler.counters.backlog.get(tenant, 0) < most:
             return None

@@ -91,7 +91,10 @@ def hostile(rng: random.Random, i: int) -> bytes:
 
 async def test_hostile_payloads_get_exactly_one_answer_each_and_break_nothing(tmp_path):
     rng = random.Random(2026)
-    async with running_stack(tmp_path) as stack, \
+    # The durable ones are another tenant's, held to a quota of 16 tokens: those that ask for
+    # more are refused by it (its own kind of answer), and the run is not spent generating.
+    async with running_stack(tmp_path, settings={
+                "quotas.tenants": "{fuzzd: {max_tokens: 16}}"}) as stack, \
             await JetserveClient.connect(stack.url, tenant="fuzz") as client:
         nc = client.nc
         infos_before = {i["id"] for i in await discover(nc, "INFO", wait_s=0.5)}
@@ -112,14 +115,15 @@ async def test_hostile_payloads_get_exactly_one_answer_each_and_break_nothing(tm
             if i % 100 == 99:
                 await nc.flush()
         for i in range(durables):
-            await client.js.publish(f"llm.requests.fuzz.fz-{i}", hostile(rng, i))
+            await client.js.publish(f"llm.requests.fuzzd.fz-{i}", hostile(rng, i))
         for i in range(cancels):
             await nc.publish("llm.cancel.fuzz", hostile(rng, i) if i % 2 else json.dumps(
                 {"type": "cancel", "request_id": f"fz-{i}"}).encode())
         await nc.flush()
 
         async def settled() -> int:
-            info = await client.js.stream_info(RESULTS_STREAM, subjects_filter="llm.results.fuzz.>")
+            info = await client.js.stream_info(RESULTS_STREAM,
+                                               subjects_filter="llm.results.fuzzd.>")
             return info.state.messages
 
         for _ in range(600):
@@ -127,9 +131,9 @@ async def test_hostile_payloads_get_exactly_one_answer_each_and_break_nothing(tm
                 break
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)  # a second answer, were there one, would have come by now
-        info = await client.js.stream_info(RESULTS_STREAM, subjects_filter="llm.results.fuzz.>")
+        info = await client.js.stream_info(RESULTS_STREAM, subjects_filter="llm.results.fuzzd.>")
         stored = [decode_output((await client.js.get_last_msg(
-            RESULTS_STREAM, f"llm.results.fuzz.fz-{i}")).data) for i in range(durables)]
+            RESULTS_STREAM, f"llm.results.fuzzd.fz-{i}")).data) for i in range(durables)]
         completion = await client.generate(GenerateRequest(prompt="still fine?", max_tokens=4),
                                            timeout=30)
         infos_after = {i["id"] for i in await discover(nc, "INFO", wait_s=0.5)}
@@ -141,7 +145,9 @@ async def test_hostile_payloads_get_exactly_one_answer_each_and_break_nothing(tm
     assert not missing, f"{len(missing)} generates unanswered, e.g. {missing[:5]}"
     twice = {i: f for i, f in finals.items() if len(f) != 1}
     assert not twice, f"answered more than once: {list(twice.items())[:3]}"
-    assert info.state.subjects == {f"llm.results.fuzz.fz-{i}": 1 for i in range(durables)}
+    assert info.state.subjects == {f"llm.results.fuzzd.fz-{i}": 1 for i in range(durables)}
+    assert any(isinstance(o, Error) and "(max_tokens 16)" in o.message for o in stored)
+    assert any(isinstance(o, Completion) for o in stored)
     outputs = [f[0] for f in finals.values()] + stored
     internal = [o for o in outputs if isinstance(o, Error) and o.code == "internal"]
     assert not internal, internal[:3]

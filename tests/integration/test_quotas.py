@@ -26,7 +26,7 @@ async def stack(tmp_path_factory):
         yield s
 
 
-def long(request_id: str, max_tokens: int = 1500) -> GenerateRequest:
+def long(request_id: str, max_tokens: int = 400) -> GenerateRequest:
     return GenerateRequest(request_id=request_id, prompt_token_ids=[5, 6], max_tokens=max_tokens,
                            ignore_eos=True)
 

@@ -139,8 +139,10 @@ async def test_a_full_queue_makes_room_for_a_lighter_tenant_and_a_higher_class(t
     # The 135M shape (random weights) runs a token per few tens of milliseconds here, so the
     # busy slots stay busy for the whole test (the tiny model would finish them in a second).
     # They are priority 9, so no newcomer preempts them and the queue stays full.
+    # (Each tenant may hold the whole queue here: what is tested is the full queue's push-out,
+    # not the queue share that would otherwise refuse heavy's second request, test_quotas.py.)
     settings = {**SMALL_EXECUTOR, "scheduler.request_level.max_pending_requests": 2,
-                "model.name": "dummy:smollm2-135m"}
+                "model.name": "dummy:smollm2-135m", "quotas.default.queue_share": 1.0}
     async with running_stack(tmp_path, settings=settings) as stack:
         async with await JetserveClient.connect(stack.url, tenant="heavy") as heavy, \
                 await JetserveClient.connect(stack.url, tenant="light") as light:

@@ -117,3 +117,27 @@ def test_only_a_client_inbox_is_a_reply_subject(reply, prefix, allowed):
 ])
 def test_a_durable_subject_names_its_tenant_and_id(subject, key):
     assert Subjects("llm").durable_key(subject) == key
+
+
+@pytest.mark.parametrize("settings, error", [
+    ({"USER": "a", "TOKEN": "t"}, "one kind of credentials, not user/password and token"),
+    ({"USER": "a"}, "nats.user and nats.password"),
+    ({"PASSWORD": "p", "PASSWORD_FILE": "/f"}, "give one"),
+    ({"TLS": "{cert: c.pem}"}, "nats.tls.cert and nats.tls.key go together"),
+])
+def test_credentials_of_one_kind_whole(settings, error):
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, {f"JETSERVE_NATS__{k}": v for k, v in settings.items()})
+
+
+def test_a_password_file_is_read_at_connect_and_named_when_missing(tmp_path):
+    from shared.bus import connect_options
+
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    config = load_config(None, {"JETSERVE_NATS__USER": "svc",
+                                "JETSERVE_NATS__PASSWORD_FILE": str(secret)})
+    assert connect_options(config.nats) == {"user": "svc", "password": "s3cret"}
+    secret.unlink()
+    with pytest.raises(ConfigError, match="nats.password_file"):
+        connect_options(config.nats)
