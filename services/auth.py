@@ -98,7 +98,8 @@ class Users:
                    "permissions": tenant_permissions(state["prefix"], state["inbox_prefix"], name)}
                   for name, secret in sorted(state["tenants"].items())]
         for path, text in ((self.path, json.dumps(state, indent=1)),
-                           (self.conf, "authorization: " + json.dumps({"users": users}, indent=1))):
+                           (self.conf, "authorization: " + json.dumps({"users": users}, indent=1)),
+                           (self.dir / "service.password", state["service_password"])):
             part = path.with_suffix(".part")
             part.write_text(text + "\n")
             part.chmod(0o600)
@@ -113,8 +114,9 @@ class Users:
         return {"JETSERVE_NATS__USER": SERVICE_USER,
                 "JETSERVE_NATS__PASSWORD": self.load()["service_password"]}
 
-    def add_tenant(self, name: str) -> str:
-        """A new tenant's URL, `nats://NAME:SECRET@host:port`, after the server reloaded."""
+    def add_tenant(self, name: str, reload: bool = True) -> str:
+        """A new tenant's URL, `nats://NAME:SECRET@host:port`, after the server reloaded
+        (`reload` False: whoever runs the server reloads it)."""
         if not TENANT_PATTERN.fullmatch(name) or name == SERVICE_USER:
             raise AuthError(f"tenant {name!r} must match [A-Za-z0-9_-]{{1,64}} and not be "
                             f"{SERVICE_USER!r}")
@@ -124,17 +126,19 @@ class Users:
                             f"give it a new secret")
         state["tenants"][name] = secrets.token_urlsafe(24)
         self.save(state)
-        self.reload()
+        if reload:
+            self.reload()
         return tenant_url(state["url"], name, state["tenants"][name])
 
-    def remove_tenant(self, name: str) -> None:
+    def remove_tenant(self, name: str, reload: bool = True) -> None:
         """Revoke: the server refuses the tenant's credentials from the reload on and closes
         its open connections."""
         state = self.load()
         if state["tenants"].pop(name, None) is None:
             raise AuthError(f"no tenant {name!r} in {self.path}")
         self.save(state)
-        self.reload()
+        if reload:
+            self.reload()
 
     def reload(self) -> None:
         pid_file = self.state_dir / "nats-server.pid"
@@ -202,3 +206,44 @@ async def _quiet(_exc: Exception) -> None:
 def tenant_url(url: str, name: str, secret: str) -> str:
     scheme, rest = url.split("://", 1)
     return f"{scheme}://{name}:{secret}@{rest}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.auth --state-dir DIR --url URL [--tenant NAME]... [--remove NAME]...`:
+    the users of a server someone else runs and reloads (compose.yaml's `nats-auth` runs it
+    before the server starts): made if absent, kept if present; each `--tenant` not yet there
+    added (its URL printed), each `--remove` revoked. The server's configuration includes
+    `<DIR>/auth/users.conf`; the services read their password from
+    `<DIR>/auth/service.password`."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m services.auth", description=main.__doc__)
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--url", required=True, help="the server as clients reach it")
+    parser.add_argument("--prefix", default="llm")
+    parser.add_argument("--inbox-prefix", default="_INBOX")
+    parser.add_argument("--tenant", action="append", default=[])
+    parser.add_argument("--remove", action="append", default=[])
+    args = parser.parse_args(argv)
+    users = Users(args.state_dir)
+    state = users.create(args.url, args.prefix, args.inbox_prefix)
+    try:
+        for name in args.remove:
+            users.remove_tenant(name, reload=False)
+        for name in args.tenant:
+            if name in state["tenants"]:
+                url = tenant_url(args.url, name, state["tenants"][name])
+            else:
+                url = users.add_tenant(name, reload=False)
+            print(f"tenant {name}: {url}", flush=True)
+    except AuthError as exc:
+        print(f"services.auth: {exc}", file=sys.stderr)
+        return 1
+    print(f"users in {users.conf}; a running server takes changes when reloaded (SIGHUP)",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
