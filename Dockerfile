@@ -33,7 +33,8 @@ COPY services ./services
 COPY shared ./shared
 COPY jetserve_kernels ./jetserve_kernels
 COPY loadtest ./loadtest
-RUN pip install -q -e .
+# /state: where compose's nats-auth writes the NATS users (an empty volume starts as this).
+RUN pip install -q -e . && mkdir /state && chown jetserve /state
 USER jetserve
 VOLUME ["/home/jetserve/.cache/jetserve"]
 CMD ["python", "-m", "services.admission"]

@@ -1,8 +1,10 @@
 """compose.yaml without Docker: validated against the Compose Specification's schema, then brought
-to life as host processes — a real nats-server, and each jetserve service of the file with its own
-`command` and `environment` (service host names mapped to 127.0.0.1, published ports to free
-ones) — whose healthchecks must pass, which serve a request, expose /metrics, and send their
-spans over OTLP to a collector standing in for Jaeger."""
+to life as host processes — its `nats-auth` command making the users, a real nats-server with
+deploy/nats-server.conf, and each jetserve service of the file with its own `command` and
+`environment` (service host names mapped to 127.0.0.1, published ports to free ones, the
+`auth-state` volume to a folder) — whose healthchecks must pass, which serve a tenant's request
+(and refuse a connection without credentials), expose /metrics, and send their spans over OTLP
+to a collector standing in for Jaeger."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nats
+import nats.errors
 import pytest
 import yaml
 
@@ -65,14 +69,16 @@ def test_compose_file_follows_the_compose_specification():
     assert jobs["jetserve-executor"]["dns_sd_configs"][0]["names"] == ["executor", "executor-gpu"]
 
 
-def host_env(environment: dict, hosts: dict[str, int], kind: str, metrics_port: int) -> dict:
-    """The service's compose environment with `name:port` of compose services made local."""
+def host_env(environment: dict, hosts: dict[str, int], kind: str, metrics_port: int,
+             state: Path) -> dict:
+    """The service's compose environment with `name:port` of compose services made local, and
+    the `auth-state` volume (/state) a folder."""
     env = {}
     for key, raw in environment.items():
         text = str(raw)
         for host, port in hosts.items():
             text = re.sub(rf"//{host}:\d+", f"//127.0.0.1:{port}", text)
-        env[key] = text
+        env[key] = re.sub(r"^/state/", f"{state}/", text)
     return {**os.environ, **env, "PYTHONUNBUFFERED": "1",
             f"JETSERVE_MONITORING__METRICS_PORT__{kind.upper()}": str(metrics_port)}
 
@@ -85,10 +91,25 @@ async def test_compose_services_run_as_host_processes(tmp_path):
     collector = OtlpReceiver()  # standing in for Jaeger's OTLP/HTTP port
     hosts = {"nats": nats_port, "jaeger": collector.port}
     ports = {kind: free_port() for kind in JETSERVE}
-    envs = {kind: host_env(services[kind]["environment"], hosts, kind, ports[kind])
+    # The server's configuration beside the users nats-auth makes (as compose mounts them).
+    etc = tmp_path / "etc"
+    state = etc / "state"
+    auth = services["nats-auth"]["command"]
+    assert auth[:3] == ["python", "-m", "services.auth"]
+    auth = [str(state) if arg == "/state" else
+            arg.replace("//localhost:4222", f"//127.0.0.1:{nats_port}") for arg in auth]
+    made = subprocess.run([sys.executable, *auth[1:]], capture_output=True, text=True, cwd=ROOT)
+    assert made.returncode == 0, made.stderr
+    tenant_url = made.stdout.split("tenant default: ")[1].split()[0]
+    conf = (ROOT / "deploy" / "nats-server.conf").read_text()
+    conf = conf.replace("port: 4222", f"port: {nats_port}").replace(
+        "http_port: 8222", f"http_port: {free_port()}").replace(
+        "store_dir: /data", f"store_dir: {tmp_path / 'nats'}")
+    (etc / "nats-server.conf").write_text(conf)
+    envs = {kind: host_env(services[kind]["environment"], hosts, kind, ports[kind], state)
             for kind in JETSERVE}
-    processes = [subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port),
-                                   "-js", "-sd", str(tmp_path / "nats")],
+    processes = [subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1",
+                                   "-c", str(etc / "nats-server.conf")],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     logs = {kind: open(tmp_path / f"{kind}.log", "wb") for kind in JETSERVE}
     try:
@@ -112,8 +133,13 @@ async def test_compose_services_run_as_host_processes(tmp_path):
                 await asyncio.sleep(0.5)
             assert probe.returncode == 0, (kind, probe.stderr)
 
-        async with await JetserveClient.connect(f"nats://127.0.0.1:{nats_port}",
-                                                tenant="compose") as client:
+        with pytest.raises(nats.errors.Error):  # no credentials, no connection
+            await nats.connect(f"nats://127.0.0.1:{nats_port}", allow_reconnect=False,
+                               max_reconnect_attempts=0)
+        service = await nats.connect(f"nats://127.0.0.1:{nats_port}", user="jetserve",
+                                     password=(state / "auth" / "service.password").read_text()
+                                     .strip())
+        async with await JetserveClient.connect(tenant_url, tenant="default") as client:
             for _ in range(100):  # healthy executor, then the batcher hears its heartbeat
                 completion = await client.generate(GenerateRequest(
                     request_id="compose-1", prompt="The capital of France is", max_tokens=8,
@@ -125,13 +151,14 @@ async def test_compose_services_run_as_host_processes(tmp_path):
             assert completion.usage.completion_tokens == 8
             # Started without --name, the executor named itself after its host (a container's
             # hostname is unique per replica, so `--scale executor=3` gives three names).
-            reply = await client.nc.request(Subjects("llm").batcher_executors, b"", timeout=5)
+            reply = await service.request(Subjects("llm").batcher_executors, b"", timeout=5)
+            await service.close()
             [name] = json.loads(reply.data)
             assert name.startswith(f"executor-{socket.gethostname()}-")
             assert completion.scheduling.executor == name
 
         admission = await scrape(ports["admission"])
-        assert value(admission, "jetserve:admitted_requests_total", tenant="compose") >= 1
+        assert value(admission, "jetserve:admitted_requests_total", tenant="default") >= 1
         executor = await scrape(ports["executor"])
         assert value(executor, "jetserve:request_success_total", finished_reason="length") == 1
         assert (await scrape(ports["batcher"]))[("jetserve:executors_alive", ())] == 1

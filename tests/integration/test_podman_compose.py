@@ -1,6 +1,8 @@
 """compose.yaml in real containers: the images built with podman (deploy/local/build.sh), the
 stack brought up by podman-compose with deploy/local/compose.podman.yaml (stand-ins for the
-third-party images) and two executors; a request from the host completes on each, every
+third-party images) and two executors, NATS with the users compose's `nats-auth` made; a
+tenant's request from the host completes on each (a connection without credentials is refused),
+every
 healthcheck passes, Prometheus scrapes every replica, one request's spans from all four services
 reach the trace stand-in, a durable request outlives its executor's SIGKILL, and `down` stops
 everything within its bound. Skips, saying why, where podman is not set up
@@ -17,9 +19,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nats
+import nats.errors
 import nats.js.errors
 import pytest
 
+from services.auth import SERVICE_USER, tenant_url
 from shared.bus import discover
 from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest
@@ -150,11 +155,26 @@ def containers(project: str) -> dict[str, str]:
     return dict(line.split() for line in listing.stdout.splitlines() if line.strip())
 
 
+def users(project: str) -> dict:
+    """What `nats-auth` made in the project's `auth-state` volume (services/auth.py)."""
+    volume = inspect_volume(f"{project}_auth-state", "{{.Mountpoint}}")
+    return json.loads((Path(volume) / "auth" / "users.json").read_text())
+
+
+def inspect_volume(volume: str, template: str) -> str:
+    return run("podman", "volume", "inspect", "--format", template, volume).stdout.strip()
+
+
 async def test_the_compose_stack_runs_in_containers(stack):
     compose, project = stack
-    async with await JetserveClient.connect(NATS_URL, tenant="podman") as client:
+    made = users(project)
+    with pytest.raises(nats.errors.Error):  # no credentials, no connection
+        await nats.connect(NATS_URL, allow_reconnect=False, max_reconnect_attempts=0)
+    admin = await nats.connect(NATS_URL, user=SERVICE_USER, password=made["service_password"])
+    tenant = tenant_url(NATS_URL, "default", made["tenants"]["default"])
+    async with await JetserveClient.connect(tenant, tenant="default") as client:
         async def executors() -> list[str]:
-            reply = await client.nc.request(Subjects("llm").batcher_executors, b"", timeout=5)
+            reply = await admin.request(Subjects("llm").batcher_executors, b"", timeout=5)
             return json.loads(reply.data)
 
         deadline = time.monotonic() + 600  # the first start converts the GGUF
@@ -223,7 +243,7 @@ async def test_the_compose_stack_runs_in_containers(stack):
 
         async def holder() -> str | None:
             """The host name of the executor running a request now."""
-            for answer in await discover(client.nc, "STATS", "executor", wait_s=1.0):
+            for answer in await discover(admin, "STATS", "executor", wait_s=1.0):
                 for endpoint in answer.get("endpoints") or []:
                     if ((endpoint.get("data") or {}).get("running") or 0) > 0:
                         return answer["metadata"]["host"]
@@ -245,9 +265,9 @@ async def test_the_compose_stack_runs_in_containers(stack):
         state = await asyncio.to_thread(inspect, victim, "{{.State.Running}} {{.State.Pid}}")
         running, pid = state.split()
         assert running == "true" and int(pid) > 1, state  # never os.kill(0): the process group
-        subject = Subjects("llm").results("podman", "podman-durable")
+        subject = Subjects("llm").results("default", "podman-durable")
         with pytest.raises(nats.js.errors.NotFoundError):  # still running when it is killed
-            await client.js.get_last_msg(RESULTS_STREAM, subject)
+            await client.js.get_last_msg(RESULTS_STREAM, subject, direct=True)
         os.kill(int(pid), 9)  # the container dies with its first process
         result = await client.result("podman-durable", timeout=300)
         assert isinstance(result, Completion), result
@@ -259,6 +279,7 @@ async def test_the_compose_stack_runs_in_containers(stack):
             temperature=0.0, ignore_eos=True), timeout=300)
         assert isinstance(undisturbed, Completion), undisturbed
         assert result.token_ids == undisturbed.token_ids
+    await admin.close()
 
     # One request's spans from all four services reached the trace stand-in.
     def one_trace():
