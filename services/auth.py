@@ -177,21 +177,27 @@ def make_certificates(directory: Path) -> dict[str, str]:
     return files
 
 
-async def wait_login(url: str, accepted: bool, timeout_s: float = 10.0) -> None:
-    """Until the server at `url` accepts its credentials (or, `accepted` False, refuses them):
-    a reload takes effect a moment after the signal."""
+async def wait_login(url: str, accepted: bool, tls=None, timeout_s: float = 10.0) -> None:
+    """Until the server at `url` accepts its credentials (or, `accepted` False, refuses them:
+    an authorization error, not any failure to connect); a reload takes effect a moment after
+    the signal. `tls`: an SSLContext trusting the server."""
     import nats
+    import nats.errors
 
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
+        works = None
         try:
             nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False,
-                                    max_reconnect_attempts=0, error_cb=_quiet)
+                                    max_reconnect_attempts=0, error_cb=_quiet, tls=tls)
             await nc.close()
             works = True
+        except nats.errors.Error as exc:
+            if "authorization" in str(exc).lower():
+                works = False
         except Exception:
-            works = False
-        if works == accepted:
+            pass  # not reachable: neither
+        if works is accepted:
             return
         if asyncio.get_running_loop().time() > deadline:
             raise AuthError(f"the server did not {'take' if accepted else 'drop'} the "
@@ -227,10 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remove", action="append", default=[])
     args = parser.parse_args(argv)
     users = Users(args.state_dir)
-    state = users.create(args.url, args.prefix, args.inbox_prefix)
+    users.create(args.url, args.prefix, args.inbox_prefix)
     try:
         for name in args.remove:
             users.remove_tenant(name, reload=False)
+        state = users.load()
         for name in args.tenant:
             if name in state["tenants"]:
                 url = tenant_url(args.url, name, state["tenants"][name])

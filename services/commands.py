@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import secrets
 import signal
+import ssl
 import sys
 import urllib.parse
+from pathlib import Path
 
 import msgspec
 
@@ -79,10 +81,12 @@ async def tenant(args) -> int:
     """`jetserve tenant add|remove NAME`: the running stack's server takes the change (a reload)
     before this returns; `add` prints the URL the tenant's clients use as its last line."""
     users = Users(args.state_dir)
+    ca = Path(args.state_dir) / "tls" / "ca.pem"  # a stack run with --tls
+    tls = ssl.create_default_context(cafile=ca) if ca.exists() else None
     try:
         if args.action == "add":
             url = users.add_tenant(args.name)
-            await wait_login(url, accepted=True)
+            await wait_login(url, accepted=True, tls=tls)
             print(f"tenant {args.name} added; its clients connect with (keep it secret):",
                   file=sys.stderr)
             print(url)
@@ -90,7 +94,7 @@ async def tenant(args) -> int:
             url = tenant_url(users.load()["url"], args.name,
                              users.load()["tenants"].get(args.name, ""))
             users.remove_tenant(args.name)
-            await wait_login(url, accepted=False)
+            await wait_login(url, accepted=False, tls=tls)
             print(f"tenant {args.name} removed: its credentials are refused and its "
                   f"connections closed", file=sys.stderr)
     except AuthError as exc:

@@ -41,7 +41,14 @@ from shared.protocol import (
     service_error_headers,
 )
 from shared.metrics import counter
-from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM, Subjects, client_reply
+from shared.subjects import (
+    RESULT_HEADER,
+    REQUESTS_STREAM,
+    RESULTS_STREAM,
+    Subjects,
+    client_reply,
+    final_result,
+)
 
 log = structlog.get_logger()
 
@@ -428,20 +435,32 @@ class Outbox:
             await self.nc.publish(subject, json_encode(delta), reply=reply or "")
 
     async def store_result(self, tenant: str, request_id: str, output: Completion | Error,
-                           headers: dict[str, str] | None = None) -> None:
-        """The durable request's one final output, into LLM_RESULTS. The message id makes a second
-        result for the same request a duplicate, not a copy (qualified by tenant: ids are only
-        unique within one), inside the duplicate window; past it, the expected last sequence 0
-        (the subject must still be empty) refuses it. Either way the first result stands."""
-        try:
-            await self.js.publish(self.subjects.results(tenant, request_id), json_encode(output),
-                                  headers={**(headers or {}),
-                                           "Nats-Msg-Id": RequestKey(tenant, request_id).msg_id,
-                                           "Nats-Expected-Last-Subject-Sequence": "0"})
-        except APIError as exc:
-            if exc.err_code != WRONG_LAST_SEQUENCE:
-                raise
-            log.info("a second result was not stored", tenant=tenant, request_id=request_id)
+                           headers: dict[str, str] | None = None,
+                           retryable: bool = False) -> None:
+        """The durable request's one final output, into LLM_RESULTS, marked as its result
+        (RESULT_HEADER; `retryable`: a refusal the same id may be sent again after). Stored only
+        where the subject's last message is not a final result already: the expected last
+        sequence is that message's (0 for none), so of two results at once the first stands, and
+        a retryable refusal or a message that is no result (a reply a client aimed here) is
+        superseded rather than taken for the request's result."""
+        subject = self.subjects.results(tenant, request_id)
+        mark = f"{tenant}/{request_id}" + (" retryable" if retryable else "")
+        expected = 0
+        for _ in range(4):
+            try:
+                await self.js.publish(subject, json_encode(output), headers={
+                    **(headers or {}), RESULT_HEADER: mark,
+                    "Nats-Expected-Last-Subject-Sequence": str(expected)})
+                return
+            except APIError as exc:
+                if exc.err_code != WRONG_LAST_SEQUENCE:
+                    raise
+            last = await self.js.get_last_msg(RESULTS_STREAM, subject)
+            if final_result(last.headers, tenant, request_id):
+                log.info("a second result was not stored", tenant=tenant, request_id=request_id)
+                return
+            expected = last.seq
+        raise RuntimeError(f"the result subject {subject} kept changing; not stored")
 
     async def final(self, item: WorkItem, output: Completion | Error,
                     headers: dict[str, str] | None = None, done: bool = True) -> None:

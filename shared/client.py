@@ -8,17 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
 import nats
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import PubAck
 from nats.js.errors import APIError, NotFoundError
 
 from shared.protocol import Cancel, Completion, Delta, Error, GenerateRequest
-from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM, Subjects
+from shared.subjects import (
+    DURABLE_ID_PATTERN,
+    REQUESTS_STREAM,
+    RESULTS_STREAM,
+    Subjects,
+    final_result,
+    retryable_result,
+)
 
 Output = Delta | Completion | Error
 _decode_output = msgspec.json.Decoder(Output).decode
@@ -66,6 +75,7 @@ class JetserveClient:
         self.js = nc.jetstream()
         self.tenant = tenant
         self.subjects = Subjects(prefix)
+        self.submitted: dict[str, float] = {}  # durable ids submitted here -> when (wall clock)
 
     @classmethod
     async def connect(cls, url: str, tenant: str = "default", prefix: str = "llm",
@@ -142,16 +152,19 @@ class JetserveClient:
         is still waiting or running (`stream` LLM_REQUESTS, `seq` 0: JetStream keeps one message
         per subject and refused this one). A repeat that races its request's end is accepted,
         and admission answers it with the stored result instead of running it again."""
-        if not request.request_id:
-            raise ValueError("a durable submission needs a request_id")
+        if not request.request_id or not DURABLE_ID_PATTERN.fullmatch(request.request_id):
+            raise ValueError("a durable submission needs a request_id matching "
+                             "[A-Za-z0-9_-]{1,128} (it is a subject token)")
         try:
             stored = await self.js.get_last_msg(
                 RESULTS_STREAM, self.subjects.results(self.tenant, request.request_id),
                 direct=True)
-            return PubAck(stream=RESULTS_STREAM, seq=stored.seq, duplicate=True)
+            if final_result(stored.headers, self.tenant, request.request_id):
+                return PubAck(stream=RESULTS_STREAM, seq=stored.seq, duplicate=True)
         except NotFoundError:
             pass
         subject = self.subjects.requests(self.tenant, request.request_id)
+        self.submitted[request.request_id] = time.time() - 1.0  # (a second of clock skew)
         try:
             return await self.js.publish(subject, _encode(request))
         except APIError as exc:  # the server's words for the per-subject limit
@@ -161,18 +174,30 @@ class JetserveClient:
 
     async def result(self, request_id: str, timeout: float = 600.0) -> Completion | Error:
         """The final output of a durable request, from LLM_RESULTS (waits until it is stored):
-        its result subject is subscribed to first, then looked up in the stream, so a result
-        stored in between is not missed. Both are scoped to the subject, which is what a
+        looked up by subject (a direct get), again whenever something is published on the
+        subject and at least each second. Both are scoped to the subject, which is what a
         tenant's permissions allow (no JetStream consumer is made)."""
         subject = self.subjects.results(self.tenant, request_id)
-        sub = await self.nc.subscribe(subject, max_msgs=1)
+        sub = await self.nc.subscribe(subject)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
-            try:
-                stored = await self.js.get_last_msg(RESULTS_STREAM, subject, direct=True)
-                return _decode_output(stored.data)
-            except NotFoundError:
-                msg = await sub.next_msg(timeout=timeout)
-                return _decode_output(msg.data)
+            while True:
+                # Only what the stream stored: a subscriber can see a result before it is
+                # stored (or one the stream refused), and one published just before the
+                # subscription, before it was stored, is found by the next look (each second).
+                with contextlib.suppress(NotFoundError):
+                    stored = await self.js.get_last_msg(RESULTS_STREAM, subject, direct=True)
+                    if final_result(stored.headers, self.tenant, request_id) or (
+                            retryable_result(stored.headers, self.tenant, request_id)
+                            and (stored.time.timestamp() if stored.time else 0)
+                            >= self.submitted.get(request_id, 0)):
+                        return _decode_output(stored.data)  # (a refusal of an earlier try: no)
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise NatsTimeoutError
+                with contextlib.suppress(NatsTimeoutError):
+                    await sub.next_msg(timeout=min(1.0, left))  # something came: look again
         finally:
             with contextlib.suppress(NatsError):
                 await sub.unsubscribe()

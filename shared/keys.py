@@ -16,9 +16,3 @@ class RequestKey(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.tenant}/{self.request_id}"
-
-    @property
-    def msg_id(self) -> str:
-        """The JetStream message id its result is stored under (ids are deduplicated per
-        stream, so the tenant is part of it)."""
-        return f"{self.tenant}.{self.request_id}"

@@ -18,6 +18,24 @@ TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 DURABLE_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
+# Every result the services store says whose it is: `<tenant>/<request_id>`, and ` retryable`
+# after it for a refusal the same id may be sent again after. A message on a result subject
+# without it is not a result: JetStream answers a client's publish or direct get on whatever
+# reply subject the client names, and a stream captures that answer like any message.
+RESULT_HEADER = "Jetserve-Result"
+
+
+def final_result(headers: dict[str, str] | None, tenant: str, request_id: str) -> bool:
+    """Whether a message stored on `llm.results.<tenant>.<request_id>` is that request's final
+    result (not a retryable refusal, not something else a reply put there)."""
+    return (headers or {}).get(RESULT_HEADER) == f"{tenant}/{request_id}"
+
+
+def retryable_result(headers: dict[str, str] | None, tenant: str, request_id: str) -> bool:
+    """Whether it is a refusal of the request the same id may be sent again after."""
+    return (headers or {}).get(RESULT_HEADER) == f"{tenant}/{request_id} retryable"
+
+
 def client_reply(subject: str, inbox_prefix: str) -> bool:
     """Whether a request's reply subject may carry its answers: a subject under the clients'
     inbox prefix (`nats.client_inbox_prefix`), with no wildcard. Never a subject under

@@ -78,6 +78,7 @@ from shared.subjects import (
     RESULTS_STREAM,
     TENANT_PATTERN,
     Subjects,
+    final_result,
 )
 from shared.telemetry import SpanKind, carrier_of, context_from
 
@@ -90,6 +91,9 @@ _item = decoder(WorkItem)
 _backpressure = decoder(Backpressure)
 DURABLE_FETCH_BATCH = 64
 ADMIT_WORKERS = 256  # generate requests being admitted at once
+# A durable request put back for later counts toward its tenant's durable backlog this long at
+# most (it comes back within seconds; past this it went to another admission).
+DELAYED_FOR_S = 60.0
 INTAKE_CAPACITY = 4096  # generate requests waiting to be admitted (services/admission/intake.py)
 TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
 # A result's bytes besides its tokens' text and ids: ids, usage, metrics, scheduling, model.
@@ -122,8 +126,8 @@ class Admission:
         # The durable backlog LLM_REQUESTS holds, which tenants share (quotas durable_share).
         self.durable_backlog = config.scheduler.request_level.max_pending_requests
         # tenant -> ids of its durable requests put back for later by a quota (still in
-        # LLM_REQUESTS, not held here); tenants with none are not kept
-        self.delayed: dict[str, set[str]] = {}
+        # LLM_REQUESTS, not held here), and when; tenants with none are not kept
+        self.delayed: dict[str, dict[str, float]] = {}
         self.in_admission: dict[str, int] = {}  # tenant -> its requests being admitted now
         # Every request handed to priority and not yet ended, and who last reported holding it.
         self.ledger = Ledger(config.distributed.heartbeat_timeout_s,
@@ -132,7 +136,7 @@ class Admission:
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
                            resumed_tokens=0, generates_handed_on=0, refused_at_once=0,
-                           submits_timed_out=0, reply_refused=0)
+                           submits_timed_out=0, reply_refused=0, no_reply=0)
         self.errors_by_code: dict[str, int] = {}
         self.failures: dict[RequestKey, int] = {}  # durable requests admission failed on
         self.tasks: list[asyncio.Task] = []
@@ -288,10 +292,10 @@ class Admission:
         return request
 
     def check_rate(self, tenant: str, tokens: int, quota: TenantQuota) -> None:
-        if tokens > quota.burst_tokens:
-            raise ProtocolError("rate_limited", f"the request may use {tokens} tokens (prompt + "
-                                f"`max_tokens`), more than the burst {quota.burst_tokens} "
-                                f"(quotas burst_tokens)")
+        if tokens > quota.burst_tokens:  # it never would fit
+            raise ProtocolError("invalid_request", f"the request may use {tokens} tokens "
+                                f"(prompt + `max_tokens`), more than the burst "
+                                f"{quota.burst_tokens} (quotas burst_tokens)")
         wait_s = self.buckets.take(tenant, tokens, quota.tokens_per_s, quota.burst_tokens)
         if wait_s:
             raise ProtocolError("rate_limited", f"tenant {tenant!r} is over "
@@ -405,6 +409,9 @@ class Admission:
         # them, and nats-py's micro Request does not expose it.
         msg = request._msg
         tenant = self.subjects.tenant_of(msg.subject)
+        if not msg.reply:  # nobody to answer: not run (nor counted against any quota)
+            self.counts["no_reply"] += 1
+            return
         if not TENANT_PATTERN.fullmatch(tenant):  # not a line of its own in the intake
             await self.refuse(msg, tenant, Error(
                 request_id=None, code="invalid_request",
@@ -545,11 +552,14 @@ class Admission:
         if self.ledger.adopt(key, msg):  # a service still reports it: not run a second time
             self.counts["durable_adopted"] += 1
             return
-        if not delayed and (share := self.over_durable_share(tenant)) is not None:
+        # The share is a newcomer's test: a request accepted before (delivered again after a
+        # restart or a hand-back) is not refused now for what came after it.
+        if (not delayed and msg.metadata.num_delivered == 1
+                and (share := self.over_durable_share(tenant)) is not None):
             self.count_error("rate_limited", tenant)
             await self.outbox.store_result(tenant, claimed_id, Error(
                 request_id=claimed_id, code="rate_limited", message=share,
-                retry_after_ms=QUOTA_RETRY_MS))
+                retry_after_ms=QUOTA_RETRY_MS), retryable=True)
             await msg.ack()  # its place in LLM_REQUESTS is free again
             return
         with self.tracer.start_as_current_span(
@@ -613,13 +623,11 @@ class Admission:
         again; whether it had been put back. Such requests hold their place in the durable
         backlog as much as admitted ones do."""
         ids = self.delayed.get(key.tenant)
-        was = ids is not None and key.request_id in ids
+        was = ids is not None and ids.pop(key.request_id, None) is not None
         if put_back:
-            self.delayed.setdefault(key.tenant, set()).add(key.request_id)
-        elif was:
-            ids.discard(key.request_id)
-            if not ids:
-                del self.delayed[key.tenant]
+            self.delayed.setdefault(key.tenant, {})[key.request_id] = time.monotonic()
+        elif ids is not None and not ids:
+            del self.delayed[key.tenant]
         return was
 
     def over_durable_share(self, tenant: str) -> str | None:
@@ -629,7 +637,11 @@ class Admission:
         if quota.durable_share >= 1:  # the whole backlog: JetStream's own limit
             return None
         most = max(1, int(quota.durable_share * self.durable_backlog))
-        backlog = self.ledger.watching(tenant)[1] + len(self.delayed.get(tenant, ()))
+        ids = self.delayed.get(tenant, {})
+        # One put back long ago went to another admission (or was removed): not counted.
+        for request_id in [i for i, at in ids.items() if time.monotonic() - at > DELAYED_FOR_S]:
+            del ids[request_id]
+        backlog = self.ledger.watching(tenant)[1] + len(ids)
         if backlog < most:
             return None
         return (f"tenant {tenant!r} has {backlog} durable requests admitted or waiting their "
@@ -651,7 +663,7 @@ class Admission:
                     f"durable requests are published on "
                     f"{self.subjects.requests(tenant, request_id)} (protocol v2; "
                     f"{msg.subject} was v1's): the subject is the request's key, so one "
-                    f"tenant's ids never collide with another's")))
+                    f"tenant's ids never collide with another's")), retryable=True)
             await msg.ack()
             return
         log.warning("durable request without a valid tenant or request id dropped",
@@ -659,11 +671,14 @@ class Admission:
         await msg.term()
 
     async def has_result(self, tenant: str, request_id: str) -> bool:
+        """Whether the request has its final result stored (a retryable refusal, or a message
+        that is no result, does not count: shared.subjects.final_result)."""
         try:
-            await self.js.get_last_msg(RESULTS_STREAM, self.subjects.results(tenant, request_id))
+            last = await self.js.get_last_msg(RESULTS_STREAM,
+                                              self.subjects.results(tenant, request_id))
         except NotFoundError:
             return False
-        return True
+        return final_result(last.headers, tenant, request_id)
 
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)

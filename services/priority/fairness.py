@@ -29,13 +29,15 @@ class TenantCounters:
     def active(self) -> set[str]:
         return self.running.union(self.backlog)
 
-    def forget_idle(self) -> int:
+    def forget_idle(self, busy: set[str] = frozenset()) -> int:
         """Drop the counters of idle tenants that are no further ahead than the least-served
         active one (with nobody active: all of them), and return how many went. Nothing about
         the order changes: such a tenant, active again, would start at that floor anyway (with
         nobody active, at the highest counter, which is kept). So the counters follow the
-        tenants active lately and those still paying off a lead, not every tenant ever seen."""
-        active = self.active()
+        tenants active lately and those still paying off a lead, not every tenant ever seen.
+        `busy`: tenants whose dispatched requests have not ended, though no executor has
+        reported them yet (a Done will correct their counter: it must still be there)."""
+        active = self.active() | busy
         floor = min((self.counters.get(t, 0.0) for t in active), default=math.inf)
         idle = [t for t, c in self.counters.items() if c <= floor and t not in active]
         for tenant in idle:

@@ -202,7 +202,7 @@ class PriorityService:
         """Class SLO feedback: one step of the class weights; and idle tenants' fairness
         counters forgotten (an O(tenants) sweep, so once a feedback interval, not a request)."""
         self.scheduler.class_weights.update(time.time())
-        self.scheduler.counters.forget_idle()
+        self.scheduler.counters.forget_idle(busy={key.tenant for key in self.scheduler.charges})
 
     async def on_submit(self, request: Request) -> None:
         item = _item.decode(request.data)

@@ -58,7 +58,7 @@ async def test_a_given_seed_and_id_are_kept(admission):
     ("t", dict(messages=[{"role": "user", "content": "y" * 200_000}]), None, "prompt_too_long",
      "no token is longer than 81 characters"),
     ("t", dict(prompt_token_ids=[1, 10**6]), None, "invalid_request", "vocab size"),
-    ("t", dict(prompt="x", max_tokens=500), None, "rate_limited", "more than the burst 300"),
+    ("t", dict(prompt="x", max_tokens=500), None, "invalid_request", "more than the burst 300"),
     # A tenant's quota of shape (here `capped`'s); the default allows 64 stop strings.
     ("t", dict(prompt="x", stop=["s"] * 10_000), None, "invalid_request", "(max_stop 64)"),
     ("capped", dict(prompt="x", max_tokens=9), None, "invalid_request", "(max_tokens 8)"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import msgspec
@@ -403,3 +404,30 @@ async def test_a_reply_subject_outside_the_client_inbox_gets_nothing(client, sta
         await bob.submit(GenerateRequest(request_id="stolen-1", prompt="mine", max_tokens=2))
         result = await bob.result("stolen-1", timeout=30)
     assert isinstance(result, Completion) and len(result.token_ids) == 2, result
+
+
+async def test_an_answer_jetstream_stores_on_a_result_subject_is_not_taken_for_that_result(
+        client, stack):
+    """JetStream answers a publish on whatever reply subject the publisher names, and a stream
+    captures that answer like any message: acme's durable submission with reply
+    llm.results.bob.<id> stores its PubAck there (permissions do not stop it). It is no result
+    (services mark theirs): bob's request of that id is not a duplicate, it runs, and its
+    Completion is stored after the PubAck and is what bob reads."""
+    target = "llm.results.bob.inject-1"
+    body = msgspec.json.encode({"type": "generate", "prompt": "hi", "max_tokens": 2})
+    await client.nc.publish("llm.requests.acme.inject-src", body, reply=target)
+    for _ in range(100):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await client.js.get_last_msg(RESULTS_STREAM, target)
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the PubAck was not stored: the premise no longer holds")
+    async with await JetserveClient.connect(stack.url, tenant="bob") as bob:
+        ack = await bob.submit(GenerateRequest(request_id="inject-1", prompt="mine",
+                                               max_tokens=3))
+        result = await bob.result("inject-1", timeout=30)
+    assert not ack.duplicate
+    assert isinstance(result, Completion) and len(result.token_ids) == 3, result
+    info = await client.js.stream_info(RESULTS_STREAM, subjects_filter=target)
+    assert info.state.subjects == {target: 2}  # the PubAck, then bob's result

@@ -65,10 +65,14 @@ async def test_past_its_share_of_the_durable_backlog_a_tenant_is_rate_limited(st
         mine = await light.result("mine", timeout=120)
         kept = await asyncio.gather(*(heavy.result(f"h{i}", timeout=120)
                                       for i in range(QUEUE // 2)))
+        # A refusal by the share is retryable: the same id, sent again, runs.
+        again = await heavy.submit(long(f"h{QUEUE - 1}", 10))
+        retried = await heavy.result(f"h{QUEUE - 1}", timeout=120)
     assert all(isinstance(r, Error) and r.code == "rate_limited" and r.retry_after_ms == 1000.0
                and "durable_share 0.5" in r.message for r in results), results
     assert all(isinstance(r, Completion) for r in kept), kept
     assert isinstance(mine, Completion) and len(mine.token_ids) == 20
+    assert not again.duplicate and isinstance(retried, Completion), retried
 
 
 async def test_a_request_with_ten_thousand_stop_strings_is_refused_not_run(stack):
