@@ -30,6 +30,7 @@ from shared.subjects import (
 )
 
 Output = Delta | Completion | Error
+SUBMITTED_KEPT = 100_000  # durable ids whose submission time a client keeps (see `result`)
 _decode_output = msgspec.json.Decoder(Output).decode
 _encode = msgspec.json.Encoder().encode
 
@@ -165,6 +166,8 @@ class JetserveClient:
             pass
         subject = self.subjects.requests(self.tenant, request.request_id)
         self.submitted[request.request_id] = time.time() - 1.0  # (a second of clock skew)
+        if len(self.submitted) > SUBMITTED_KEPT:  # ids never asked for their result: the oldest
+            del self.submitted[next(iter(self.submitted))]
         try:
             return await self.js.publish(subject, _encode(request))
         except APIError as exc:  # the server's words for the per-subject limit
@@ -192,6 +195,7 @@ class JetserveClient:
                             retryable_result(stored.headers, self.tenant, request_id)
                             and (stored.time.timestamp() if stored.time else 0)
                             >= self.submitted.get(request_id, 0)):
+                        self.submitted.pop(request_id, None)
                         return _decode_output(stored.data)  # (a refusal of an earlier try: no)
                 left = deadline - loop.time()
                 if left <= 0:
