@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import socket
-import ssl
 import sys
 import tempfile
 from collections import Counter
@@ -18,8 +17,8 @@ from pathlib import Path
 import msgspec
 import nats
 
-from services.auth import SERVICE_USER, Users, make_certificates
-from shared.bus import discover
+from services.auth import Users, make_certificates
+from shared.bus import connect_options, discover
 from shared.config import env_overrides, load_config
 from shared.subjects import Subjects
 
@@ -190,13 +189,9 @@ class Stack:
                 await nc.close()
 
     def service_login(self) -> dict:
-        """nats-py's options to connect as the services do: their user, the local CA."""
-        options: dict = {}
-        if self.users:
-            options.update(user=SERVICE_USER, password=self.users.load()["service_password"])
-        if self.tls:
-            options["tls"] = ssl.create_default_context(cafile=self.tls["ca"])
-        return options
+        """nats-py's options to connect as the services do (their user, the local CA): what
+        their environment configures."""
+        return connect_options(load_config(self.config_path, self._env()).nats)
 
     def _check_alive(self) -> None:
         for name, process in self.processes.items():
