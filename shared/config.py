@@ -274,6 +274,12 @@ class TenantQuota(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     durable_share: Portion = 0.5
 
 
+def share_limit(share: float, capacity: int) -> int | None:
+    """How many of `capacity` places a share gives one tenant; None for the whole (a share of
+    everything is no limit of its own: the capacity's own rules decide)."""
+    return None if share >= 1 else max(1, int(share * capacity))
+
+
 class QuotasSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True):
     default: TenantQuota = msgspec.field(default_factory=TenantQuota)
     # tenant -> the keys of `default` it has otherwise, e.g. {acme: {max_concurrent_requests: 8}}

@@ -48,7 +48,7 @@ from shared.bus import (
     service_main,
     while_connected,
 )
-from shared.config import JetserveConfig, TenantQuota
+from shared.config import JetserveConfig, TenantQuota, share_limit
 from shared.keys import RequestKey
 from shared.messages import (
     DISPATCH_BYTES,
@@ -634,9 +634,9 @@ class Admission:
         """Why a new durable request of `tenant` is refused by its share of the durable backlog
         (its durable requests held here or put back for later), if it is."""
         quota = self.quotas.of(tenant)
-        if quota.durable_share >= 1:  # the whole backlog: JetStream's own limit
+        most = share_limit(quota.durable_share, self.durable_backlog)
+        if most is None:  # the whole backlog: JetStream's own limit
             return None
-        most = max(1, int(quota.durable_share * self.durable_backlog))
         ids = self.delayed.get(tenant, {})
         # One put back long ago went to another admission (or was removed): not counted.
         for request_id in [i for i, at in ids.items() if time.monotonic() - at > DELAYED_FOR_S]:

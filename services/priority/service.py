@@ -28,7 +28,7 @@ from shared.bus import (
     while_connected,
 )
 from shared.cancels import RecentCancels
-from shared.config import JetserveConfig
+from shared.config import JetserveConfig, share_limit
 from shared.messages import (
     Backpressure,
     Done,
@@ -241,10 +241,8 @@ class PriorityService:
         """Why a new request of `tenant` is refused by its queue share, if it is (a share of
         the whole queue is none: a full queue's push-out decides)."""
         quota = self.quotas.of(tenant)
-        if quota.queue_share >= 1:
-            return None
-        most = max(1, int(quota.queue_share * self.queue.capacity))
-        if self.scheduler.counters.backlog.get(tenant, 0) < most:
+        most = share_limit(quota.queue_share, self.queue.capacity)
+        if most is None or self.scheduler.counters.backlog.get(tenant, 0) < most:
             return None
         return (f"tenant {tenant!r} has {most} requests waiting, its share of the waiting queue "
                 f"(quotas queue_share {quota.queue_share:g} of max_pending_requests "
