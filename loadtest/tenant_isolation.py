@@ -3,10 +3,16 @@ tenant streams requests one after another (TTFT and TPOT measured from its delta
 then beside each disturbance, in one run set on one stack per disturbance:
 
 - `cancel-flood`: 100,000 cancels on 100,000 distinct tenant names, spread over the steady
-  tenant's run (priority and every executor read each one);
+  tenant's run (admission reads each one, and passes on none: none is of a request in flight);
 - `quota-flood`: a tenant keeping `--flood-concurrency` generates in flight, far past its
   concurrency quota (`--flood-quota`, set for that tenant only) and its share of the queue; its
-  excess is refused `rate_limited`, which the run counts, with every other outcome.
+  excess is refused `rate_limited`, which the run counts, with every other outcome;
+- `at-quota`: the same tenant keeping exactly `--flood-quota` generates in flight, so nothing is
+  refused: what sharing the engine with its quota's worth of requests costs, against which the
+  flood's excess is measured.
+
+Each disturbance runs in a process of its own (as another tenant's client would), so the steady
+tenant's event loop measures only the service.
 
     python -m loadtest.tenant_isolation --result-json results/tenant_isolation.json
 """
@@ -15,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
+import sys
 import time
 
 from loadtest.metrics import percentile, write_result
@@ -27,10 +35,10 @@ from shared.protocol import Completion, Delta, Error, GenerateRequest
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-async def steady(client: JetserveClient, args) -> dict:
-    """The steady tenant's requests, one at a time: TTFT and TPOT p50/p90 (ms)."""
-    ttfts, tpots = [], []
-    for i in range(args.requests):
+async def steady(client: JetserveClient, args, count: int, samples: dict) -> None:
+    """`count` of the steady tenant's requests, one at a time: TTFT and TPOT (ms) added to
+    `samples`."""
+    for _ in range(count):
         request = GenerateRequest(prompt=PROMPT, max_tokens=args.max_tokens, temperature=0.0,
                                   ignore_eos=True, request_id=f"steady-{time.monotonic_ns()}")
         start = time.perf_counter()
@@ -44,23 +52,26 @@ async def steady(client: JetserveClient, args) -> dict:
                 tokens += len(out.token_ids)
             elif not isinstance(out, Completion):
                 raise RuntimeError(f"the steady tenant's request failed: {out}")
-        ttfts.append(1e3 * (first - start))
+        samples["ttft"].append(1e3 * (first - start))
         if tokens > 1:
-            tpots.append(1e3 * (last - first) / (tokens - 1))
-    return {"requests": len(ttfts),
-            **{f"ttft_p{q}_ms": round(percentile(ttfts, q), 1) for q in (50, 90)},
-            **{f"tpot_p{q}_ms": round(percentile(tpots, q), 2) for q in (50, 90)}}
+            samples["tpot"].append(1e3 * (last - first) / (tokens - 1))
+
+
+def summary(samples: dict) -> dict:
+    return {"requests": len(samples["ttft"]),
+            **{f"ttft_p{q}_ms": round(percentile(samples["ttft"], q), 1) for q in (50, 90)},
+            **{f"tpot_p{q}_ms": round(percentile(samples["tpot"], q), 2) for q in (50, 90)}}
 
 
 async def cancel_flood(url: str, count: int, over_s: float, stop: asyncio.Event) -> dict:
     """`count` cancels on as many tenant names, spread evenly over `over_s` seconds."""
     client = await JetserveClient.connect(url, tenant="flooder")
-    sent, batch = 0, 500
+    sent, batch, run = 0, 500, os.getpid()  # tenant names distinct across rounds too
     start = time.monotonic()
     try:
         while sent < count and not stop.is_set():
             for _ in range(min(batch, count - sent)):
-                await client.nc.publish(f"llm.cancel.flood-{sent}",
+                await client.nc.publish(f"llm.cancel.flood-{run}-{sent}",
                                         b'{"type":"cancel","request_id":"x"}')
                 sent += 1
             await client.nc.flush()
@@ -93,27 +104,57 @@ async def quota_flood(url: str, concurrency: int, stop: asyncio.Event) -> dict:
     return outcomes
 
 
+async def disturb(args) -> None:
+    """The disturbance process: runs until its stdin closes, then prints its outcome (JSON)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def closed() -> None:  # nothing is written to stdin: readable means closed
+        loop.remove_reader(sys.stdin.fileno())
+        stop.set()
+
+    loop.add_reader(sys.stdin.fileno(), closed)
+    if args.disturb == "cancel-flood":
+        outcome = await cancel_flood(args.url, args.cancels, args.over_s, stop)
+    else:
+        outcome = await quota_flood(args.url, args.flood_quota if args.disturb == "at-quota"
+                                    else args.flood_concurrency, stop)
+    print(json.dumps(outcome), flush=True)
+
+
 async def one_set(args, disturbance: str) -> dict:
     settings = {**({"quotas.tenants": f"{{flood: {{max_concurrent_requests: {args.flood_quota}}}}}"}
-                   if disturbance == "quota-flood" else {}),
+                   if disturbance != "cancel-flood" else {}),
                 **{f"monitoring.metrics_port.{k}": 0
                    for k in ("admission", "priority", "batcher", "executor")}}
     if args.model:
         settings["model.name"] = args.model
+    alone, beside = {"ttft": [], "tpot": []}, {"ttft": [], "tpot": []}
+    outcomes: dict[str, int] = {}
+    per_round = -(-args.requests // args.rounds)
     async with temporary_stack(settings=settings) as stack:
         async with await JetserveClient.connect(stack.url, tenant="steady") as client:
-            await steady(client, argparse.Namespace(**{**vars(args), "requests": 3}))  # warm
-            started = time.monotonic()
-            alone = await steady(client, args)
-            took = time.monotonic() - started
-            stop = asyncio.Event()
-            flood = asyncio.create_task(
-                cancel_flood(stack.url, args.cancels, took, stop) if disturbance ==
-                "cancel-flood" else quota_flood(stack.url, args.flood_concurrency, stop))
-            await asyncio.sleep(1.0)  # the disturbance under way first
-            beside = await steady(client, args)
-            stop.set()
-            disturbed = await flood
+            await steady(client, args, 3, {"ttft": [], "tpot": []})  # warm
+            # Rounds of alone, then beside the disturbance: the two sample the same stretch of
+            # the machine's time (a shared host's speed drifts).
+            for _ in range(args.rounds):
+                started = time.monotonic()
+                await steady(client, args, per_round, alone)
+                took = time.monotonic() - started
+                flood = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "loadtest.tenant_isolation", "--disturb", disturbance,
+                    "--url", stack.url, "--over-s", str(took),
+                    "--cancels", str(-(-args.cancels // args.rounds)),
+                    "--flood-concurrency", str(args.flood_concurrency),
+                    "--flood-quota", str(args.flood_quota),
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                await asyncio.sleep(2.0)  # the disturbance under way first
+                await steady(client, args, per_round, beside)
+                flood.stdin.close()
+                out, _ = await asyncio.wait_for(flood.communicate(), timeout=120)
+                for kind, count in json.loads(out.decode().strip().splitlines()[-1]).items():
+                    outcomes[kind] = outcomes.get(kind, 0) + count
+    alone, beside, disturbed = summary(alone), summary(beside), outcomes
     return {"disturbance": disturbance, "alone": alone, "beside": beside,
             "ttft_p50_ratio": round(beside["ttft_p50_ms"] / alone["ttft_p50_ms"], 3),
             "tpot_p50_ratio": round(beside["tpot_p50_ms"] / alone["tpot_p50_ms"], 3),
@@ -129,9 +170,19 @@ async def main(args) -> None:
         print(f"{disturbance:>12}: TTFT p50 {a['ttft_p50_ms']} -> {b['ttft_p50_ms']} ms "
               f"(x{run['ttft_p50_ratio']}), TPOT p50 {a['tpot_p50_ms']} -> {b['tpot_p50_ms']} ms "
               f"(x{run['tpot_p50_ratio']}); {run['disturbance_outcome']}", flush=True)
+    by_name = {run["disturbance"]: run for run in runs}
+    excess = None
+    if "at-quota" in by_name and "quota-flood" in by_name:
+        # The flood's excess alone: its ratio over that of the same tenant at its quota.
+        excess = {f"{m}_p50_ratio": round(by_name["quota-flood"][f"{m}_p50_ratio"]
+                                          / by_name["at-quota"][f"{m}_p50_ratio"], 3)
+                  for m in ("ttft", "tpot")}
+        print(f"quota-flood against at-quota: TTFT p50 x{excess['ttft_p50_ratio']}, "
+              f"TPOT p50 x{excess['tpot_p50_ratio']}", flush=True)
     if args.result_json:
         write_result(args.result_json, "tenant_isolation", config=vars(args),
-                     cpu=cpu_model(), cores=len(os.sched_getaffinity(0)), runs=runs)
+                     cpu=cpu_model(), cores=len(os.sched_getaffinity(0)), runs=runs,
+                     flood_excess=excess)
 
 
 def cpu_model() -> str:
@@ -146,9 +197,12 @@ def cpu_model() -> str:
 def parse(argv=None):
     parser = argparse.ArgumentParser(prog="python -m loadtest.tenant_isolation")
     parser.add_argument("--model", default=None, help="default: the shipped one")
-    parser.add_argument("--disturbances", nargs="+", default=["cancel-flood", "quota-flood"],
-                        choices=["cancel-flood", "quota-flood"])
-    parser.add_argument("--requests", type=int, default=30, help="the steady tenant's, per phase")
+    parser.add_argument("--disturbances", nargs="+", choices=DISTURBANCES,
+                        default=list(DISTURBANCES))
+    parser.add_argument("--requests", type=int, default=60,
+                        help="the steady tenant's, alone and again beside each disturbance")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alone and beside alternate, in this many rounds")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--cancels", type=int, default=100_000)
     parser.add_argument("--flood-concurrency", type=int, default=64,
@@ -156,8 +210,15 @@ def parse(argv=None):
     parser.add_argument("--flood-quota", type=int, default=2,
                         help="its quotas max_concurrent_requests")
     parser.add_argument("--result-json")
+    # The disturbance's own process (started by the run, not by hand):
+    parser.add_argument("--disturb", choices=DISTURBANCES, help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--over-s", type=float, default=30.0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+DISTURBANCES = ("cancel-flood", "at-quota", "quota-flood")
+
 if __name__ == "__main__":
-    asyncio.run(main(parse()))
+    parsed = parse()
+    asyncio.run(disturb(parsed) if parsed.disturb else main(parsed))

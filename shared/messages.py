@@ -169,6 +169,15 @@ def progress_bytes(progress: Progress) -> int:
             + 5 * len(progress.token_ids))
 
 
+class CancelRequest(msgspec.Struct, array_like=True):
+    """Admission to priority and every executor: a client cancelled this request, which is in
+    flight (waiting, or on its way to or at an executor)."""
+
+    tenant: str
+    request_id: str
+    cancelled_at: float  # admission's wall clock, as the WorkItem's arrival_time
+
+
 class Revoke(msgspec.Struct, array_like=True):
     """To every executor: drop this attempt (or an earlier one) of a durable request, without a
     result; admission handed the request on after taking its holder for dead."""

@@ -116,6 +116,12 @@ class Subjects:
         return f"{self.prefix}.internal.holding"
 
     @property
+    def cancels(self) -> str:
+        """Admission to priority and every executor: a client's cancel of a request admission
+        knows to be in flight (a cancel of anything else goes no further than admission)."""
+        return f"{self.prefix}.internal.cancel"
+
+    @property
     def revoke(self) -> str:
         """Admission to every executor: drop an attempt of a durable request handed on."""
         return f"{self.prefix}.internal.revoke"

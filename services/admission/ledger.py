@@ -55,6 +55,22 @@ class Ledger:
         # tenant -> [requests watched, durable ones among them] (tenants with none: not kept)
         self.by_tenant: dict[str, list[int]] = {}
 
+    def watches(self, key: RequestKey) -> bool:
+        return key in self.generates or key in self.held
+
+    def knows(self, key: RequestKey) -> bool:
+        """The request is in flight as far as this ledger can tell: watched here, or reported by
+        a holder within the lease (a request watched by another admission, or by this one before
+        it restarted), or the ledger is younger than a lease (its holders have not all reported
+        yet: it cannot tell)."""
+        return (key in self.generates or key in self.held or key in self.last_reported
+                or self.young)
+
+    @property
+    def young(self) -> bool:
+        """Within its first lease: not every holder has reported yet."""
+        return self.clock <= self.lease_s
+
     def watching(self, tenant: str) -> tuple[int, int]:
         """The tenant's requests watched here, and how many of them are durable."""
         counts = self.by_tenant.get(tenant)

@@ -48,11 +48,13 @@ from shared.bus import (
     service_main,
     while_connected,
 )
+from shared.cancels import RecentCancels
 from shared.config import JetserveConfig, TenantQuota, share_limit
 from shared.keys import RequestKey
 from shared.messages import (
     DISPATCH_BYTES,
     Backpressure,
+    CancelRequest,
     Done,
     Holding,
     Revoke,
@@ -68,6 +70,7 @@ from shared.protocol import (
     GenerateRequest,
     ProtocolError,
     check_nesting,
+    decode_cancel,
     decode_generate_request,
     service_error_headers,
 )
@@ -136,7 +139,11 @@ class Admission:
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
                            resumed_tokens=0, generates_handed_on=0, refused_at_once=0,
-                           submits_timed_out=0, reply_refused=0, no_reply=0)
+                           submits_timed_out=0, reply_refused=0, no_reply=0,
+                           cancels_forwarded=0, cancels_remembered=0, cancels_malformed=0)
+        # Cancels of requests not (yet) in flight: one admitted after its cancel arrived is not
+        # cancelled by it, but one being admitted when it arrived is (shared/cancels.py).
+        self.cancels = RecentCancels()
         self.errors_by_code: dict[str, int] = {}
         self.failures: dict[RequestKey, int] = {}  # durable requests admission failed on
         self.tasks: list[asyncio.Task] = []
@@ -159,6 +166,7 @@ class Admission:
             name="generate", subject=self.subjects.generate(), handler=self.on_generate,
             on_refused=lambda msg: self.refuse_reply(self.subjects.tenant_of(msg.subject),
                                                      msg.reply))
+        await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
         await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)
         await self.nc.subscribe(self.subjects.backpressure, cb=self.on_backpressure)
@@ -203,6 +211,7 @@ class Admission:
     def stats(self) -> dict:
         return {**self.counts, "durable_held": len(self.ledger.held),
                 "generates_in_flight": len(self.ledger.generates),
+                "cancels_kept": len(self.cancels), "first_lease": self.ledger.young,
                 "intake_waiting": len(self.intake),
                 "admitting": self.admitting, "errors": self.errors_by_code,
                 "model": self.model_name}
@@ -314,8 +323,8 @@ class Admission:
                          message="the priority service is not answering (no responders)")
         return _submit_reply.decode(reply.data).error
 
-    async def submit_watched(self, item: WorkItem, msg=None,
-                             seat: list[str] | None = None) -> Error | None:
+    async def submit_watched(self, item: WorkItem, msg=None, seat: list[str] | None = None,
+                             received: float | None = None) -> Error | None:
         """`to_priority`, with the request in the ledger from before priority has it (its Done
         may come back before priority's reply does), and out of it again if priority did not
         take it (a durable one's redelivery is then admitted again). A generate without a reply
@@ -325,6 +334,9 @@ class Admission:
             item.key, encode(item), msg)
         if watched and seat is not None:
             self.release(seat)
+        if watched and self.cancels.take(item.tenant, item.request_id,
+                                         item.arrival_time if received is None else received):
+            await self.forward_cancel(item.key)  # cancelled since it arrived here
         try:
             error = await self.to_priority(item)
         except NatsTimeoutError:
@@ -378,6 +390,21 @@ class Admission:
             return
         self.backpressure_at = time.monotonic()
 
+    def over_concurrency(self, tenant: str, payload: bytes) -> Error | None:
+        """The `rate_limited` Error for a request whose tenant is at its concurrency quota as it
+        arrives (requests watched, and being admitted), or None. Decided before any other work,
+        as `admit` would after decoding and tracing it: a tenant that keeps sending past its
+        quota costs admission a lookup per request, and its refusals do not wait in the intake."""
+        limit = self.quotas.of(tenant).max_concurrent_requests
+        if limit is None:
+            return None
+        busy = self.ledger.watching(tenant)[0] + self.in_admission.get(tenant, 0)
+        if busy < limit or _decode_head(payload) is None:  # not valid: the checks name why
+            return None
+        return Error(request_id=None, code="rate_limited", retry_after_ms=QUOTA_RETRY_MS,
+                     message=f"tenant {tenant!r} has {busy} requests running or waiting, its "
+                             f"quota (max_concurrent_requests {limit})")
+
     def refused_at_once(self, tenant: str, payload: bytes) -> Error | None:
         """The `overloaded` Error for a request priority's full queue would refuse (its tenant
         holds the most of the queue, and it is of no higher class than what it would displace),
@@ -418,13 +445,18 @@ class Admission:
                 message=f"tenant {tenant!r} (the subject's last token) must match "
                         f"[A-Za-z0-9_-]{{1,64}}"))
             return
+        if (error := self.over_concurrency(tenant, msg.data)) is not None:
+            self.counts["refused_at_once"] += 1
+            await self.refuse(msg, tenant, error)
+            return
         if self.backpressure and (error := self.refused_at_once(tenant, msg.data)) is not None:
             self.counts["refused_at_once"] += 1
             await self.refuse(msg, tenant, error)
             return
-        refused = self.intake.put(tenant, msg)
+        refused = self.intake.put(tenant, (time.time(), msg))
         if refused is not None:
             self.counts["refused_at_once"] += 1
+            refused = refused[1]
             await self.refuse(refused, self.subjects.tenant_of(refused.subject), Error(
                 request_id=None, code="overloaded",
                 message=f"admission's intake is full ({INTAKE_CAPACITY} requests waiting to be "
@@ -433,10 +465,10 @@ class Admission:
     async def admit_loop(self) -> None:
         """One worker: the intake's next request (tenants in turn), admitted to its answer."""
         while True:
-            _, msg = await self.intake.get()
+            _, (received, msg) = await self.intake.get()
             self.admitting += 1
             try:
-                await self.generate(msg)
+                await self.generate(msg, received)
             except Exception as exc:  # generate answers its own errors; this is a bug
                 log.error("generate failed", error=repr(exc))
             finally:
@@ -470,7 +502,7 @@ class Admission:
         except Exception as exc:  # the connection is failing: nothing else to tell it by
             log.warning("could not answer a request's error", error=repr(exc))
 
-    async def generate(self, msg) -> None:
+    async def generate(self, msg, received: float) -> None:
         tenant = self.subjects.tenant_of(msg.subject)
         with self.tracer.start_as_current_span(
                 "admission", context=context_from(msg.headers), kind=SpanKind.SERVER,
@@ -482,7 +514,7 @@ class Admission:
                                          "prompt_tokens": item.num_prompt_tokens})
                     item.reply_to = msg.reply
                     item.trace = carrier_of(span)
-                    error = await self.submit_watched(item, seat=seat)
+                    error = await self.submit_watched(item, seat=seat, received=received)
             except ProtocolError as exc:
                 error = exc.to_error(_peek(msg.data)[0])
             except Exception as exc:  # a bug, not bad input: still an answer, never a hang
@@ -587,7 +619,9 @@ class Admission:
                 await msg.ack()
                 return
             item.trace = carrier_of(span)
-            error = await self.submit_watched(item, msg, seat)
+            # Submitted when JetStream stored it: a cancel since then applies.
+            error = await self.submit_watched(item, msg, seat,
+                                              received=msg.metadata.timestamp.timestamp())
         if error is not None:  # queue full or priority down: durable, so retry later
             self.delay(key, True)
             await msg.nak(delay=1.0)
@@ -680,6 +714,39 @@ class Admission:
             return False
         return final_result(last.headers, tenant, request_id)
 
+    # ------------------------------------------------------------------------------ cancels
+
+    async def on_cancel(self, msg) -> None:
+        """A client's cancel goes on to priority and the executors only for a request in
+        flight; any other is remembered here for one being admitted meanwhile (passed on when
+        it is watched: the cancel came after it arrived here). So a flood of
+        cancels (on random ids or tenant names) costs admission a dictionary entry each, and
+        costs nothing where the model runs."""
+        tenant = self.subjects.tenant_of(msg.subject)
+        try:
+            if not TENANT_PATTERN.fullmatch(tenant):
+                raise ProtocolError("invalid_request", "not a tenant name")
+            request_id = decode_cancel(msg.data).request_id
+        except ProtocolError:  # fire and forget: nobody to tell
+            self.counts["cancels_malformed"] += 1
+            return
+        key = RequestKey(tenant, request_id)
+        if self.ledger.watches(key):
+            await self.forward_cancel(key)
+            return
+        # Perhaps being admitted here right now: passed on when it is handed to priority.
+        self.counts["cancels_remembered"] += 1
+        self.cancels.add(tenant, request_id)
+        if self.ledger.knows(key):  # in flight, watched elsewhere (or this ledger is too young)
+            await self.forward_cancel(key)
+
+    async def forward_cancel(self, key: RequestKey) -> None:
+        """To priority and every executor, stamped now on admission's clock (the one that
+        stamped the request's arrival_time: they compare the two)."""
+        self.counts["cancels_forwarded"] += 1
+        cancel = CancelRequest(*key, time.time())
+        await _quietly(self.nc.publish(self.subjects.cancels, encode(cancel)))
+
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)
         held = self.ledger.done(done.key, done.durable)
@@ -761,8 +828,8 @@ class Admission:
 async def _quietly(ack) -> None:
     try:
         await ack
-    except Exception as exc:  # the server will redeliver anyway
-        log.warning("ack failed", error=repr(exc))
+    except Exception as exc:  # reconnecting: an ack is redelivered, a notice lost
+        log.warning("ack or notice failed", error=repr(exc))
 
 
 class _Head(msgspec.Struct):

@@ -39,6 +39,7 @@ from shared.config import JetserveConfig
 from shared.keys import RequestKey
 from shared.messages import (
     AssignReply,
+    CancelRequest,
     Heartbeat,
     KvDump,
     KvEvent,
@@ -50,7 +51,7 @@ from shared.messages import (
     tenant_entry_bytes,
 )
 from shared.metrics import Reading, StatsCollector
-from shared.protocol import Completion, Delta, Error, ProtocolError, decode_cancel
+from shared.protocol import Completion, Delta, Error, ProtocolError
 from shared.subjects import Subjects, client_reply
 from shared.telemetry import Span, carrier_of, context_from
 
@@ -58,6 +59,7 @@ log = structlog.get_logger()
 
 _item = decoder(WorkItem)
 _revoke = decoder(Revoke)
+_cancel = decoder(CancelRequest)
 _unassign = decoder(Unassign)
 UNASSIGNED_KEPT = 10_000  # withdrawn assignments remembered in case theirs arrives later
 HEARTBEAT_MIN_GAP_S = 0.005  # load changes are reported at once, but not more often than this
@@ -132,7 +134,7 @@ class ExecutorService:
                                                self.stats, self.outbox.inbox_prefix)
         await self.service.add_endpoint(name="assign", subject=self.subjects.executor_assign(
             self.name), handler=self.on_assign)
-        await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
+        await self.nc.subscribe(self.subjects.cancels, cb=self.on_cancel)
         self.gone_inbox = self.nc.new_inbox()
         await self.nc.subscribe(f"{self.gone_inbox}.*", cb=self.on_client_gone)
         await self.nc.subscribe(self.subjects.kv_dump(self.name), cb=self.on_kv_dump)
@@ -256,16 +258,14 @@ class ExecutorService:
         return AssignReply(accepted=True)
 
     async def on_cancel(self, msg) -> None:
-        tenant = self.subjects.tenant_of(msg.subject)
-        try:
-            request_id = decode_cancel(msg.data).request_id
-        except ProtocolError:
-            return
-        key = RequestKey(tenant, request_id)
+        """A client's cancel, through admission (which passes on only those of requests in
+        flight)."""
+        cancel = _cancel.decode(msg.data)
+        key = RequestKey(cancel.tenant, cancel.request_id)
         if key in self.running:
             self.engine.abort(key)
         else:
-            self.cancels.add(tenant, request_id)  # it may still be on its way here
+            self.cancels.add(*key, cancel.cancelled_at)  # it may still be on its way here
 
     async def on_revoke(self, msg) -> None:
         """Admission handed a durable request on after taking this executor for dead (it was

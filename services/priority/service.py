@@ -31,6 +31,7 @@ from shared.cancels import RecentCancels
 from shared.config import JetserveConfig, share_limit
 from shared.messages import (
     Backpressure,
+    CancelRequest,
     Done,
     Heartbeat,
     NextReply,
@@ -48,7 +49,7 @@ from shared.metrics import (
     TenantLabels,
     histogram,
 )
-from shared.protocol import QUOTA_RETRY_MS, Error, ProtocolError, decode_cancel
+from shared.protocol import QUOTA_RETRY_MS, Error
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from
 
@@ -58,6 +59,7 @@ _item = decoder(WorkItem)
 _next = decoder(NextRequest)
 _heartbeat = decoder(Heartbeat)
 _done = decoder(Done)
+_cancel = decoder(CancelRequest)
 EXPIRY_CHECK_S = 0.05  # how late a waiting request may learn that its deadline passed
 BACKPRESSURE_CHECK_S = 0.1  # how often a full queue's refused tenants are looked at
 QUEUE_WAIT = histogram("priority_queue_wait_seconds",
@@ -98,7 +100,7 @@ class PriorityService:
                                    handler=self.on_submit)
         await service.add_endpoint(name="next", subject=self.subjects.priority_next,
                                    handler=self.on_next)
-        await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
+        await self.nc.subscribe(self.subjects.cancels, cb=self.on_cancel)
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         self.service = service
@@ -328,14 +330,13 @@ class PriorityService:
         await request.respond(encode(NextReply(items=[d.item for d in dispatches])))
 
     async def on_cancel(self, msg) -> None:
-        tenant = self.subjects.tenant_of(msg.subject)
-        try:
-            cancel = decode_cancel(msg.data)
-        except ProtocolError:
-            return  # admission answers malformed cancels; nothing to do here
-        item = self.scheduler.remove(cancel.request_id, tenant)
+        """A client's cancel, through admission (which passes on only those of requests in
+        flight)."""
+        cancel = _cancel.decode(msg.data)
+        item = self.scheduler.remove(cancel.request_id, cancel.tenant)
         if item is None:
-            self.cancels.add(tenant, cancel.request_id)  # it may still be on its way here
+            # It may still be on its way here.
+            self.cancels.add(cancel.tenant, cancel.request_id, cancel.cancelled_at)
             return
         self.counts["cancelled"] += 1
         span = self.wait_spans.pop(item.key)

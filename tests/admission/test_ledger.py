@@ -163,3 +163,22 @@ def test_requests_of_two_tenants_with_one_id_are_two_requests():
     ledger.done(a, durable=False)
     assert list(ledger.generates) == [b]
     assert ("beta", "req-1") in ledger.generates  # a plain tuple from a Holding report matches
+
+
+def test_what_the_ledger_knows_to_be_in_flight_for_cancels():
+    """A cancel is passed on for a request watched here or reported by a holder within the
+    lease; in its first lease the ledger cannot tell (holders have not all reported), so it
+    knows every request."""
+    ledger = _ledger()
+    other, adopted = RequestKey("acme", "req-2"), RequestKey("acme", "elsewhere")
+    assert ledger.knows(other)  # young
+    _pass(ledger, LEASE_S + INTERVAL_S)
+    assert not ledger.knows(other) and not ledger.knows(KEY)
+    assert _watch(ledger, KEY, b"item")  # a generate watched here
+    ledger.reported([adopted])  # one an earlier admission watched, still running
+    assert ledger.knows(KEY) and ledger.knows(adopted) and not ledger.knows(other)
+    assert ledger.watches(KEY) and not ledger.watches(adopted)
+    ledger.done(KEY, durable=False)
+    _pass(ledger, LEASE_S + INTERVAL_S)
+    ledger.lost()  # forgets reports older than a lease of requests not watched
+    assert not ledger.knows(KEY) and not ledger.knows(adopted)

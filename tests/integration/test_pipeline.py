@@ -243,6 +243,58 @@ async def test_cancel_a_running_request(client):
     assert 0 < final.usage.completion_tokens < 1500
 
 
+async def test_cancels_of_requests_not_in_flight_go_no_further_than_admission(client):
+    """2,000 cancels on as many tenant names: admission remembers each (for a request being
+    admitted meanwhile) and passes none on to priority or the executors; a cancel of a running
+    request still ends it, passed on once."""
+    async def admission() -> dict:
+        return await service_stats(client, "admission")
+
+    for _ in range(150):  # past admission's first lease (until then it passes every cancel on)
+        if not (await admission())["first_lease"]:
+            break
+        await asyncio.sleep(0.2)
+    before, executor_before = await admission(), await executor_stats(client)
+    for i in range(2000):
+        await client.nc.publish(f"llm.cancel.flood-{i}", b'{"type":"cancel","request_id":"x"}')
+    final = None
+    async for output in client.stream(long_request("cancel-past-a-flood", 1500), timeout=60):
+        if isinstance(output, Delta) and final is None:
+            final = False
+            await client.cancel("cancel-past-a-flood")
+        elif isinstance(output, Completion):
+            final = output
+    assert final.finish_reason == "cancelled"
+    after = await admission()
+    assert after["cancels_remembered"] == before["cancels_remembered"] + 2000
+    assert after["cancels_forwarded"] == before["cancels_forwarded"] + 1
+    assert (await executor_stats(client))["cancelled"] == executor_before["cancelled"] + 1
+
+
+async def test_a_cancel_sent_right_behind_its_request_ends_it(client):
+    """Ten requests (a long prompt: admission takes a while over each), each cancelled the
+    moment it is sent: every one ends cancelled, whether its cancel found it being admitted
+    (remembered, and passed on as it was handed to priority) or already in flight."""
+    before = await service_stats(client, "admission")
+    prompt = "one two three four five six seven eight nine ten " * 100
+    finals = []
+    for i in range(10):
+        inbox = client.nc.new_inbox()
+        sub = await client.nc.subscribe(inbox)
+        await client.nc.publish("llm.generate.acme", msgspec.json.encode(
+            {"type": "generate", "request_id": f"cancel-behind-{i}", "prompt": prompt,
+             "max_tokens": 900, "ignore_eos": True}), reply=inbox)
+        await client.cancel(f"cancel-behind-{i}")
+        finals.append(decode_output((await sub.next_msg(timeout=60)).data))
+        await sub.unsubscribe()
+    assert [getattr(f, "finish_reason", f) for f in finals] == ["cancelled"] * 10
+    assert all(f.usage.completion_tokens < 900 for f in finals)
+    after = await service_stats(client, "admission")
+    # Some (here: every one) found its request being admitted, and was passed on from there.
+    assert after["cancels_remembered"] > before["cancels_remembered"]
+    assert after["cancels_forwarded"] - before["cancels_forwarded"] >= 10
+
+
 async def executor_stats(client) -> dict:
     return await service_stats(client, "executor")
 
