@@ -112,7 +112,8 @@ class Users:
     def service_env(self) -> dict[str, str]:
         """What the services log in with (the environment, never their command line)."""
         return {"JETSERVE_NATS__USER": SERVICE_USER,
-                "JETSERVE_NATS__PASSWORD": self.load()["service_password"]}
+                "JETSERVE_NATS__PASSWORD": self.load()["service_password"],
+                "JETSERVE_NATS__TENANT_INBOXES": "true"}
 
     def add_tenant(self, name: str, reload: bool = True) -> str:
         """A new tenant's URL, `nats://NAME:SECRET@host:port`, after the server reloaded

@@ -413,14 +413,16 @@ class Outbox:
     the reply inbox (request/reply; Error headers; empty sentinel after a stream) or, for a
     durable request, llm.stream.* and the LLM_RESULTS stream, then tells admission to ack."""
 
-    def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects, inbox_prefix: str):
+    def __init__(self, nc: Client, js: JetStreamContext, subjects: Subjects, inbox_prefix: str,
+                 tenant_inboxes: bool = False):
         self.nc, self.js, self.subjects = nc, js, subjects
-        self.inbox_prefix = inbox_prefix
+        self.inbox_prefix, self.tenant_inboxes = inbox_prefix, tenant_inboxes
 
     def reply_to(self, item: WorkItem) -> str | None:
         """A generate's reply subject when it is a client inbox. Admission answers no other,
         but an item may reach a service by another way (a forged submission to priority)."""
-        if item.reply_to and client_reply(item.reply_to, self.inbox_prefix):
+        if item.reply_to and client_reply(item.reply_to, self.inbox_prefix,
+                                          item.tenant if self.tenant_inboxes else None):
             return item.reply_to
         if item.reply_to:
             REPLIES_REFUSED.labels("outbox").inc()
@@ -596,14 +598,18 @@ class MicroService(micro.Service):
     counted (`jetserve:replies_refused_total`) and logged once per endpoint; an endpoint may
     take the refusal over (`on_refused`: admission logs it per tenant)."""
 
-    def __init__(self, nc: Client, config: micro.ServiceConfig, inbox_prefix: str):
+    def __init__(self, nc: Client, config: micro.ServiceConfig, inbox_prefix: str,
+                 tenant_inboxes: bool = False):
         super().__init__(nc, config)
-        self.inbox_prefix = inbox_prefix
+        self.inbox_prefix, self.tenant_inboxes = inbox_prefix, tenant_inboxes
         self.refusals_logged: set[str] = set()
 
-    def answers(self, msg, endpoint: str,
-                on_refused: Callable[[object], None] | None = None) -> bool:
-        if not msg.reply or client_reply(msg.reply, self.inbox_prefix):
+    def answers(self, msg, endpoint: str, on_refused: Callable[[object], None] | None = None,
+                tenant_of: Callable[[str], str] | None = None) -> bool:
+        """`tenant_of`: an endpoint of tenants' requests, the tenant of a request's subject
+        (whose inbox, with `tenant_inboxes`, its reply must be under)."""
+        tenant = tenant_of(msg.subject) if tenant_of is not None and self.tenant_inboxes else None
+        if not msg.reply or client_reply(msg.reply, self.inbox_prefix, tenant):
             return True
         if on_refused is not None:
             on_refused(msg)
@@ -616,9 +622,11 @@ class MicroService(micro.Service):
         return False
 
     async def add_endpoint(self, *, name: str, subject: str, handler,
-                           on_refused: Callable[[object], None] | None = None) -> None:
+                           on_refused: Callable[[object], None] | None = None,
+                           tenant_of: Callable[[str], str] | None = None) -> None:
         async def guarded(request: micro.Request) -> None:
-            if self.answers(request._msg, name, on_refused):  # (Request hides its reply)
+            # (nats-py's micro Request does not expose the reply subject)
+            if self.answers(request._msg, name, on_refused, tenant_of):
                 await handler(request)
 
         await super().add_endpoint(name=name, subject=subject, handler=guarded)
@@ -637,14 +645,15 @@ class MicroService(micro.Service):
 
 
 async def add_micro_service(nc: Client, name: str, description: str,
-                            stats: Callable[[], dict], inbox_prefix: str) -> MicroService:
+                            stats: Callable[[], dict], inbox_prefix: str,
+                            tenant_inboxes: bool = False) -> MicroService:
     """A started MicroService: $SRV.PING/INFO/STATS answer; `stats()` is each endpoint's data.
     Its metadata names the host and process, which is how a container's healthcheck
     (`python -m shared.health`) finds its own instance among the answers."""
     service = MicroService(nc, micro.ServiceConfig(
         name=name, version="0.1.0", description=description,
         metadata={"host": socket.gethostname(), "pid": str(os.getpid())},
-        stats_handler=lambda _endpoint: stats()), inbox_prefix)
+        stats_handler=lambda _endpoint: stats()), inbox_prefix, tenant_inboxes)
     await service.start()
     return service
 

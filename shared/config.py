@@ -37,6 +37,10 @@ class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # prefix of the NATS client libraries, unless clients are configured with another.
     client_inbox_prefix: Annotated[str, msgspec.Meta(
         pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")] = "_INBOX"
+    # A tenant's answers go only under `<client_inbox_prefix>.<tenant>.`, where the permissions
+    # of `jetserve up --auth` let that tenant alone subscribe: no tenant can aim its answers
+    # at another's inbox. On under `--auth` and in compose.yaml; off, any client inbox.
+    tenant_inboxes: bool = False
     results_max_age_s: Annotated[float, msgspec.Meta(gt=0)] = 24 * 3600.0
     # A held durable request is kept alive with in-progress acks well inside this window.
     ack_wait_s: Annotated[float, msgspec.Meta(ge=1)] = 30.0

@@ -36,12 +36,14 @@ def retryable_result(headers: dict[str, str] | None, tenant: str, request_id: st
     return (headers or {}).get(RESULT_HEADER) == f"{tenant}/{request_id} retryable"
 
 
-def client_reply(subject: str, inbox_prefix: str) -> bool:
+def client_reply(subject: str, inbox_prefix: str, tenant: str | None = None) -> bool:
     """Whether a request's reply subject may carry its answers: a subject under the clients'
-    inbox prefix (`nats.client_inbox_prefix`), with no wildcard. Never a subject under
-    jetserve's prefix or a `$` subject (the inbox prefix can be neither): a reply subject is
-    the client's word, and answering it unchecked would let any client publish as a service."""
-    head = inbox_prefix.split(".")
+    inbox prefix (`nats.client_inbox_prefix`), with no wildcard, and under
+    `<inbox prefix>.<tenant>` when a tenant is given (`nats.tenant_inboxes`). Never a subject
+    under jetserve's prefix or a `$` subject (the inbox prefix can be neither): a reply subject
+    is the client's word, and answering it unchecked would let any client publish as a service
+    (or, with tenants' inboxes, into another tenant's)."""
+    head = inbox_prefix.split(".") + ([tenant] if tenant is not None else [])
     tokens = subject.split(".")
     return (len(tokens) > len(head) and tokens[:len(head)] == head
             and all(token not in ("", "*", ">") for token in tokens))

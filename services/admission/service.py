@@ -114,7 +114,8 @@ class Admission:
     def __init__(self, config: JetserveConfig, nc, js, tracer):
         self.config, self.nc, self.js, self.tracer = config, nc, js, tracer
         self.subjects = Subjects(config.nats.prefix)
-        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix)
+        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix,
+                             config.nats.tenant_inboxes)
         model = config.model
         self.model_name = model.name
         model_config, model_dir = load_model_config(model.name, model.weights_cache_dir,
@@ -161,11 +162,13 @@ class Admission:
     async def start(self) -> None:
         await ensure_streams(self.js, self.config)
         self.service = await add_micro_service(self.nc, "admission", "validates and tokenizes",
-                                               self.stats, self.inbox_prefix)
+                                               self.stats, self.inbox_prefix,
+                                               self.config.nats.tenant_inboxes)
         await self.service.add_endpoint(
             name="generate", subject=self.subjects.generate(), handler=self.on_generate,
             on_refused=lambda msg: self.refuse_reply(self.subjects.tenant_of(msg.subject),
-                                                     msg.reply))
+                                                     msg.reply),
+            tenant_of=self.subjects.tenant_of)
         await self.nc.subscribe(self.subjects.cancel(), cb=self.on_cancel)
         await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)

@@ -64,7 +64,8 @@ class BatcherService:
     def __init__(self, config: JetserveConfig, nc, js, tracer):
         self.config, self.nc, self.tracer = config, nc, tracer
         self.subjects = Subjects(config.nats.prefix)
-        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix)
+        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix,
+                             config.nats.tenant_inboxes)
         self.timeout = config.nats.request_timeout_s
         self.block_size = config.kv_cache.block_size
         batch = config.scheduler.batch_level

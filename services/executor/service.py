@@ -99,7 +99,8 @@ class ExecutorService:
                  engine: Engine | None = None):
         self.config, self.nc, self.tracer, self.name = config, nc, tracer, name
         self.subjects = Subjects(config.nats.prefix)
-        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix)
+        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix,
+                             config.nats.tenant_inboxes)
         self.engine = engine or Engine(config.engine_config(name))
         self.running: dict[RequestKey, _Running] = {}
         self.outputs: asyncio.Queue[tuple[WorkItem, Output]] = asyncio.Queue()

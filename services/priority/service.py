@@ -71,7 +71,8 @@ class PriorityService:
     def __init__(self, config: JetserveConfig, nc, js, tracer):
         self.subjects = Subjects(config.nats.prefix)
         self.nc, self.tracer = nc, tracer
-        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix)
+        self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix,
+                             config.nats.tenant_inboxes)
         self.quotas = config.quotas
         self.scheduler = RequestScheduler(config.scheduler.request_level,
                                           config.scheduler.batch_level.max_num_batched_tokens)

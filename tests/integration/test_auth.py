@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import ssl
 import subprocess
@@ -123,6 +124,33 @@ async def test_a_tenant_does_all_of_its_own_and_hears_nothing_refused(stack):
     assert repeat.duplicate and not bobs.duplicate and isinstance(bob_result, Completion)
     assert isinstance(cancelled, Completion) and cancelled.finish_reason == "cancelled"
     assert errors == []
+
+
+async def test_a_tenant_cannot_aim_its_answers_at_another_s_inbox(stack):
+    """alice's generate with one of bob's inboxes as its reply subject (which bob's client may be
+    reading) gets no answer at all: nothing reaches bob, and admission counts the refusal."""
+    async with tenant(stack, "alice") as alice, tenant(stack, "bob") as bob:
+        inbox = bob.nc.new_inbox()
+        assert inbox.startswith("_INBOX.bob.")
+        heard = await bob.nc.subscribe(inbox)
+        await bob.nc.flush()
+        service = await nats.connect(stack.url, **stack.service_login())
+        try:
+            async def refusals() -> int:
+                reply = await service.request("$SRV.STATS.admission", b"", timeout=2)
+                return next(e["data"] for e in json.loads(reply.data)["endpoints"]
+                            if e.get("data"))["reply_refused"]
+
+            before = await refusals()
+            await alice.nc.publish("llm.generate.alice", b'{"type": "generate", "prompt": "hi", '
+                                   b'"max_tokens": 2}', reply=inbox)
+            answered = await alice.generate(GenerateRequest(prompt="hi", max_tokens=2), timeout=30)
+            with pytest.raises(nats.errors.TimeoutError):
+                await heard.next_msg(timeout=1)
+            after = await refusals()
+        finally:
+            await service.close()
+    assert isinstance(answered, Completion) and after == before + 1
 
 
 def jetserve(*args: str) -> subprocess.CompletedProcess:
