@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--auth", action="store_true",
                     help="the embedded nats-server takes users: the services log in as theirs, "
                          "each tenant as its own, confined to its own subjects (jetserve tenant)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="the OpenAI-compatible HTTP gateway's port (0: no gateway)")
     up.add_argument("--tls", action="store_true",
                     help="the embedded nats-server takes TLS connections only, with a certificate "
                          "of a local CA made in the state directory (clients need its ca.pem)")

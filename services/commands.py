@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from services.auth import AuthError, Users, tenant_url, wait_login
-from services.stack import SERVICES, Stack
+from services.stack import Stack
 from shared.bus import connect_options, discover, wait_event
 from shared.client import JetserveClient
 from shared.config import ConfigError, load_config
@@ -35,7 +35,7 @@ async def up(args) -> int:
     try:
         stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
                       executors=args.executors, config_path=args.config, auth=args.auth,
-                      tls=args.tls,
+                      tls=args.tls, http_port=args.http_port or None,
                       settings={"model.name": model} | (
                           {"model.quantization": args.quantization} if args.quantization else {}))
     except (ValueError, AuthError) as exc:
@@ -45,7 +45,8 @@ async def up(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"jetserve: starting {'embedded nats-server, ' if stack.embedded else ''}"
-          f"{', '.join(SERVICES)} and {args.executors} executor(s) with {model}", flush=True)
+          f"{', '.join(stack.services)} and {args.executors} executor(s) with {model}",
+          flush=True)
     starting = asyncio.create_task(stack.start())
     await asyncio.wait([starting, asyncio.create_task(stop.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
@@ -56,6 +57,8 @@ async def up(args) -> int:
     if starting.exception() is not None:
         print(f"jetserve: failed to start: {starting.exception()}", file=sys.stderr)
         return 1
+    if stack.http_url:
+        print(f"jetserve: OpenAI-compatible API at {stack.http_url} (model {model})", flush=True)
     if stack.tls:
         print(f"jetserve: TLS only; clients trust the server by its CA, {stack.tls['ca']} "
               f"(nats.tls.ca, or JETSERVE_NATS__TLS__CA)", flush=True)
@@ -190,5 +193,6 @@ def _summary(name: str, data: dict) -> str:
     keys = {"admission": ("admitted", "durable_admitted", "durable_held", "rejected"),
             "priority": ("queue_depth", "submitted", "dispatched", "cancelled"),
             "batcher": ("free_slots", "pulled", "assigned", "requeued"),
-            "executor": ("executor", "running", "waiting", "kv_usage", "completed")}.get(name, ())
+            "executor": ("executor", "running", "waiting", "kv_usage", "completed"),
+            "gateway": ("port", "requests", "in_flight", "errors")}.get(name, ())
     return " ".join(f"{key}={data[key]}" for key in keys if key in data)

@@ -48,16 +48,19 @@ class Stack:
                  nats_port: int = 4222, executors: int = 1, config_path: str | None = None,
                  settings: dict[str, object] | None = None, log_dir: str | Path | None = None,
                  env: dict[str, str] | None = None, nats_settings: dict[str, object] | None = None,
-                 auth: bool = False, tls: bool = False):
+                 auth: bool = False, tls: bool = False, http_port: int | None = None):
         """`nats_settings`: the embedded nats-server's configuration beyond port and store
         (`max_payload`, for one), written to a config file it reads. `auth`: the embedded
         server takes users and permissions (services/auth.py); the services log in as theirs.
         `tls`: it takes TLS connections only, with a certificate of a local CA (made once in
-        `<state dir>/tls/`); the services trust that CA, and so must every client."""
+        `<state dir>/tls/`); the services trust that CA, and so must every client.
+        `http_port`: the OpenAI-compatible gateway serves there too (0: a free port; None: no
+        gateway)."""
         self.state_dir = Path(state_dir)
         self.embedded = nats_url is None
         self.url = nats_url or f"nats://127.0.0.1:{nats_port}"
         self.nats_port = nats_port
+        self.http_port = None if http_port is None else http_port or free_port()
         self.num_executors = executors
         self.config_path = config_path
         self.settings = dict(settings or {})
@@ -71,9 +74,20 @@ class Stack:
             raise ValueError("--auth and --tls set up the embedded nats-server; for a server of "
                              "your own, see docs/operations.md (Authentication and TLS)")
 
+    @property
+    def services(self) -> tuple[str, ...]:
+        return SERVICES + (("gateway",) if self.http_port is not None else ())
+
+    @property
+    def http_url(self) -> str | None:
+        """The gateway's base URL for OpenAI clients (`.../v1`), if it runs."""
+        return None if self.http_port is None else f"http://127.0.0.1:{self.http_port}/v1"
+
     def _env(self) -> dict[str, str]:
         return {**os.environ, **self.extra_env, "PYTHONUNBUFFERED": "1",
-                **env_overrides({**self.settings, "nats.url": self.url}),
+                **env_overrides({**self.settings, "nats.url": self.url,
+                                 **({"gateway.port": self.http_port}
+                                    if self.http_port is not None else {})}),
                 **(self.users.service_env() if self.users else {}),
                 **env_overrides({"nats.tls.ca": self.tls["ca"]} if self.tls else {})}
 
@@ -134,7 +148,7 @@ class Stack:
                 await self._spawn("nats-server", self._nats_argv(),
                                   log_dir=self.log_dir or self.state_dir)
             config = ["--config", self.config_path] if self.config_path else []
-            for service in SERVICES:
+            for service in self.services:
                 await self._spawn(service, [sys.executable, "-m", f"services.{service}", *config])
             base = load_config(self.config_path, self._env()).monitoring.metrics_port.executor
             executor_env = self._executor_env()
@@ -163,7 +177,7 @@ class Stack:
 
     async def wait_ready(self) -> None:
         """Until every service answers $SRV.PING (a child that exits is an error)."""
-        want = Counter({**{s: 1 for s in SERVICES}, "executor": self.num_executors})
+        want = Counter({**{s: 1 for s in self.services}, "executor": self.num_executors})
         subjects = Subjects(load_config(self.config_path, self._env()).nats.prefix)
         nc = None
         try:

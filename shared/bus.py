@@ -552,7 +552,7 @@ async def serve_forever(service_name: str, serve: Callable[..., Awaitable[None]]
     setup_logging(service_name, config.monitoring)
     tracer = setup_tracing(service_name)
     port = args.metrics_port if args.metrics_port is not None else \
-        getattr(config.monitoring.metrics_port, service_name)
+        getattr(config.monitoring.metrics_port, service_name, 0)  # (the gateway: its own)
     serve_metrics(port if config.monitoring.metrics else 0, service_name)
     try:
         nc = await connect(config.nats, service_name)

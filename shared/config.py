@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
@@ -302,6 +303,20 @@ class QuotasSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, di
         return self._of.get(tenant, self.default)
 
 
+class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The OpenAI-compatible HTTP gateway (`python -m services.gateway`, docs/openai.md)."""
+
+    host: str = "127.0.0.1"  # 0.0.0.0 to serve other hosts (compose.yaml does)
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    # API key -> tenant. None configured: no key is asked for, every request is tenant
+    # `default`. Configured: `Authorization: Bearer KEY` is required (401 without a known one).
+    api_keys: dict[str, str] = {}
+    # Names the model is served under in `model` and /v1/models (empty: model.name).
+    served_model_names: list[str] = []
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 * 1024 * 1024
+
+
 class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole of jetserve.yaml. Every key may be overridden by an environment variable
     `JETSERVE_<SECTION>__<KEY>` (e.g. `JETSERVE_KV_CACHE__BLOCK_SIZE=32`); `NATS_URL` sets
@@ -314,6 +329,7 @@ class JetserveConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     distributed: DistributedSection = msgspec.field(default_factory=DistributedSection)
     monitoring: MonitoringSection = msgspec.field(default_factory=MonitoringSection)
     quotas: QuotasSection = msgspec.field(default_factory=QuotasSection)
+    gateway: GatewaySection = msgspec.field(default_factory=GatewaySection)
 
     def engine_config(self, executor_name: str) -> EngineConfig:
         scheduler = self.scheduler
@@ -420,6 +436,10 @@ def _validated(tree: dict) -> JetserveConfig:
         raise ConfigError(f"nats.client_inbox_prefix ({config.nats.client_inbox_prefix}) must not "
                           f"be under nats.prefix ({config.nats.prefix}): clients' answers would "
                           f"go to jetserve's own subjects")
+    for key, tenant in config.gateway.api_keys.items():
+        if not key or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tenant):
+            raise ConfigError(f"gateway.api_keys: a key must be non-empty and its tenant "
+                              f"match [A-Za-z0-9_-]{{1,64}} (not {tenant!r})")
     return config
 
 

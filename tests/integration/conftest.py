@@ -102,10 +102,10 @@ async def sigterm_services(stack: Stack, bound_s: float) -> dict[str, tuple[int 
 async def running_stack(directory: Path, executors: int = 1, settings: dict | None = None,
                         env: dict[str, str] | None = None, timeout: float = 180.0,
                         nats_settings: dict | None = None, auth: bool = False,
-                        tls: bool = False):
+                        tls: bool = False, http_port: int | None = None):
     stack = Stack(state_dir=directory, nats_port=free_port(), executors=executors,
                   settings={**TINY_STACK, **(settings or {})}, log_dir=directory / "logs", env=env,
-                  nats_settings=nats_settings, auth=auth, tls=tls)
+                  nats_settings=nats_settings, auth=auth, tls=tls, http_port=http_port)
     try:
         await stack.start(timeout=timeout)
     except BaseException:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -34,16 +36,23 @@ async def run(*args: str) -> tuple[int, str, str]:
     return process.returncode, stdout.decode(), stderr.decode()
 
 
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
 @pytest.mark.asyncio
 async def test_up_serves_until_sigterm(tmp_path):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     url = f"nats://127.0.0.1:{port}"
     env = {**{k: v for k, v in os.environ.items()
               if k not in ("JETSERVE_MODEL__NUM_THREADS", "OMP_NUM_THREADS")},
            "JETSERVE_KV_CACHE__NUM_BLOCKS": "256"}
     up = await asyncio.create_subprocess_exec(
         *jetserve_command(), "up", "--nats-port", str(port), "--state-dir", str(tmp_path),
-        "--model", "dummy:tiny", "--executors", "2", env=env,
+        "--model", "dummy:tiny", "--executors", "2", "--http-port", str(http_port), env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     lines = []
     try:
@@ -54,15 +63,21 @@ async def test_up_serves_until_sigterm(tmp_path):
             if line.startswith("jetserve ready"):
                 break
         assert url in line
+        assert f"OpenAI-compatible API at http://127.0.0.1:{http_port}/v1" in "".join(lines)
         code, out, err = await run("generate", "--nats-url", url, "--raw", "--max-tokens", "5",
                                    "Hello")
         assert code == 0 and out.strip(), err
+        answer = await asyncio.to_thread(post, f"http://127.0.0.1:{http_port}/v1/completions",
+                                         {"model": "dummy:tiny", "prompt": "Hello",
+                                          "max_tokens": 5})
+        assert answer["usage"]["completion_tokens"] == 5, answer
         code, out, err = await run("status", "--nats-url", url)
         assert code == 0, err
-        for name in ("admission", "priority", "batcher", "executor-0", "executor-1",
+        for name in ("admission", "priority", "batcher", "gateway", "executor-0", "executor-1",
                      "queue_depth=0", "kv usage"):
             assert name in out, out
-        assert len(processes_using(url)) == 6  # nats-server, three services, two executors
+        # nats-server, four services, two executors
+        assert len(processes_using(url)) == 7
         # Two executors on one host split its cores rather than each spinning on all of them.
         share = f"JETSERVE_MODEL__NUM_THREADS={max(1, len(os.sched_getaffinity(0)) // 2)}"
         threads = [share.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -95,7 +110,8 @@ async def test_up_sigkilled_leaves_no_process_behind(tmp_path):
     env = {**os.environ, "JETSERVE_KV_CACHE__NUM_BLOCKS": "256"}
     up = await asyncio.create_subprocess_exec(
         *jetserve_command(), "up", "--nats-port", str(port), "--state-dir", str(tmp_path),
-        "--model", "dummy:tiny", env=env, stdout=asyncio.subprocess.PIPE,
+        "--model", "dummy:tiny", "--http-port", str(free_port()), env=env,
+        stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT)
     try:
         while True:
@@ -103,7 +119,7 @@ async def test_up_sigkilled_leaves_no_process_behind(tmp_path):
             assert line, "jetserve up exited"
             if line.startswith("jetserve ready"):
                 break
-        assert len(processes_using(url)) == 5  # nats-server, three services, an executor
+        assert len(processes_using(url)) == 6  # nats-server, four services, an executor
     finally:
         up.kill()
     for _ in range(300):

@@ -1,0 +1,3 @@
+from services.gateway.service import main
+
+main()

@@ -1,0 +1,170 @@
+"""The OpenAI-compatible gateway against a live stack, through the official `openai` SDK: what a
+client of vLLM or OpenAI does works, and agrees with the same request over NATS."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+import pytest_asyncio
+
+from shared.client import JetserveClient
+from shared.protocol import ChatMessage, Completion, GenerateRequest
+from tests.integration.conftest import SMALL_EXECUTOR, running_stack, service_stats
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "dummy:tiny"
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name three colours."}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory):
+    settings = {**SMALL_EXECUTOR,
+                "gateway.api_keys": "{key-acme: acme, key-limited: limited}",
+                "quotas.tenants": "{limited: {max_concurrent_requests: 1}}"}
+    async with running_stack(tmp_path_factory.mktemp("gateway"), settings=settings,
+                             http_port=0) as s:
+        yield s
+
+
+def api(stack, key: str = "key-acme") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.http_url, api_key=key, max_retries=0, timeout=60)
+
+
+async def over_nats(stack, request: GenerateRequest) -> Completion:
+    async with await JetserveClient.connect(stack.url, tenant="acme") as client:
+        completion = await client.generate(request, timeout=60)
+    assert isinstance(completion, Completion), completion
+    return completion
+
+
+async def test_chat_completion_agrees_with_the_same_request_over_nats(stack):
+    answer = await api(stack).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, seed=7)
+    native = await over_nats(stack, GenerateRequest(
+        messages=[ChatMessage(**m) for m in MESSAGES], max_tokens=12, temperature=0.0, seed=7))
+    [choice] = answer.choices
+    assert choice.message.role == "assistant" and choice.message.content == native.text
+    assert choice.finish_reason == native.finish_reason == "length"
+    assert answer.usage.prompt_tokens == native.usage.prompt_tokens
+    assert answer.usage.completion_tokens == native.usage.completion_tokens == 12
+    assert answer.usage.total_tokens == native.usage.prompt_tokens + 12
+    assert answer.model == MODEL and answer.id.startswith("chatcmpl-")
+
+
+async def test_a_streamed_chat_is_the_same_text_with_the_role_first_and_usage_last(stack):
+    chunks = [chunk async for chunk in await api(stack).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=12, temperature=0, seed=7,
+        stream=True, stream_options={"include_usage": True})]
+    whole = await api(stack).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, seed=7)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_completions_streamed_and_not_with_a_stop_string(stack):
+    client = api(stack)
+    plain = await client.completions.create(model=MODEL, prompt="Once upon a time",
+                                            max_tokens=16, temperature=0)
+    native = await over_nats(stack, GenerateRequest(prompt="Once upon a time", max_tokens=16,
+                                                    temperature=0.0))
+    assert plain.choices[0].text == native.text and plain.usage.completion_tokens == 16
+    stop = native.text[len(native.text) // 2:][:3]  # three characters from its middle
+    assert stop.strip(), native.text
+    stopped = await client.completions.create(model=MODEL, prompt="Once upon a time",
+                                              max_tokens=16, temperature=0, stop=stop)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == native.text[:native.text.index(stop)]
+    streamed = [chunk async for chunk in await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stream=True)]
+    assert "".join(c.choices[0].text for c in streamed) == native.text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", True), ("tools", [
+    {"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("response_format", {"type": "json_object"}), ("presence_penalty", 0.5)])
+async def test_an_unsupported_parameter_is_a_400_naming_it(stack, field, value):
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api(stack).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                                 **{field: value})
+    assert caught.value.status_code == 400 and f"`{field}`" in caught.value.message
+    assert caught.value.body["param"] == field
+
+
+async def test_a_bad_value_is_a_400_naming_its_field(stack):
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api(stack).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                                 temperature=-1)
+    assert caught.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as caught:  # admission's own check
+        await api(stack).completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    assert "max_model_len" in caught.value.message
+
+
+async def test_an_unknown_model_is_a_404_and_a_wrong_key_a_401(stack):
+    with pytest.raises(openai.NotFoundError) as caught:
+        await api(stack).chat.completions.create(model="gpt-9", messages=MESSAGES)
+    assert caught.value.body["code"] == "model_not_found" and MODEL in caught.value.message
+    with pytest.raises(openai.AuthenticationError):
+        await api(stack, key="not-a-key").chat.completions.create(model=MODEL,
+                                                                  messages=MESSAGES)
+    with pytest.raises(openai.AuthenticationError):
+        await api(stack, key="not-a-key").models.list()
+    models = await api(stack).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_a_rate_limited_tenant_gets_a_429_with_retry_after(stack):
+    client = api(stack, key="key-limited")
+    running = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2000, stream=True,
+        extra_body={"ignore_eos": True})
+    first = await anext(aiter(running))  # it runs: the tenant's one request in flight
+    assert first.choices[0].delta.role == "assistant"
+    with pytest.raises(openai.RateLimitError) as caught:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert caught.value.response.headers["retry-after"] == "1"
+    assert "max_concurrent_requests 1" in caught.value.message
+    await running.close()
+
+
+async def test_a_stream_closed_early_cancels_its_request_in_the_pipeline(stack):
+    async with await JetserveClient.connect(stack.url, tenant="acme") as nats_client:
+        for _ in range(100):  # what earlier tests left running has ended
+            before = await service_stats(nats_client, "executor")
+            if before["running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        stream = await api(stack).chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1900, stream=True,
+            extra_body={"ignore_eos": True})
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.close()  # the HTTP connection goes: the gateway cancels the request
+        for _ in range(100):
+            after = await service_stats(nats_client, "executor")
+            if after["running"] == 0 and after["cancelled"] > before["cancelled"]:
+                break
+            await asyncio.sleep(0.05)
+    assert after["cancelled"] == before["cancelled"] + 1 and after["running"] == 0
+    assert after["completed"] == before["completed"]
+
+
+async def test_x_request_id_is_the_request_s_id_and_comes_back(stack):
+    raw = await api(stack).chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, extra_headers={"X-Request-Id": "mine-42"})
+    assert raw.headers["x-request-id"] == "mine-42"
+    assert raw.parse().id == "chatcmpl-mine-42"
