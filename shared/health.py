@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m shared.health")
-    parser.add_argument("service", choices=["admission", "priority", "batcher", "executor"])
+    parser.add_argument("service", choices=["admission", "priority", "batcher", "executor",
+                                                "gateway"])
     parser.add_argument("--wait", type=float, default=1.0, help="seconds to wait for the answer")
     args = parser.parse_args(argv)
     section = load_config(None).nats

@@ -7,12 +7,13 @@
 # from the machine's own apt mirror, tagged localhost/debian:bookworm. Safe to run again.
 set -euo pipefail
 need=()
-for tool in podman runc debootstrap; do command -v "$tool" >/dev/null || need+=("$tool"); done
+for tool in podman runc debootstrap iptables; do command -v "$tool" >/dev/null || need+=("$tool"); done
 if [ ${#need[@]} -gt 0 ] || [ ! -x /usr/lib/podman/aardvark-dns ]; then
     apt-get update -qq
-    # netavark and aardvark-dns: compose's service names resolve inside the project's network.
+    # netavark and aardvark-dns: compose's service names resolve inside the project's network;
+    # netavark sets up that network with iptables (without it: "netavark: No such file").
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap netavark \
-        aardvark-dns python3-venv >/dev/null
+        aardvark-dns iptables python3-venv >/dev/null
 fi
 mkdir -p /etc/containers
 cat > /etc/containers/containers.conf <<'CONF'

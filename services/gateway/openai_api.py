@@ -96,10 +96,16 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
             continue
         if name in _HARMLESS:
             wanted = _HARMLESS[name]
-            if wanted is None or value == wanted or (wanted == {} and not value):
+            if wanted is None or (type(value) is type(wanted) and value == wanted):
                 continue
-            raise bad(name, f"`{name}` = {value!r} is not supported (only {wanted!r})")
+            raise bad(name, f"`{name}` = {_short(value)} is not supported (only {wanted!r})")
         raise bad(name, f"`{name}` is not supported")
+
+
+def _short(value: object) -> str:
+    """A value as an error message quotes it: at most 80 characters of it."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _integer(body: dict, name: str, low: int, high: int = INT32_MAX) -> int | None:
@@ -134,14 +140,20 @@ def _common(body: dict, served: list[str]) -> dict[str, Any]:
         raise bad("n", "`n` must be 1 (one choice per request)")
     if _integer(body, "min_tokens", 0) not in (None, 0):
         raise bad("min_tokens", "`min_tokens` is not supported (only 0)")
-    stream = body.get("stream") or False
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
         raise bad("stream", "`stream` must be true or false")
     options = body.get("stream_options")
     if options is not None:
+        if not stream:
+            raise bad("stream_options", "`stream_options` is only for `stream: true`")
         if not isinstance(options, dict) or set(options) - {"include_usage",
-                                                             "continuous_usage_stats"}:
-            raise bad("stream_options", "`stream_options` may hold only `include_usage`")
+                                                             "continuous_usage_stats"} \
+                or not all(isinstance(v, bool) or v is None for v in options.values()):
+            raise bad("stream_options", "`stream_options` may hold only `include_usage` "
+                                        "(true or false)")
         if options.get("continuous_usage_stats"):
             raise bad("stream_options", "`stream_options.continuous_usage_stats` is not "
                                         "supported")
@@ -237,6 +249,14 @@ def completion_request(body: object, served: list[str], request_id: str) -> Gene
 
 # --------------------------------------------------------------------------------- responses
 
+# jetserve's finish reasons beyond OpenAI's `stop` and `length`, as vLLM names them.
+FINISH_REASON = {"cancelled": "abort", "deadline": "length"}
+
+
+def finish_reason(completion: Completion) -> str:
+    return FINISH_REASON.get(completion.finish_reason, completion.finish_reason)
+
+
 def usage(completion: Completion) -> dict:
     u = completion.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
@@ -248,7 +268,7 @@ def chat_response(completion: Completion, model: str, created: int) -> dict:
             "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant",
                                                  "content": completion.text},
-                         "logprobs": None, "finish_reason": completion.finish_reason}],
+                         "logprobs": None, "finish_reason": finish_reason(completion)}],
             "usage": usage(completion)}
 
 
@@ -256,7 +276,7 @@ def completion_response(completion: Completion, model: str, created: int) -> dic
     return {"id": f"cmpl-{completion.request_id}", "object": "text_completion",
             "created": created, "model": model,
             "choices": [{"index": 0, "text": completion.text, "logprobs": None,
-                         "finish_reason": completion.finish_reason}],
+                         "finish_reason": finish_reason(completion)}],
             "usage": usage(completion)}
 
 

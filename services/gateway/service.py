@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
+import secrets
 import time
 
 import msgspec
@@ -31,12 +33,20 @@ from services.gateway.openai_api import (
     chat_response,
     completion_request,
     completion_response,
+    finish_reason,
 )
-from shared.bus import add_micro_service, service_main
+from shared.bus import ENVELOPE_BYTES, add_micro_service, service_main
 from shared.client import Output, StreamAssembler
 from shared.config import JetserveConfig
 from shared.metrics import counter, histogram
-from shared.protocol import Cancel, Delta, Error, GenerateRequest
+from shared.protocol import (
+    Cancel,
+    Delta,
+    Error,
+    GenerateRequest,
+    ProtocolError,
+    check_nesting,
+)
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -49,7 +59,10 @@ FIRST_BYTE = histogram("gateway_time_to_first_token_seconds", "From a generation
                        "arrival to its first token (or its answer) leaving the gateway",
                        ("endpoint",), (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
                                        2.56, 5.12, 10.24, 20.48))
-TRACE_HEADERS = ("traceparent", "tracestate")
+TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+TRACESTATE_MAX = 512  # characters (W3C: at most 32 entries of 256; more is dropped, not sent)
+CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+WRITE_TIMEOUT_S = 60.0  # a client that reads nothing of its stream this long is gone
 
 
 class Gateway:
@@ -70,7 +83,8 @@ class Gateway:
     async def start(self) -> None:
         self.subscription = await self.nc.subscribe(
             f"{self.inbox_prefix}.*.{self.id}.*", cb=self.on_reply)
-        app = web.Application(client_max_size=self.gateway.max_body_bytes)
+        app = web.Application(client_max_size=self.gateway.max_body_bytes,
+                              middlewares=[openai_errors])
         app.add_routes([web.post("/v1/chat/completions", self.chat_completions),
                         web.post("/v1/completions", self.completions),
                         web.get("/v1/models", self.list_models),
@@ -145,28 +159,51 @@ class Gateway:
         if not keys:
             return "default"
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        tenant = keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        tenant = keys.get(key) if scheme.lower() == "bearer" else None
         if tenant is None:
             raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
                            code="invalid_api_key")
         return tenant
 
+    def trace_headers(self, request: web.Request) -> dict[str, str] | None:
+        """The client's W3C trace context, passed on to the pipeline when well formed."""
+        parent = request.headers.get("traceparent", "")
+        if not TRACEPARENT.fullmatch(parent):
+            return None
+        state = request.headers.get("tracestate", "")
+        return {"traceparent": parent, **({"tracestate": state}
+                                          if state and len(state) <= TRACESTATE_MAX else {})}
+
     async def generation(self, request: web.Request, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
         arrived = time.perf_counter()
-        request_id = request.headers.get("X-Request-Id") or self.id + str(next(self.tokens))
+        # The pipeline's id is always a fresh one: a client's could be another's (cancels
+        # match by tenant and id). X-Request-Id, when sent, is only echoed back.
+        request_id = secrets.token_urlsafe(16)
         headers = {"X-Request-Id": request_id}
         self.counts["requests"] += 1
         try:
-            if len(request_id) > 128:
-                raise bad("X-Request-Id", "the X-Request-Id header must be 1 to 128 characters")
+            if "X-Request-Id" in request.headers:
+                if not CLIENT_REQUEST_ID.fullmatch(request.headers["X-Request-Id"]):
+                    raise bad("X-Request-Id", "the X-Request-Id header must be 1 to 128 "
+                                              "printable ASCII characters")
+                headers["X-Request-Id"] = request.headers["X-Request-Id"]
             tenant = self.tenant(request)
+            raw = await request.read()
             try:
-                body = msgspec.json.decode(await request.read())
-            except msgspec.DecodeError as exc:
+                check_nesting(raw)
+                body = msgspec.json.decode(raw)
+            except (msgspec.DecodeError, ProtocolError) as exc:
                 raise bad("body", f"the body is not valid JSON: {exc}") from None
             generate = (chat_request if chat else completion_request)(
                 body, self.models, request_id)
+            payload = _encode(generate)
+            trace = self.trace_headers(request)
+            budget = self.nc.max_payload - ENVELOPE_BYTES
+            if len(payload) > budget:
+                raise ApiError(413, f"the request is {len(payload)} bytes as jetserve sends it, "
+                                    f"over the NATS server's max_payload ({budget} bytes here)",
+                               code="payload_too_large")
         except web.HTTPRequestEntityTooLarge:
             return self.error(endpoint, ApiError(
                 413, f"the body is over {self.gateway.max_body_bytes} bytes "
@@ -179,18 +216,20 @@ class Gateway:
         self.replies[token] = queue
         ended = [False]  # its final answer came (else, on the way out: cancelled)
         try:
-            await self.nc.publish(
-                self.subjects.generate(tenant), _encode(generate),
-                reply=f"{self.inbox_prefix}.{tenant}.{self.id}.{token}",
-                headers={name: request.headers[name] for name in TRACE_HEADERS
-                         if name in request.headers} or None)
+            try:
+                await self.nc.publish(self.subjects.generate(tenant), payload, headers=trace,
+                                      reply=f"{self.inbox_prefix}.{tenant}.{self.id}.{token}")
+            except Exception as exc:  # reconnecting, or closed: it was not sent
+                ended[0] = True
+                return self.error(endpoint, ApiError(503, f"the gateway cannot reach NATS now "
+                                                          f"({exc!r}); retry", code="overloaded"),
+                                  headers)
             deadline = asyncio.get_running_loop().time() + self.gateway.request_timeout_s
             if generate.stream:
                 self.counts["streamed"] += 1
                 return await self.stream(request, endpoint, generate, queue, deadline, chat,
                                          include_usage, headers, ended, arrived)
-            output = await self.next_output(queue, deadline)
-            ended[0] = True
+            output, ended[0] = await self.next_output(queue, deadline)
             FIRST_BYTE.labels(endpoint).observe(time.perf_counter() - arrived)
             if isinstance(output, Error):
                 return self.error(endpoint, api_error(output), headers)
@@ -220,23 +259,31 @@ class Gateway:
         assembled = StreamAssembler()
         response: web.StreamResponse | None = None
 
-        async def send(obj: dict) -> None:
+        async def send(obj: dict | bytes) -> None:
             nonlocal response
             if response is None:
                 FIRST_BYTE.labels(endpoint).observe(time.perf_counter() - arrived)
                 response = web.StreamResponse(headers={
                     **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                 await response.prepare(request)
-            await response.write(b"data: " + _encode(obj) + b"\n\n")
+            data = obj if isinstance(obj, bytes) else b"data: " + _encode(obj) + b"\n\n"
+            try:  # a client that reads nothing for this long is taken for gone
+                await asyncio.wait_for(response.write(data), WRITE_TIMEOUT_S)
+            except TimeoutError:
+                raise ConnectionResetError("the client stopped reading its stream") from None
 
         while True:
-            output = await self.next_output(queue, deadline)
+            output, ended[0] = await self.next_output(queue, deadline)
             if isinstance(output, Delta):
-                new = assembled.add(output)
-                if new is not None:
-                    await send(chunks.text(new.text))
-                continue
-            ended[0] = True
+                try:
+                    new = assembled.add(output)
+                except ValueError as exc:  # a delta lost (NATS reconnected): cannot go on
+                    output = Error(request_id=generate.request_id, code="internal",
+                                   message=f"the stream lost a part: {exc}")
+                else:
+                    if new is not None:
+                        await send(chunks.text(new.text))
+                    continue
             if isinstance(output, Error):
                 error = api_error(output)
                 if response is None:
@@ -248,17 +295,19 @@ class Gateway:
                     await send(chunks.text(output.text[len(assembled.text):]))
                 elif chat and not chunks.role_sent:
                     await send(chunks.text(""))
-                await send(chunks.text("", output.finish_reason))
+                await send(chunks.text("", finish_reason(output)))
                 if include_usage:
                     await send(chunks.usage(output))
-            await response.write(b"data: [DONE]\n\n")
+            await send(b"data: [DONE]\n\n")
             await response.write_eof()
             REQUESTS.labels(endpoint, "200").inc()
             return response
 
-    async def next_output(self, queue: asyncio.Queue, deadline: float) -> Output:
-        """The request's next Delta, Completion or Error (its stream's end sentinel skipped);
-        an Error when no admission answers or time runs out (`gateway.request_timeout_s`)."""
+    async def next_output(self, queue: asyncio.Queue, deadline: float) -> tuple[Output, bool]:
+        """The request's next Delta, Completion or Error (its stream's end sentinel skipped),
+        and whether the request has ended in the pipeline: a Completion or Error it sent, or
+        nobody took it (no responders). Time running out (`gateway.request_timeout_s`), or
+        what is no output, is an Error here while the request may still run."""
         while True:
             left = deadline - asyncio.get_running_loop().time()
             try:
@@ -266,22 +315,43 @@ class Gateway:
             except TimeoutError:
                 return Error(request_id=None, code="deadline_exceeded",
                              message=f"no answer within {self.gateway.request_timeout_s:g} s "
-                                     f"(gateway.request_timeout_s)")
+                                     f"(gateway.request_timeout_s)"), False
             if msg.headers and msg.headers.get("Status") == "503":  # no responders
                 return Error(request_id=None, code="overloaded",
-                             message="no admission service is running (no responders)")
-            if msg.data:
-                return _decode_output(msg.data)
+                             message="no admission service is running (no responders)"), True
+            if not msg.data:
+                continue
+            try:
+                output = _decode_output(msg.data)
+            except msgspec.DecodeError:
+                return Error(request_id=None, code="internal", message="the pipeline's answer "
+                             "could not be read"), False
+            return output, not isinstance(output, Delta)
 
     def error(self, endpoint: str, error: ApiError, headers: dict) -> web.Response:
         self.counts["errors"] += 1
         REQUESTS.labels(endpoint, str(error.status)).inc()
+        extra = {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
         return web.json_response(error.body(), status=error.status,
-                                 headers={**headers, **error.headers()}, dumps=_dumps)
+                                 headers={**headers, **error.headers(), **extra}, dumps=_dumps)
 
 
 def _dumps(obj) -> str:
     return _encode(obj).decode()
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """aiohttp's own errors (no such route, a method not allowed) in OpenAI's shape too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        REQUESTS.labels("other", str(exc.status)).inc()
+        return web.json_response(ApiError(exc.status, f"{exc.reason}: {request.method} "
+                                                      f"{request.path[:200]}").body(),
+                                 status=exc.status, dumps=_dumps)
 
 
 main = service_main("gateway", Gateway)

@@ -31,7 +31,7 @@ from tests.integration.test_tracing import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT.parent / "shared" / "vendor" / "compose-spec.json"
-JETSERVE = ("admission", "priority", "batcher", "executor")
+JETSERVE = ("admission", "priority", "batcher", "gateway", "executor")
 
 
 def compose() -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import openai
 import pytest
 import pytest_asyncio
@@ -32,6 +33,13 @@ async def stack(tmp_path_factory):
 
 def api(stack, key: str = "key-acme") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.http_url, api_key=key, max_retries=0, timeout=60)
+
+
+async def raw_post(stack, path: str, body: bytes) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(stack.http_url + path, data=body, headers={
+                "Content-Type": "application/json", "Authorization": "Bearer key-acme"}) as reply:
+            return reply.status, await reply.json()
 
 
 async def over_nats(stack, request: GenerateRequest) -> Completion:
@@ -163,8 +171,23 @@ async def test_a_stream_closed_early_cancels_its_request_in_the_pipeline(stack):
     assert after["completed"] == before["completed"]
 
 
-async def test_x_request_id_is_the_request_s_id_and_comes_back(stack):
+async def test_x_request_id_comes_back_and_the_pipeline_s_id_is_the_gateway_s(stack):
+    """A client's X-Request-Id is echoed, not used as the pipeline's id: cancels match by
+    tenant and id, and one client could name another's request."""
     raw = await api(stack).chat.completions.with_raw_response.create(
         model=MODEL, messages=MESSAGES, max_tokens=3, extra_headers={"X-Request-Id": "mine-42"})
     assert raw.headers["x-request-id"] == "mine-42"
-    assert raw.parse().id == "chatcmpl-mine-42"
+    assert raw.parse().id.startswith("chatcmpl-") and raw.parse().id != "chatcmpl-mine-42"
+    plain = await api(stack).completions.with_raw_response.create(model=MODEL, prompt="hi",
+                                                                 max_tokens=2)
+    assert plain.parse().id == f"cmpl-{plain.headers['x-request-id']}"
+
+
+async def test_hostile_bodies_and_routes_get_openai_shaped_4xx(stack):
+    for body, param in ((b"[" * 100_000, "body"), (b'{"model": "dummy:tiny", "prompt": "hi", '
+                                                   b'"stream": 0}', "stream"),
+                        (b'{"model": "dummy:tiny", "prompt": "hi", "logprobs": 0}', "logprobs")):
+        status, answer = await raw_post(stack, "/completions", body)
+        assert status == 400 and answer["error"]["param"] == param, answer
+    status, answer = await raw_post(stack, "/nowhere", b"{}")
+    assert status == 404 and answer["error"]["type"] == "invalid_request_error"

@@ -33,7 +33,7 @@ from shared.subjects import RESULTS_STREAM, Subjects
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-JETSERVE = ("admission", "priority", "batcher", "executor")
+JETSERVE = ("admission", "priority", "batcher", "gateway", "executor")
 NATS_URL = "nats://127.0.0.1:4222"  # compose.yaml publishes these on the host
 BUILD_TIMEOUT_S = 1800  # the first build installs torch and compiles the CPU kernels
 DOWN_BOUND_S = 60  # 10 s stop timeouts (podman-compose stops all at once), then the leftovers
@@ -65,6 +65,13 @@ def run(*args: str, timeout: float = 120, check: bool = True) -> subprocess.Comp
 
 def get_json(url: str):
     with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def post_json(url: str, body: dict):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
 
 
@@ -198,7 +205,7 @@ async def test_the_compose_stack_runs_in_containers(stack):
             "podman", "ps", "--filter", f"label=io.podman.compose.project={project}",
             "--format", "{{.Names}} {{.Image}}").stdout.splitlines() if line.strip())
         for name, service in running.items():  # the control plane runs the image without torch
-            if service in ("admission", "priority", "batcher"):
+            if service in ("admission", "priority", "batcher", "gateway"):
                 assert images[name].endswith("/jetserve-control:latest"), (name, images[name])
             elif service == "executor":
                 assert images[name].endswith("/jetserve:latest"), (name, images[name])
@@ -217,6 +224,11 @@ async def test_the_compose_stack_runs_in_containers(stack):
         assert all(c.usage.completion_tokens == 8 for c in completions)
         served_by = {c.scheduling.executor for c in completions}
         assert served_by == set(names), served_by
+        # ... and through the OpenAI-compatible gateway (tenant `default`: no keys configured).
+        answer = await asyncio.to_thread(post_json, "http://127.0.0.1:8000/v1/completions", {
+            "model": "SmolLM2-135M-Instruct", "prompt": "Count to 3:", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True})
+        assert answer["usage"]["completion_tokens"] == 8, answer
 
         # Prometheus (the stand-in, with compose's scrape config) finds and scrapes every replica.
         def scraped():
