@@ -48,6 +48,7 @@ from shared.protocol import (
     check_nesting,
 )
 from shared.subjects import Subjects
+from shared.telemetry import SpanKind, carrier_of, context_from
 
 log = structlog.get_logger()
 
@@ -67,7 +68,7 @@ WRITE_TIMEOUT_S = 60.0  # a client that reads nothing of its stream this long is
 
 class Gateway:
     def __init__(self, config: JetserveConfig, nc, js, tracer):
-        self.config, self.nc = config, nc
+        self.config, self.nc, self.tracer = config, nc, tracer
         self.subjects = Subjects(config.nats.prefix)
         self.gateway = config.gateway
         self.models = self.gateway.served_model_names or [config.model.name]
@@ -198,7 +199,6 @@ class Gateway:
             generate = (chat_request if chat else completion_request)(
                 body, self.models, request_id)
             payload = _encode(generate)
-            trace = self.trace_headers(request)
             budget = self.nc.max_payload - ENVELOPE_BYTES
             if len(payload) > budget:
                 raise ApiError(413, f"the request is {len(payload)} bytes as jetserve sends it, "
@@ -215,9 +215,16 @@ class Gateway:
         queue: asyncio.Queue = asyncio.Queue()
         self.replies[token] = queue
         ended = [False]  # its final answer came (else, on the way out: cancelled)
+        # The request's trace begins here (or continues the client's): admission's span and
+        # every later one are this one's children.
+        span = self.tracer.start_span(
+            "gateway", context=context_from(self.trace_headers(request)), kind=SpanKind.SERVER,
+            attributes={"tenant": tenant, "request_id": request_id, "endpoint": endpoint,
+                        "stream": generate.stream})
         try:
             try:
-                await self.nc.publish(self.subjects.generate(tenant), payload, headers=trace,
+                await self.nc.publish(self.subjects.generate(tenant), payload,
+                                      headers=carrier_of(span),
                                       reply=f"{self.inbox_prefix}.{tenant}.{self.id}.{token}")
             except Exception as exc:  # reconnecting, or closed: it was not sent
                 ended[0] = True
@@ -241,6 +248,8 @@ class Gateway:
             self.counts["client_gone"] += 1
             raise
         finally:
+            span.set_attribute("ended", ended[0])
+            span.end()
             del self.replies[token]
             if not ended[0]:  # the client went away, or time ran out: free its executor slot
                 try:

@@ -144,6 +144,18 @@ async def test_a_rate_limited_tenant_gets_a_429_with_retry_after(stack):
     assert caught.value.response.headers["retry-after"] == "1"
     assert "max_concurrent_requests 1" in caught.value.message
     await running.close()
+    await ended_in_the_pipeline(stack, cancelled=1)
+
+
+async def ended_in_the_pipeline(stack, cancelled: int) -> None:
+    """Until the executor has counted `cancelled` requests cancelled, and runs none."""
+    async with await JetserveClient.connect(stack.url, tenant="acme") as nats_client:
+        for _ in range(200):
+            stats = await service_stats(nats_client, "executor")
+            if stats["running"] == 0 and stats["cancelled"] >= cancelled:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"the executor still runs or has not counted the cancel: {stats}")
 
 
 async def test_a_stream_closed_early_cancels_its_request_in_the_pipeline(stack):
