@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import nats
@@ -32,6 +33,13 @@ from tests.integration.test_tracing import OtlpReceiver
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT.parent / "shared" / "vendor" / "compose-spec.json"
 JETSERVE = ("admission", "priority", "batcher", "gateway", "executor")
+
+
+def post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
 
 
 def compose() -> dict:
@@ -79,8 +87,10 @@ def host_env(environment: dict, hosts: dict[str, int], kind: str, metrics_port: 
         for host, port in hosts.items():
             text = re.sub(rf"//{host}:\d+", f"//127.0.0.1:{port}", text)
         env[key] = re.sub(r"^/state/", f"{state}/", text)
-    return {**os.environ, **env, "PYTHONUNBUFFERED": "1",
-            f"JETSERVE_MONITORING__METRICS_PORT__{kind.upper()}": str(metrics_port)}
+    # (The gateway serves /metrics on its own HTTP port.)
+    port_key = "JETSERVE_GATEWAY__PORT" if kind == "gateway" else \
+        f"JETSERVE_MONITORING__METRICS_PORT__{kind.upper()}"
+    return {**os.environ, **env, "PYTHONUNBUFFERED": "1", port_key: str(metrics_port)}
 
 
 @pytest.mark.slow
@@ -156,13 +166,22 @@ async def test_compose_services_run_as_host_processes(tmp_path):
             [name] = json.loads(reply.data)
             assert name.startswith(f"executor-{socket.gethostname()}-")
             assert completion.scheduling.executor == name
+            # The OpenAI-compatible gateway (no API keys: tenant `default`).
+            answer = await asyncio.to_thread(post_json, f"http://127.0.0.1:{ports['gateway']}"
+                                             f"/v1/completions", {
+                "model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+                "max_tokens": 8, "temperature": 0})
+            assert answer["choices"][0]["text"] == completion.text, answer
 
         admission = await scrape(ports["admission"])
         assert value(admission, "jetserve:admitted_requests_total", tenant="default") >= 1
         executor = await scrape(ports["executor"])
-        assert value(executor, "jetserve:request_success_total", finished_reason="length") == 1
+        # (the request over NATS and the one through the gateway)
+        assert value(executor, "jetserve:request_success_total", finished_reason="length") == 2
         assert (await scrape(ports["batcher"]))[("jetserve:executors_alive", ())] == 1
         assert ("jetserve:priority_dispatched_total", ()) in await scrape(ports["priority"])
+        assert value(await scrape(ports["gateway"]), "jetserve:gateway_requests_total",
+                     endpoint="completions", status="200") == 1
     finally:
         for process in reversed(processes):
             process.terminate()
