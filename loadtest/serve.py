@@ -50,6 +50,16 @@ _encode = msgspec.json.Encoder().encode
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
+    target.add_argument("--backend", choices=["jetserve", "openai"], default="jetserve",
+                        help="jetserve: its NATS protocol; openai: any OpenAI-compatible HTTP "
+                             "server at --base-url (with --embedded: jetserve's gateway)")
+    target.add_argument("--base-url", help="openai: the API's base URL, e.g. "
+                                           "http://127.0.0.1:8000/v1")
+    target.add_argument("--api-key", help="openai: sent as Authorization: Bearer KEY")
+    target.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                        help="openai: /v1/completions (token-id prompts as they are) or "
+                             "/v1/chat/completions (prompts as text, one user message)")
+    target.add_argument("--served-model-name", help="openai: the `model` sent (default --model)")
     target.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     target.add_argument("--embedded", action="store_true",
                         help="start nats-server and the four services for this run")
@@ -414,14 +424,22 @@ def _parameters(args, url: str) -> dict:
 
 
 async def run_with_target(args) -> dict:
+    openai = args.backend == "openai"
+    if openai:
+        from loadtest.openai_client import run_openai
     if not args.embedded:
+        if openai:
+            if not args.base_url:
+                raise SystemExit("--backend openai needs --base-url (or --embedded)")
+            return await run_openai(args, args.base_url)
         return await run(args, args.nats_url)
     from services.stack import temporary_stack
 
     settings = {"model.name": args.model, **dict(item.partition("=")[::2] for item in args.set)}
     async with temporary_stack("jetserve-bench-", executors=args.executors,
-                               config_path=args.config, settings=settings) as stack:
-        return await run(args, stack.url)
+                               config_path=args.config, settings=settings,
+                               http_port=0 if openai else None) as stack:
+        return await (run_openai(args, stack.http_url) if openai else run(args, stack.url))
 
 
 def sweep(args) -> dict:

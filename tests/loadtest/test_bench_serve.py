@@ -82,3 +82,28 @@ def test_adaptive_batch_size_grows_under_a_queue_and_holds_at_the_minimum_past_i
                      for r in runs)
     assert strict == {2}
     assert max(loose) >= 8
+
+
+def test_the_openai_backend_measures_the_same_workload_through_the_gateway(tmp_path):
+    """`--backend openai` (here against the embedded stack's gateway): the same requests, each
+    with its exact output length, counted from the HTTP stream's usage; the same figures."""
+    for endpoint in ("completions", "chat"):
+        result_json = tmp_path / f"{endpoint}.json"
+        run = bench("--embedded", "--model", "dummy:tiny", "--set", "kv_cache.num_blocks=512",
+                    "--backend", "openai", "--endpoint", endpoint, "--num-requests", "20",
+                    "--request-rate", "40", "--input-len-range", "8", "32",
+                    "--output-len-range", "4", "24", "--priority-mix", "9:0.5,5:0.5",
+                    "--result-json", str(result_json))
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = json.loads(result_json.read_text())
+        s = result["summary"]
+        assert (s["requests"], s["completed"], s["failed"], s["outstanding"]) == (20, 20, 0, 0)
+        assert result["parameters"]["backend"] == "openai"
+        for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            assert 0 < s[metric]["p50"] <= s[metric]["p99"]
+        records = result["requests"]
+        # Random token prompts (decoded to text for chat) run to their exact output lengths.
+        assert all(r["finish_reason"] == "length" and 4 <= r["output_tokens"] <= 24
+                   and r["prompt_tokens"] > 0 for r in records)
+    missing = bench("--backend", "openai", "--num-requests", "1")
+    assert missing.returncode != 0 and "--base-url" in missing.stderr
