@@ -35,6 +35,7 @@ DEFAULT_MAX_TOKENS = 256  # jetserve's own default, as vLLM's is "what the conte
 
 # Fields that change nothing when they hold these values (None: any value).
 _HARMLESS = {
+    "add_special_tokens": True,
     "user": None, "metadata": None, "store": None, "service_tier": None,
     "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
     "logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "logit_bias": {},
@@ -245,6 +246,33 @@ def completion_request(body: object, served: list[str], request_id: str) -> Gene
     if isinstance(prompt, list) and len(prompt) > 1:
         raise bad("prompt", "`prompt` must be one prompt (a batch of several: send each alone)")
     raise bad("prompt", "`prompt` must be a non-empty string or a list of token ids")
+
+
+def tokenize_request(body: object, served: list[str]) -> GenerateRequest:
+    """vLLM's `/tokenize` body: `prompt` or `messages` (as the generation endpoints take them)."""
+    if not isinstance(body, dict):
+        raise bad("body", "the body must be a JSON object")
+    _check_fields(body, {"model", "prompt", "messages", "add_generation_prompt"})
+    extra = {name: body[name] for name in ("model",) if name in body}
+    if body.get("add_generation_prompt") is False:
+        raise bad("add_generation_prompt", "only the chat template's generation prompt, as "
+                                           "the generation endpoints use it, is supported")
+    if "messages" in body:
+        return chat_request({**extra, "messages": body["messages"]}, served, "tokenize")
+    return completion_request({**extra, "prompt": body.get("prompt")}, served, "tokenize")
+
+
+def detokenize_tokens(body: object, served: list[str], vocab_size: int) -> list[int]:
+    if not isinstance(body, dict):
+        raise bad("body", "the body must be a JSON object")
+    _check_fields(body, {"model", "tokens"})
+    _common({"model": body.get("model")}, served)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+            for t in tokens):
+        raise bad("tokens", f"`tokens` must be a list of token ids below {vocab_size}")
+    return tokens
 
 
 # --------------------------------------------------------------------------------- responses

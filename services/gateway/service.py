@@ -33,12 +33,17 @@ from services.gateway.openai_api import (
     chat_response,
     completion_request,
     completion_response,
+    detokenize_tokens,
     finish_reason,
+    tokenize_request,
 )
 from shared.bus import ENVELOPE_BYTES, add_micro_service, service_main
 from shared.client import Output, StreamAssembler
 from shared.config import JetserveConfig
 from shared.metrics import counter, histogram
+from shared.model_files import load_model_config, tokenizer_dir
+from shared.preprocess import prompt_token_ids
+from shared.tokenizer import Tokenizer
 from shared.protocol import (
     Cancel,
     Delta,
@@ -80,6 +85,14 @@ class Gateway:
         self.counts = dict(requests=0, streamed=0, errors=0, client_gone=0)
         self.runner: web.AppRunner | None = None
         self.port = 0
+        # The model's tokenizer and limits, for /tokenize and /detokenize (as admission's).
+        model = config.model
+        model_config, model_dir = load_model_config(model.name, model.weights_cache_dir,
+                                                    weights=False)
+        self.tokenizer = Tokenizer(tokenizer_dir(model_dir, model.weights_cache_dir))
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = min(model.max_model_len or model_config.max_position,
+                                 model_config.max_position)
 
     async def start(self) -> None:
         self.subscription = await self.nc.subscribe(
@@ -89,6 +102,8 @@ class Gateway:
         app.add_routes([web.post("/v1/chat/completions", self.chat_completions),
                         web.post("/v1/completions", self.completions),
                         web.get("/v1/models", self.list_models),
+                        web.post("/tokenize", self.tokenize),
+                        web.post("/detokenize", self.detokenize),
                         web.get("/health", self.health),
                         web.get("/metrics", self.metrics)])
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -144,6 +159,45 @@ class Gateway:
             {"id": name, "object": "model", "created": self.started, "owned_by": "jetserve",
              "root": self.config.model.name} for name in self.models]})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's: the prompt's token ids (the chat template applied to `messages`)."""
+        try:
+            self.tenant(request)
+            generate = tokenize_request(await self.json_body(request), self.models)
+            tokens = await asyncio.to_thread(prompt_token_ids, self.tokenizer, generate,
+                                             self.vocab_size)
+        except ApiError as exc:
+            return self.error("tokenize", exc, {})
+        except ProtocolError as exc:
+            return self.error("tokenize", bad("prompt", exc.message), {})
+        REQUESTS.labels("tokenize", "200").inc()
+        return web.json_response({"count": len(tokens), "max_model_len": self.max_model_len,
+                                  "tokens": tokens, "token_strs": None}, dumps=_dumps)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            self.tenant(request)
+            tokens = detokenize_tokens(await self.json_body(request), self.models,
+                                       self.vocab_size)
+        except ApiError as exc:
+            return self.error("detokenize", exc, {})
+        text = await asyncio.to_thread(self.tokenizer.decode, tokens)
+        REQUESTS.labels("detokenize", "200").inc()
+        return web.json_response({"prompt": text}, dumps=_dumps)
+
+    async def json_body(self, request: web.Request) -> object:
+        """The request's JSON body, or an ApiError naming what is wrong with it."""
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"the body is over {self.gateway.max_body_bytes} bytes "
+                                f"(gateway.max_body_bytes)", code="payload_too_large") from None
+        try:
+            check_nesting(raw)
+            return msgspec.json.decode(raw)
+        except (msgspec.DecodeError, ProtocolError) as exc:
+            raise bad("body", f"the body is not valid JSON: {exc}") from None
+
     async def health(self, request: web.Request) -> web.Response:
         """200 while connected to NATS (the pipeline's own health: `jetserve health`)."""
         return web.Response(status=200 if self.nc.is_connected else 503)
@@ -190,12 +244,7 @@ class Gateway:
                                               "printable ASCII characters")
                 headers["X-Request-Id"] = request.headers["X-Request-Id"]
             tenant = self.tenant(request)
-            raw = await request.read()
-            try:
-                check_nesting(raw)
-                body = msgspec.json.decode(raw)
-            except (msgspec.DecodeError, ProtocolError) as exc:
-                raise bad("body", f"the body is not valid JSON: {exc}") from None
+            body = await self.json_body(request)
             generate = (chat_request if chat else completion_request)(
                 body, self.models, request_id)
             payload = _encode(generate)
@@ -204,10 +253,6 @@ class Gateway:
                 raise ApiError(413, f"the request is {len(payload)} bytes as jetserve sends it, "
                                     f"over the NATS server's max_payload ({budget} bytes here)",
                                code="payload_too_large")
-        except web.HTTPRequestEntityTooLarge:
-            return self.error(endpoint, ApiError(
-                413, f"the body is over {self.gateway.max_body_bytes} bytes "
-                     f"(gateway.max_body_bytes)", code="payload_too_large"), headers)
         except ApiError as exc:
             return self.error(endpoint, exc, headers)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

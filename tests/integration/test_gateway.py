@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 import pytest_asyncio
@@ -36,8 +37,9 @@ def api(stack, key: str = "key-acme") -> openai.AsyncOpenAI:
 
 
 async def raw_post(stack, path: str, body: bytes) -> tuple[int, dict]:
+    """POST `body` to `path` (from the server's root) as tenant acme."""
     async with aiohttp.ClientSession() as session:
-        async with session.post(stack.http_url + path, data=body, headers={
+        async with session.post(stack.http_url.removesuffix("/v1") + path, data=body, headers={
                 "Content-Type": "application/json", "Authorization": "Bearer key-acme"}) as reply:
             return reply.status, await reply.json()
 
@@ -199,7 +201,27 @@ async def test_hostile_bodies_and_routes_get_openai_shaped_4xx(stack):
     for body, param in ((b"[" * 100_000, "body"), (b'{"model": "dummy:tiny", "prompt": "hi", '
                                                    b'"stream": 0}', "stream"),
                         (b'{"model": "dummy:tiny", "prompt": "hi", "logprobs": 0}', "logprobs")):
-        status, answer = await raw_post(stack, "/completions", body)
+        status, answer = await raw_post(stack, "/v1/completions", body)
         assert status == 400 and answer["error"]["param"] == param, answer
     status, answer = await raw_post(stack, "/nowhere", b"{}")
     assert status == 404 and answer["error"]["type"] == "invalid_request_error"
+
+
+async def test_tokenize_and_detokenize_as_vllm_s(stack):
+    """The prompt's token ids (the chat template applied to messages), as the generation
+    endpoints count them in `usage`, and back to text."""
+    status, tokens = await raw_post(stack, "/tokenize", msgspec.json.encode(
+        {"model": MODEL, "messages": MESSAGES}))
+    assert status == 200, tokens
+    answer = await api(stack).chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                      max_tokens=2)
+    assert tokens["count"] == len(tokens["tokens"]) == answer.usage.prompt_tokens
+    assert tokens["max_model_len"] > 0
+    status, plain = await raw_post(stack, "/tokenize", b'{"model": "dummy:tiny", '
+                                                          b'"prompt": "Hello there"}')
+    status, text = await raw_post(stack, "/detokenize", msgspec.json.encode(
+        {"model": MODEL, "tokens": plain["tokens"]}))
+    assert status == 200 and text["prompt"] == "Hello there"
+    status, refused = await raw_post(stack, "/detokenize", b'{"model": "dummy:tiny", '
+                                                              b'"tokens": [-1]}')
+    assert status == 400 and refused["error"]["param"] == "tokens"
