@@ -42,17 +42,17 @@ class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # of `jetserve up --auth` let that tenant alone subscribe: no tenant can aim its answers
     # at another's inbox. On under `--auth` and in compose.yaml; off, any client inbox.
     tenant_inboxes: bool = False
-    results_max_age_s: Annotated[float, msgspec.Meta(gt=0)] = 24 * 3600.0
+    results_max_age_s: Annotated[float, msgspec.Meta(gt=0.0)] = 24 * 3600.0
     # A held durable request is kept alive with in-progress acks well inside this window.
-    ack_wait_s: Annotated[float, msgspec.Meta(ge=1)] = 30.0
-    duplicate_window_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    ack_wait_s: Annotated[float, msgspec.Meta(ge=1.0)] = 30.0
+    duplicate_window_s: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
     # Durable requests admission may hold at once (the LLM_REQUESTS consumer's max_ack_pending;
     # the server's default, 1,000, would cap durable work in flight whatever the executors).
     max_ack_pending: Annotated[int, msgspec.Meta(ge=1)] = 50_000
-    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # internal request/reply hops
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0  # internal request/reply hops
     # At start, how long a service waits for the server to answer before it exits with an error
     # (once connected, it reconnects for as long as it takes).
-    connect_wait_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    connect_wait_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
 
 
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -74,8 +74,8 @@ class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # The pool: an explicit block count wins; else a share of free GPU memory, or a size on a
     # CPU. With two pools the count is the memory of that many blocks of the model's dtype.
     num_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
-    cpu_cache_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    cpu_cache_gib: Annotated[float, msgspec.Meta(gt=0.0)] = 4.0
     enable_prefix_caching: bool = True
     # auto: the model's dtype; int8: each (token, head) row as int8 with an fp32 scale
     # (jetserve_kernels/kv_int8.py), ~3.8x the tokens of fp32 in the same memory.
@@ -83,7 +83,7 @@ class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Requests of a priority under this keep their KV in int8 blocks of a second pool, which
     # takes `compressed_fraction` of the KV memory; the rest stays in `dtype` (None: one pool).
     compress_below_priority: Annotated[int, msgspec.Meta(ge=1, le=10)] | None = None
-    compressed_fraction: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.5
+    compressed_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.5
 
     def __post_init__(self):
         if self.compress_below_priority is not None and self.dtype == "int8":
@@ -91,7 +91,7 @@ class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              "every block is int8 already")
 
 
-Positive = Annotated[float, msgspec.Meta(gt=0)]
+Positive = Annotated[float, msgspec.Meta(gt=0.0)]
 NonNegative = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
@@ -128,14 +128,14 @@ class RequestLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_wait_s: Positive = 60.0
     # Predicted output = max_tokens x a moving average, per tenant and priority, of the share of
     # max_tokens requests really generate; `predictor_prior` until completions are seen.
-    predictor_alpha: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
-    predictor_prior: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    predictor_alpha: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.1
+    predictor_prior: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     # Class SLO feedback: priority -> TTFT target (ms). While a class's p90 TTFT over the last
     # `class_feedback_window_s` misses its target, its class weight rises by `class_weight_step`
     # each `class_feedback_interval_s`, up to `class_weight_max`; it relaxes toward 1 when met.
     class_ttft_slo_ms: dict[int, Positive] = {}
-    class_weight_max: Annotated[float, msgspec.Meta(ge=1)] = 2.0
-    class_weight_step: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
+    class_weight_max: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0
+    class_weight_step: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.1
     class_feedback_interval_s: Positive = 2.0
     class_feedback_window_s: Positive = 30.0
 
@@ -153,7 +153,7 @@ class BatchLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # policy's order. Larger keeps executors busier across dispatch delays; smaller decides
     # later. 4: at 2, a loaded 2-core host's dispatch round trip outlasted the room and steps
     # ran short of prefill (BENCHMARKS.md, "A wider intake horizon").
-    intake_horizon_steps: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    intake_horizon_steps: Annotated[float, msgspec.Meta(gt=0.0)] = 4.0
     # Which executor with room gets a request: kv_aware scores each by the share of the prompt's
     # blocks it caches (its KV events say which) times kv_overlap_weight, minus its load (over
     # max_num_seqs) times kv_load_weight; least_loaded takes the least loaded (then the most
@@ -187,10 +187,10 @@ class LoadAware(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 128
     initial_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 16
     step_size: Annotated[int, msgspec.Meta(ge=1)] = 4
-    interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     high_load_threshold: Share = 0.9
     low_load_threshold: Share = 0.25
-    tpot_slo_ms: Annotated[float, msgspec.Meta(gt=0)] = 100.0
+    tpot_slo_ms: Annotated[float, msgspec.Meta(gt=0.0)] = 100.0
     kv_free_threshold: Share = 0.05
 
     def __post_init__(self):
@@ -223,9 +223,9 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 class DistributedSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    heartbeat_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0  # then an executor is dead
-    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # SIGTERM: let running finish
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    heartbeat_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0  # then an executor is dead
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0  # SIGTERM: let running finish
     # A durable request whose executor died continues from the outputs its checkpoints
     # reported (false: it runs again from the start, the baseline for loadtest.migration_bench).
     resume_from_checkpoints: bool = True
@@ -251,8 +251,9 @@ class MonitoringSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     metrics_port: MetricsPorts = msgspec.field(default_factory=MetricsPorts)
 
 
-# (Floats: typing caches Annotated types by equal metadata, and the protocol's top_p, gt=0.0 and
-# le=1.0, would have been written into its schema with ints.)
+# (Every float's bounds are written as floats: typing caches Annotated types by equal metadata,
+# and gt=0 equals gt=0.0, so an int bound here could become the protocol's, and its published
+# schema would then depend on which module's annotations were resolved first.)
 Portion = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -313,7 +314,7 @@ class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     api_keys: dict[str, str] = {}
     # Names the model is served under in `model` and /v1/models (empty: model.name).
     served_model_names: list[str] = []
-    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 * 1024 * 1024
 
 
@@ -354,7 +355,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     executor_name: str = "executor-0"
     # A request waiting this long since its arrival goes ahead of every request that has not,
     # and no such request may preempt it (None: off; the adaptive policy sets it).
-    max_wait_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    max_wait_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 
 
 def engine_config(settings: Mapping[str, object] | None = None, **fields) -> EngineConfig:

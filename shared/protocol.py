@@ -48,7 +48,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", tag_field="type", forbid_u
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     priority: Annotated[int, msgspec.Meta(ge=0, le=10)] = 5
-    deadline_ms: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    deadline_ms: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
     stream: bool = False
 
     def check(self) -> None:
