@@ -44,7 +44,7 @@ async def tenant(stack, name: str):
             client = await JetserveClient.connect(stack.urls[name], tenant=name,
                                                   error_cb=on_error, allow_reconnect=False)
             break
-        except nats.errors.Error:
+        except (nats.errors.Error, OSError):  # (a connection reset while it reloads)
             await asyncio.sleep(0.1)
     client.errors = errors
     try:
