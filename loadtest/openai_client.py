@@ -109,7 +109,7 @@ class OpenAIBackend:
 
 
 async def run_openai(args, base_url: str) -> dict:
-    from loadtest.serve import _parameters, plan
+    from loadtest.serve import _parameters, plan, send_on_schedule
 
     rng = random.Random(args.seed)
     offsets, planned = plan(args, rng)
@@ -118,12 +118,11 @@ async def run_openai(args, base_url: str) -> dict:
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    tasks = []
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0),  # as many connections as requests in flight
         timeout=aiohttp.ClientTimeout(total=None, sock_read=IDLE_TIMEOUT_S))
 
-    async def send(request, record):
+    async def send(request, record, _tenant):  # (the API key is the tenant here)
         try:
             await backend.send(session, request, record, clock)
         finally:
@@ -131,22 +130,7 @@ async def run_openai(args, base_url: str) -> dict:
                 limit.release()
 
     try:
-        for offset, (request, tenant) in zip(offsets, planned):
-            delay = offset - clock()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if limit:
-                await limit.acquire()
-            record = RequestRecord(request_id=request.request_id, tenant=tenant,
-                                   priority=request.priority, send_time=clock(),
-                                   prompt_tokens=len(request.prompt_token_ids or []),
-                                   deadline_ms=request.deadline_ms)
-            records.append(record)
-            tasks.append(asyncio.create_task(send(request, record)))
-            if not args.no_progress and len(records) % 100 == 0:
-                done = sum(1 for r in records if r.end_time is not None)
-                print(f"  t={clock():6.1f}s sent {len(records)}/{len(planned)} done {done}",
-                      flush=True)
+        tasks = await send_on_schedule(offsets, planned, clock, limit, send, records)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=args.drain_timeout)
             for task in pending:  # outstanding: reported, and their connections closed

@@ -373,7 +373,6 @@ async def run(args, url: str) -> dict:
                                                not args.no_progress, len(planned), executors,
                                                list(receivers.values())))
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    tasks = []
 
     async def send(request, record, tenant):
         try:
@@ -382,18 +381,7 @@ async def run(args, url: str) -> dict:
             if limit:
                 limit.release()
 
-    for offset, (request, tenant) in zip(offsets, planned):
-        delay = offset - clock()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if limit:
-            await limit.acquire()
-        record = RequestRecord(request_id=request.request_id, tenant=tenant,
-                               priority=request.priority, send_time=clock(),
-                               prompt_tokens=len(request.prompt_token_ids or []),
-                               deadline_ms=request.deadline_ms)
-        records.append(record)
-        tasks.append(asyncio.create_task(send(request, record, tenant)))
+    tasks = await send_on_schedule(offsets, planned, clock, limit, send, records)
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=args.drain_timeout)
         # Reported as outstanding, not dropped; cancelled so they do not hold slots.
@@ -412,6 +400,27 @@ async def run(args, url: str) -> dict:
     return {"label": args.label, "summary": summarize(records, duration, Slo.parse(args.goodput)),
             "parameters": _parameters(args, url), "timeline": timeline,
             "requests": [asdict(r) for r in records]}
+
+
+async def send_on_schedule(offsets, planned, clock, limit: asyncio.Semaphore | None, send,
+                           records: list[RequestRecord]) -> list[asyncio.Task]:
+    """Each planned (request, tenant) at its offset, once `limit` (max concurrency) lets it, as a
+    task of `send(request, record, tenant)`; each one's record appended to `records` as it goes
+    (`send` releases `limit`)."""
+    tasks = []
+    for offset, (request, tenant) in zip(offsets, planned):
+        delay = offset - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if limit:
+            await limit.acquire()
+        record = RequestRecord(request_id=request.request_id, tenant=tenant,
+                               priority=request.priority, send_time=clock(),
+                               prompt_tokens=len(request.prompt_token_ids or []),
+                               deadline_ms=request.deadline_ms)
+        records.append(record)
+        tasks.append(asyncio.create_task(send(request, record, tenant)))
+    return tasks
 
 
 def _parameters(args, url: str) -> dict:
