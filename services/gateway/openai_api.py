@@ -97,10 +97,20 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
             continue
         if name in _HARMLESS:
             wanted = _HARMLESS[name]
-            if wanted is None or (type(value) is type(wanted) and value == wanted):
+            if wanted is None or _same(value, wanted):
                 continue
             raise bad(name, f"`{name}` = {_short(value)} is not supported (only {wanted!r})")
         raise bad(name, f"`{name}` is not supported")
+
+
+def _same(value: object, wanted: object) -> bool:
+    """`value` is `wanted`: a number equal to a number (1.0 is 1; a bool is no number), or an
+    equal value of the same type."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    if number(wanted):
+        return number(value) and value == wanted
+    return type(value) is type(wanted) and value == wanted
 
 
 def _short(value: object) -> str:
@@ -252,7 +262,10 @@ def tokenize_request(body: object, served: list[str]) -> GenerateRequest:
     """vLLM's `/tokenize` body: `prompt` or `messages` (as the generation endpoints take them)."""
     if not isinstance(body, dict):
         raise bad("body", "the body must be a JSON object")
-    _check_fields(body, {"model", "prompt", "messages", "add_generation_prompt"})
+    _check_fields(body, {"model", "prompt", "messages", "add_generation_prompt",
+                         "add_special_tokens"})
+    if not isinstance(body.get("add_special_tokens", True), bool):
+        raise bad("add_special_tokens", "`add_special_tokens` must be true or false")
     extra = {name: body[name] for name in ("model",) if name in body}
     if body.get("add_generation_prompt") is False:
         raise bad("add_generation_prompt", "only the chat template's generation prompt, as "

@@ -163,9 +163,13 @@ class Gateway:
         """vLLM's: the prompt's token ids (the chat template applied to `messages`)."""
         try:
             self.tenant(request)
-            generate = tokenize_request(await self.json_body(request), self.models)
+            body = await self.json_body(request)
+            generate = tokenize_request(body, self.models)
             tokens = await asyncio.to_thread(prompt_token_ids, self.tokenizer, generate,
                                              self.vocab_size)
+            if body.get("add_special_tokens") is False and generate.prompt is not None \
+                    and self.tokenizer.add_bos and tokens[:1] == [self.tokenizer.bos_token_id]:
+                tokens = tokens[1:]  # the text's own tokens, without the BOS generation adds
         except ApiError as exc:
             return self.error("tokenize", exc, {})
         except ProtocolError as exc:

@@ -86,3 +86,14 @@ def test_jetserve_errors_become_http_statuses():
     for code, status in (("invalid_request", 400), ("prompt_too_long", 400),
                          ("overloaded", 503), ("deadline_exceeded", 504), ("internal", 500)):
         assert api_error(Error(request_id="r", code=code, message="m")).status == status
+
+
+def test_harmless_numbers_are_taken_whatever_their_json_type():
+    """vLLM's own client sends `repetition_penalty: 1.0`; a bool is never a number."""
+    assert chat(repetition_penalty=1.0, presence_penalty=0.0, best_of=1).max_tokens == 256
+    with pytest.raises(ApiError) as caught:
+        chat(best_of=True)
+    assert caught.value.param == "best_of"
+    with pytest.raises(ApiError) as caught:
+        chat(repetition_penalty=1.1)
+    assert caught.value.param == "repetition_penalty"
