@@ -7,7 +7,8 @@ What is taken, and how (docs/openai.md has the table):
 - `/v1/chat/completions`: `messages` (text content, or text parts), `/v1/completions`: `prompt`
   (a string, or one string or one token-id list in a list).
 - `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or a
-  list), `stream`, `stream_options.include_usage`, `n` = 1; vLLM's `top_k`, `min_p`,
+  list), `stream`, `stream_options.include_usage` (and vLLM's `continuous_usage_stats`),
+  `n` = 1; vLLM's `top_k`, `min_p`,
   `ignore_eos`, `stop_token_ids`, `priority`; jetserve's `deadline_ms`.
 - `priority`: vLLM's (lower runs earlier, 0 by default, any integer) becomes jetserve's
   (0-10, higher runs earlier, 5 by default) as `5 - priority`, clamped: a client that sends
@@ -163,11 +164,8 @@ def _common(body: dict, served: list[str]) -> dict[str, Any]:
         if not isinstance(options, dict) or set(options) - {"include_usage",
                                                              "continuous_usage_stats"} \
                 or not all(isinstance(v, bool) or v is None for v in options.values()):
-            raise bad("stream_options", "`stream_options` may hold only `include_usage` "
-                                        "(true or false)")
-        if options.get("continuous_usage_stats"):
-            raise bad("stream_options", "`stream_options.continuous_usage_stats` is not "
-                                        "supported")
+            raise bad("stream_options", "`stream_options` may hold only `include_usage` and "
+                                        "`continuous_usage_stats` (true or false)")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -329,8 +327,15 @@ class Chunks:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
         self.role_sent = False
+        # vLLM's `continuous_usage_stats`: the usage so far on every chunk (prompt tokens known)
+        self.prompt_tokens: int | None = None
+        self.completion_tokens = 0
 
     def _chunk(self, choices: list, **extra) -> dict:
+        if self.prompt_tokens is not None and "usage" not in extra:
+            extra["usage"] = {"prompt_tokens": self.prompt_tokens,
+                              "completion_tokens": self.completion_tokens,
+                              "total_tokens": self.prompt_tokens + self.completion_tokens}
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat
                 else "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, **extra}

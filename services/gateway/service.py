@@ -259,7 +259,16 @@ class Gateway:
                                code="payload_too_large")
         except ApiError as exc:
             return self.error(endpoint, exc, headers)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
+        prompt_tokens = None
+        if options.get("continuous_usage_stats"):  # the prompt's tokens, as admission counts them
+            try:
+                prompt_tokens = len(await asyncio.to_thread(
+                    prompt_token_ids, self.tokenizer, generate, self.vocab_size))
+            except ProtocolError as exc:
+                return self.error(endpoint, bad("messages" if chat else "prompt", exc.message),
+                                  headers)
         token = str(next(self.tokens))
         queue: asyncio.Queue = asyncio.Queue()
         self.replies[token] = queue
@@ -284,7 +293,7 @@ class Gateway:
             if generate.stream:
                 self.counts["streamed"] += 1
                 return await self.stream(request, endpoint, generate, queue, deadline, chat,
-                                         include_usage, headers, ended, arrived)
+                                         include_usage, headers, ended, arrived, prompt_tokens)
             output, ended[0] = await self.next_output(queue, deadline)
             FIRST_BYTE.labels(endpoint).observe(time.perf_counter() - arrived)
             if isinstance(output, Error):
@@ -309,11 +318,14 @@ class Gateway:
 
     async def stream(self, request: web.Request, endpoint: str, generate: GenerateRequest,
                      queue: asyncio.Queue, deadline: float, chat: bool, include_usage: bool,
-                     headers: dict, ended: list, arrived: float) -> web.StreamResponse:
+                     headers: dict, ended: list, arrived: float,
+                     prompt_tokens: int | None = None) -> web.StreamResponse:
         """Server-sent events: a chunk per delta (the first carries the assistant role), the
-        finish reason, the usage when asked for, then `data: [DONE]`. An Error before any
-        chunk is an HTTP error; one after is an `error` event, then `[DONE]`."""
+        finish reason, the usage when asked for (with `prompt_tokens`: on every chunk too),
+        then `data: [DONE]`. An Error before any chunk is an HTTP error; one after is an
+        `error` event, then `[DONE]`."""
         chunks = Chunks(chat, generate.request_id, generate.model)
+        chunks.prompt_tokens = prompt_tokens
         assembled = StreamAssembler()
         response: web.StreamResponse | None = None
 
@@ -340,6 +352,7 @@ class Gateway:
                                    message=f"the stream lost a part: {exc}")
                 else:
                     if new is not None:
+                        chunks.completion_tokens = len(assembled.token_ids)
                         await send(chunks.text(new.text))
                     continue
             if isinstance(output, Error):
@@ -348,6 +361,7 @@ class Gateway:
                     return self.error(endpoint, error, headers)
                 await send(error.body())
             else:
+                chunks.completion_tokens = output.usage.completion_tokens
                 if output.text.startswith(assembled.text) and len(output.text) > len(
                         assembled.text):  # text held back until the end (a stop string's)
                     await send(chunks.text(output.text[len(assembled.text):]))

@@ -225,3 +225,17 @@ async def test_tokenize_and_detokenize_as_vllm_s(stack):
     status, refused = await raw_post(stack, "/detokenize", b'{"model": "dummy:tiny", '
                                                               b'"tokens": [-1]}')
     assert status == 400 and refused["error"]["param"] == "tokens"
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack):
+    """vLLM's `stream_options.continuous_usage_stats` (GuideLLM asks for it): every chunk's
+    usage counts the tokens so far, with the prompt's tokens as the final usage has them."""
+    chunks = [chunk async for chunk in await api(stack).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True})]
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final.completion_tokens == 12
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == final.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-2] == 12
