@@ -7,11 +7,31 @@ Admission runs this once, at the edge, for every request that enters jetserve; t
 from __future__ import annotations
 
 import secrets
+from typing import NamedTuple
 
 import msgspec
 
+from shared.config import ModelSection
+from shared.model_files import load_model_config, tokenizer_dir
 from shared.tokenizer import Tokenizer
 from shared.protocol import GenerateRequest, ProtocolError
+
+
+class ServedModel(NamedTuple):
+    """What requests are checked and tokenized against: the model's tokenizer, vocabulary
+    size and context limit (`model.max_model_len`, at most the model's own)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+
+
+def served_model(model: ModelSection) -> ServedModel:
+    """The model's tokenizer and limits, without its weights (admission; the gateway)."""
+    config, directory = load_model_config(model.name, model.weights_cache_dir, weights=False)
+    return ServedModel(Tokenizer(tokenizer_dir(directory, model.weights_cache_dir)),
+                       config.vocab_size,
+                       min(model.max_model_len or config.max_position, config.max_position))
 
 
 def prompt_token_ids(tokenizer: Tokenizer, request: GenerateRequest, vocab_size: int) -> list[int]:

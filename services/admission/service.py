@@ -34,9 +34,13 @@ from services.admission.intake import FairIntake
 from services.admission.ledger import Ledger, Watched
 from services.admission.rate_limit import TokenBuckets
 from shared.block_hash import block_hashes
-from shared.preprocess import admitted, check_model, check_prompt_size, prompt_token_ids
-from shared.tokenizer import Tokenizer
-from shared.model_files import load_model_config, tokenizer_dir
+from shared.preprocess import (
+    admitted,
+    check_model,
+    check_prompt_size,
+    prompt_token_ids,
+    served_model,
+)
 from shared.bus import (
     ENVELOPE_BYTES,
     Outbox,
@@ -118,13 +122,8 @@ class Admission:
                              config.nats.tenant_inboxes)
         model = config.model
         self.model_name = model.name
-        model_config, model_dir = load_model_config(model.name, model.weights_cache_dir,
-                                                    weights=False)
-        self.tokenizer = Tokenizer(tokenizer_dir(model_dir, model.weights_cache_dir))
+        self.tokenizer, self.vocab_size, self.max_model_len = served_model(model)
         self.tokenizer.max_token_json_bytes  # noqa: B018 (computed once here, off the hot path)
-        self.vocab_size = model_config.vocab_size
-        self.max_model_len = min(model.max_model_len or model_config.max_position,
-                                 model_config.max_position)
         self.quotas = config.quotas
         self.buckets = TokenBuckets()
         # The durable backlog LLM_REQUESTS holds, which tenants share (quotas durable_share).

@@ -41,9 +41,7 @@ from shared.bus import ENVELOPE_BYTES, add_micro_service, service_main
 from shared.client import Output, StreamAssembler
 from shared.config import JetserveConfig
 from shared.metrics import counter, histogram
-from shared.model_files import load_model_config, tokenizer_dir
-from shared.preprocess import prompt_token_ids
-from shared.tokenizer import Tokenizer
+from shared.preprocess import prompt_token_ids, served_model
 from shared.protocol import (
     Cancel,
     Delta,
@@ -85,14 +83,9 @@ class Gateway:
         self.counts = dict(requests=0, streamed=0, errors=0, client_gone=0)
         self.runner: web.AppRunner | None = None
         self.port = 0
-        # The model's tokenizer and limits, for /tokenize and /detokenize (as admission's).
-        model = config.model
-        model_config, model_dir = load_model_config(model.name, model.weights_cache_dir,
-                                                    weights=False)
-        self.tokenizer = Tokenizer(tokenizer_dir(model_dir, model.weights_cache_dir))
-        self.vocab_size = model_config.vocab_size
-        self.max_model_len = min(model.max_model_len or model_config.max_position,
-                                 model_config.max_position)
+        # The model's tokenizer and limits, as admission's: /tokenize, /detokenize, and the
+        # prompt count of `continuous_usage_stats`.
+        self.tokenizer, self.vocab_size, self.max_model_len = served_model(config.model)
 
     async def start(self) -> None:
         self.subscription = await self.nc.subscribe(
