@@ -133,13 +133,15 @@ async def test_durable_ids_are_per_tenant_and_the_server_refuses_a_repeat_while_
     message per subject), reported as a duplicate, and never runs twice."""
     async with await JetserveClient.connect(stack.url, tenant="bob") as bob:
         await client.submit(long_request("next-7", 3))  # acme squats bob's next id
-        first = await bob.submit(long_request("next-7", 60))
-        repeat = await bob.submit(long_request("next-7", 60))
+        # Long enough to be still running when its repeat comes (60 tokens could end first
+        # on a slow moment: the repeat is then answered by the stored result instead).
+        first = await bob.submit(long_request("next-7", 1000))
+        repeat = await bob.submit(long_request("next-7", 1000))
         assert not first.duplicate and repeat.duplicate and repeat.stream == "LLM_REQUESTS"
         mine, theirs = await asyncio.gather(client.result("next-7", timeout=30),
                                             bob.result("next-7", timeout=60))
     assert isinstance(mine, Completion) and len(mine.token_ids) == 3
-    assert isinstance(theirs, Completion) and len(theirs.token_ids) == 60, theirs
+    assert isinstance(theirs, Completion) and len(theirs.token_ids) == 1000, theirs
     info = await client.js.stream_info(RESULTS_STREAM, subjects_filter="llm.results.*.next-7")
     assert info.state.subjects == {"llm.results.acme.next-7": 1, "llm.results.bob.next-7": 1}
 
