@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="one engine variant per value (default: none, fp32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--tokenizer", help="a directory of tokenizer files (model.tokenizer): "
+                        "a dummy:<shape> model on a machine without the default model's GGUF")
     defaults = EngineConfig().batch
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     base = {"model.name": args.model, "model.attention_backend": args.attention_backend,
             "scheduler.batch_level.max_num_seqs": args.max_num_seqs,
             "scheduler.batch_level.max_num_batched_tokens": args.max_num_batched_tokens,
-            "kv_cache.enable_prefix_caching": False}
+            "kv_cache.enable_prefix_caching": False,
+            **({"model.tokenizer": args.tokenizer} if args.tokenizer else {})}
     model_config, _ = load_model_config(args.model)
     points = {n: engine_workload(n, args.seed, model_config.vocab_size) for n in args.sweep}
     matmul = on_own_thread(matmul_flops_per_s)

@@ -66,6 +66,10 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None
     weights_cache_dir: str | None = None  # where a converted GGUF is cached as safetensors
+    # A directory of tokenizer files (tokenizer.json, tokenizer_config.json) to use instead of
+    # the model's own, as vLLM's --tokenizer; dummy and sim models otherwise use the default
+    # model's.
+    tokenizer: str | None = None
     num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # torch intra-op threads on CPU
 
 

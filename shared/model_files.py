@@ -290,7 +290,13 @@ def load_model_config(model: str, cache_dir: str | None = None,
     return hf_config(directory), directory
 
 
-def tokenizer_dir(model_dir: Path | None, cache_dir: str | None = None) -> Path:
-    """Where a model's tokenizer files are: its own directory; dummy and sim models use the
-    default's."""
+def tokenizer_dir(model_dir: Path | None, cache_dir: str | None = None,
+                  tokenizer: str | None = None) -> Path:
+    """Where a model's tokenizer files are: `tokenizer` (`model.tokenizer`) if given, else the
+    model's own directory; dummy and sim models use the default's."""
+    if tokenizer is not None:
+        path = Path(tokenizer).expanduser()
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"model.tokenizer {tokenizer!r}: no tokenizer.json there")
+        return path
     return model_dir or converted_gguf_dir(default_gguf_path(), cache_dir, weights=False)

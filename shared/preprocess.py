@@ -29,7 +29,7 @@ class ServedModel(NamedTuple):
 def served_model(model: ModelSection) -> ServedModel:
     """The model's tokenizer and limits, without its weights (admission; the gateway)."""
     config, directory = load_model_config(model.name, model.weights_cache_dir, weights=False)
-    return ServedModel(Tokenizer(tokenizer_dir(directory, model.weights_cache_dir)),
+    return ServedModel(Tokenizer(tokenizer_dir(directory, model.weights_cache_dir, model.tokenizer)),
                        config.vocab_size,
                        min(model.max_model_len or config.max_position, config.max_position))
 

@@ -142,7 +142,7 @@ async def test_every_service_serves_metrics_that_follow_the_load(tmp_path):
 
 async def test_prometheus_scrapes_the_projects_scrape_config(tmp_path):
     """Prometheus itself, with deploy/prometheus.yml's jobs pointed at this host's ports, scrapes
-    every service and answers a query for a jetserve series."""
+    every service (the gateway on its HTTP port) and answers a query for a jetserve series."""
     import json
     import shutil
     import subprocess
@@ -155,12 +155,16 @@ async def test_prometheus_scrapes_the_projects_scrape_config(tmp_path):
     if binary is None:
         pytest.skip("no `prometheus` on PATH (Debian: apt-get install prometheus; CI does)")
     ports = {kind: free_port() for kind in KINDS}
+    http_port = free_port()
     config = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = "1s"
     for job in config["scrape_configs"]:
         kind = job["job_name"].removeprefix("jetserve-")
         del job["dns_sd_configs"]  # compose's DNS names, made local
-        job["static_configs"] = [{"targets": [f"127.0.0.1:{ports[kind]}"]}]
+        port = http_port if kind == "gateway" else ports[kind]
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{port}"]}]
+    jobs = {job["job_name"] for job in config["scrape_configs"]}
+    assert jobs == {f"jetserve-{kind}" for kind in (*KINDS, "gateway")}
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     web = free_port()
     settings = {f"monitoring.metrics_port.{kind}": port for kind, port in ports.items()}
@@ -176,7 +180,8 @@ async def test_prometheus_scrapes_the_projects_scrape_config(tmp_path):
             return json.loads(response.read())["data"]["result"]
 
     try:
-        async with running_stack(tmp_path / "stack", settings=settings) as stack, \
+        async with running_stack(tmp_path / "stack", settings=settings,
+                                 http_port=http_port) as stack, \
                 await JetserveClient.connect(stack.url, tenant="scraped") as client:
             completion = await client.generate(GenerateRequest(
                 prompt_token_ids=[20, 21, 22], max_tokens=4, ignore_eos=True), timeout=30)
@@ -187,13 +192,13 @@ async def test_prometheus_scrapes_the_projects_scrape_config(tmp_path):
                     up = await asyncio.to_thread(query, "up")
                 except OSError:  # not listening yet
                     success, up = [], []
-                if success and len(up) == 4 and all(s["value"][1] == "1" for s in up):
+                if success and len(up) == len(jobs) and all(s["value"][1] == "1" for s in up):
                     break
                 await asyncio.sleep(0.2)
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
-    assert {s["metric"]["job"] for s in up} == {f"jetserve-{kind}" for kind in KINDS}
+    assert {s["metric"]["job"] for s in up} == jobs
     assert all(s["value"][1] == "1" for s in up), up
     [series] = success
     assert series["metric"]["model_name"] == "dummy:tiny"

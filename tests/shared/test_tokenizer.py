@@ -33,3 +33,20 @@ def test_incremental_detokenization_never_splits_a_character(tokenizer):
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == text
     assert any(piece == "" for piece in pieces)  # some tokens held back mid-character
+
+
+def test_model_tokenizer_names_another_directory(tmp_path):
+    """`model.tokenizer` (vLLM's --tokenizer): a dummy model served with tokenizer files copied
+    elsewhere, as a machine without the default model's GGUF runs one."""
+    import shutil
+
+    from shared.config import ModelSection
+    from shared.preprocess import served_model
+
+    source = converted_gguf_dir(default_gguf_path(), None, weights=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    served = served_model(ModelSection(name="dummy:tiny", tokenizer=str(tmp_path)))
+    assert served.tokenizer.encode("<|im_start|>") == [1]
+    with pytest.raises(FileNotFoundError, match="model.tokenizer .* no tokenizer.json"):
+        served_model(ModelSection(name="dummy:tiny", tokenizer=str(tmp_path / "none")))

@@ -108,7 +108,8 @@ class Engine:
             model_config, weights, model_dir = self.on_model_thread(
                 load_model_files, config.model.name, self.device, self.dtype,
                 config.model.weights_cache_dir, config.model.quantization)
-        self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.model.weights_cache_dir))
+        self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.model.weights_cache_dir,
+                                                 config.model.tokenizer))
         self.model_config = model_config
         self.kv_dtype = torch.int8 if config.kv_cache.dtype == "int8" else self.dtype
         self.model_name = config.model.name
