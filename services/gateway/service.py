@@ -67,6 +67,7 @@ TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 TRACESTATE_MAX = 512  # characters (W3C: at most 32 entries of 256; more is dropped, not sent)
 CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 WRITE_TIMEOUT_S = 60.0  # a client that reads nothing of its stream this long is gone
+SHUTDOWN = object()  # put in a request's reply queue when the drain time is up
 
 
 class Gateway:
@@ -83,6 +84,7 @@ class Gateway:
         self.counts = dict(requests=0, streamed=0, errors=0, client_gone=0)
         self.runner: web.AppRunner | None = None
         self.port = 0
+        self.draining = False
         # The model's tokenizer and limits, as admission's: /tokenize, /detokenize, and the
         # prompt count of `continuous_usage_stats`.
         self.tokenizer, self.vocab_size, self.max_model_len = served_model(config.model)
@@ -99,8 +101,9 @@ class Gateway:
                         web.post("/detokenize", self.detokenize),
                         web.get("/health", self.health),
                         web.get("/metrics", self.metrics)])
+        # The drain is stop()'s own; by the runner's cleanup every handler is ending.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=self.config.distributed.drain_timeout_s)
+                                    shutdown_timeout=5.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.gateway.host, self.gateway.port)
         await site.start()
@@ -116,8 +119,22 @@ class Gateway:
                  api_keys=len(self.gateway.api_keys))
 
     async def stop(self) -> None:
-        """No new connections; requests under way finish (up to the drain timeout)."""
+        """No new connections or requests (503); requests under way finish, up to
+        `distributed.drain_timeout_s`. Then each one still open ends as a client would want:
+        a stream with an `error` event and `data: [DONE]`, any other with a 503, and its
+        request is cancelled in the pipeline (never a stream cut without its end)."""
         if self.runner is not None:
+            self.draining = True
+            for site in list(self.runner.sites):
+                await site.stop()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.distributed.drain_timeout_s
+            while self.replies and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if self.replies:
+                log.info("drain time is up: ending open requests", open=len(self.replies))
+            for queue in self.replies.values():
+                queue.put_nowait(SHUTDOWN)
             await self.runner.cleanup()
         await self.service.stop()
         await self.subscription.unsubscribe()
@@ -196,8 +213,9 @@ class Gateway:
             raise bad("body", f"the body is not valid JSON: {exc}") from None
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while connected to NATS (the pipeline's own health: `jetserve health`)."""
-        return web.Response(status=200 if self.nc.is_connected else 503)
+        """200 while connected to NATS and not draining (the pipeline's own health: `jetserve
+        health`)."""
+        return web.Response(status=200 if self.nc.is_connected and not self.draining else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(),
@@ -241,6 +259,9 @@ class Gateway:
                                               "printable ASCII characters")
                 headers["X-Request-Id"] = request.headers["X-Request-Id"]
             tenant = self.tenant(request)
+            if self.draining:
+                raise ApiError(503, "the gateway is shutting down; retry on another",
+                               code="overloaded")
             body = await self.json_body(request)
             generate = (chat_request if chat else completion_request)(
                 body, self.models, request_id)
@@ -377,6 +398,10 @@ class Gateway:
             left = deadline - asyncio.get_running_loop().time()
             try:
                 msg = await asyncio.wait_for(queue.get(), max(left, 0.0))
+                if msg is SHUTDOWN:
+                    return Error(request_id=None, code="overloaded", message="the gateway is "
+                                 "shutting down (its drain time is up); the request is "
+                                 "cancelled"), False
             except TimeoutError:
                 return Error(request_id=None, code="deadline_exceeded",
                              message=f"no answer within {self.gateway.request_timeout_s:g} s "

@@ -4,6 +4,7 @@ client of vLLM or OpenAI does works, and agrees with the same request over NATS.
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import aiohttp
 import msgspec
@@ -24,7 +25,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory):
-    settings = {**SMALL_EXECUTOR,
+    settings = {**SMALL_EXECUTOR, "distributed.drain_timeout_s": 0.5,
                 "gateway.api_keys": "{key-acme: acme, key-limited: limited}",
                 "quotas.tenants": "{limited: {max_concurrent_requests: 1}}"}
     async with running_stack(tmp_path_factory.mktemp("gateway"), settings=settings,
@@ -239,3 +240,56 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack)
     counts = [c.usage.completion_tokens for c in chunks]
     assert all(c.usage.prompt_tokens == final.prompt_tokens for c in chunks)
     assert counts == sorted(counts) and counts[0] >= 1 and counts[-2] == 12
+
+
+async def test_sigterm_ends_an_open_stream_with_an_error_event_and_cancels_it(stack):
+    """A gateway told to stop lets streams run for its drain time (0.5 s here), then ends each
+    still open with an `error` event and `data: [DONE]` (not a cut connection) and cancels its
+    request in the pipeline; then it exits. (Restarted after, for the tests that follow.)"""
+    gateway = stack.processes["gateway"]
+    try:
+        async with await JetserveClient.connect(stack.url, tenant="acme") as nats_client:
+            for _ in range(100):
+                before = await service_stats(nats_client, "executor")
+                if before["running"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            events: list[bytes] = []
+            async with aiohttp.ClientSession() as session:
+                async with session.post(stack.http_url + "/chat/completions", json={
+                        "model": MODEL, "messages": MESSAGES, "max_tokens": 1900,
+                        "stream": True, "ignore_eos": True},
+                        headers={"Authorization": "Bearer key-acme"}) as reply:
+                    assert reply.status == 200
+                    async for line in reply.content:
+                        if line.startswith(b"data: "):
+                            events.append(line.removeprefix(b"data: ").strip())
+                            if len(events) == 3:
+                                gateway.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(gateway.wait(), 30) == 0
+            assert events[-1] == b"[DONE]", events[-3:]
+            error = msgspec.json.decode(events[-2])["error"]
+            assert error["code"] == "overloaded" and "shutting down" in error["message"], error
+            assert all(b'"error"' not in e for e in events[:-2])  # tokens until then
+            assert len(events) < 1900
+            for _ in range(100):
+                after = await service_stats(nats_client, "executor")
+                if after["running"] == 0 and after["cancelled"] > before["cancelled"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert after["cancelled"] == before["cancelled"] + 1 and after["running"] == 0
+            assert after["completed"] == before["completed"]
+    finally:
+        if gateway.returncode is None:
+            gateway.kill()
+            await gateway.wait()
+        await stack.restart("gateway")
+        for _ in range(300):
+            try:
+                async with aiohttp.ClientSession() as session:
+                    async with session.get(stack.http_url.removesuffix("/v1") + "/health") as r:
+                        if r.status == 200:
+                            break
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
