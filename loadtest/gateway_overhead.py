@@ -2,7 +2,8 @@
 `bench serve --backend openai`'s client) and straight over NATS (`bench serve`'s own), on one
 stack with the shipped configuration, alternating in rounds so both sample the same stretch of
 the machine's time. Per load: TTFT and TPOT p50 and output throughput of each, and the
-gateway's difference.
+gateway's difference; and the gateway process's own CPU time per request it served (read from
+/proc), which says how many requests a second one gateway sustains on a core of its own.
 
     python -m loadtest.gateway_overhead --result-json results/gateway_overhead.json
 """
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import os
 
+from loadtest.control_plane import cpu_seconds
 from loadtest.metrics import percentile, write_result
 from loadtest.openai_client import run_openai
 from loadtest.serve import add_arguments, run
@@ -35,6 +37,7 @@ def bench_args(args, rate: str) -> argparse.Namespace:
 async def main(args) -> None:
     runs: dict[str, dict[str, list[dict]]] = {rate: {b: [] for b in BACKENDS}
                                               for rate in args.rates}
+    gateway_cpu: dict[str, list[float]] = {rate: [] for rate in args.rates}  # s per request
     settings = {"model.name": args.model} if args.model != "SmolLM2-135M-Instruct" else {}
     if args.model.startswith("dummy:"):  # the gateway's own rate: room for every request
         settings["kv_cache.num_blocks"] = 4096
@@ -46,8 +49,13 @@ async def main(args) -> None:
             for rate in args.rates:
                 for backend in BACKENDS if round_ % 2 == 0 else BACKENDS[::-1]:
                     bench = bench_args(args, rate)
+                    gateway_pid = stack.processes["gateway"].pid
+                    used = cpu_seconds(gateway_pid)
                     result = await (run(bench, stack.url) if backend == "nats"
                                     else run_openai(bench, stack.http_url))
+                    if backend == "http":
+                        gateway_cpu[rate].append((cpu_seconds(gateway_pid) - used)
+                                                 / args.requests)
                     s = result["summary"]
                     assert s["completed"] == args.requests, s["errors"]
                     runs[rate][backend].append(result)
@@ -73,13 +81,18 @@ async def main(args) -> None:
                                                    - row["nats"]["ttft_p50_ms"], 2)
         row["http_throughput_ratio"] = round(row["http"]["output_throughput"]
                                              / row["nats"]["output_throughput"], 3)
+        per_request = sum(gateway_cpu[rate]) / len(gateway_cpu[rate])
+        row["gateway_cpu_us_per_request"] = round(1e6 * per_request, 1)
+        row["gateway_requests_per_core_s"] = round(1 / per_request) if per_request else None
         table.append(row)
         print(f"rate {rate:>4}: TTFT p50 NATS {row['nats']['ttft_p50_ms']} ms, HTTP "
               f"{row['http']['ttft_p50_ms']} ms ({row['http_minus_nats_ttft_p50_ms']:+} ms); "
               f"TPOT p50 {row['nats']['tpot_p50_ms']} / {row['http']['tpot_p50_ms']} ms; "
               f"output {row['nats']['output_throughput']} / {row['http']['output_throughput']} "
               f"tok/s (x{row['http_throughput_ratio']}); {row['nats']['request_throughput']} / "
-              f"{row['http']['request_throughput']} req/s", flush=True)
+              f"{row['http']['request_throughput']} req/s; the gateway's CPU "
+              f"{row['gateway_cpu_us_per_request']} us a request (one core: "
+              f"{row['gateway_requests_per_core_s']} req/s)", flush=True)
     if args.result_json:
         write_result(args.result_json, "gateway_overhead", config=vars(args), cpu=cpu_model(),
                      cores=len(os.sched_getaffinity(0)), table=table)

