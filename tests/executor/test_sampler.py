@@ -56,3 +56,19 @@ def test_same_seed_same_tokens_regardless_of_neighbours():
 def test_token_seeds_differ_by_request_and_by_index():
     seeds = {token_seed(s, i) for s in range(50) for i in range(50)}
     assert len(seeds) == 2500 and all(0 <= x < 2**63 for x in seeds)
+
+
+def test_the_inverse_cdf_draw_follows_the_distribution_across_blocks():
+    """Blocks of 4 tokens over a vocabulary of 10 (the last block padded): each token's share of
+    20,000 draws at evenly spread u is its probability, and tokens of zero probability (one
+    inside a block, a whole block, the padding's neighbours) are never drawn, even at u -> 1."""
+    from services.executor.engine.sampler import inverse_cdf
+
+    probs = torch.tensor([0.1, 0.0, 0.2, 0.05, 0.0, 0.0, 0.0, 0.0, 0.65, 0.0])
+    n = 20_000
+    u = ((torch.arange(n, dtype=torch.float64) + 0.5) / n)[:, None]
+    drawn = inverse_cdf(probs.expand(n, -1).contiguous(), u, block=4)
+    counts = torch.bincount(drawn, minlength=10).double() / n
+    assert torch.allclose(counts, probs.double(), atol=1e-3), counts
+    edge = torch.tensor([[0.0], [1.0 - 2.0**-53]], dtype=torch.float64)
+    assert inverse_cdf(probs.expand(2, -1).contiguous(), edge, block=4).tolist() == [0, 8]

