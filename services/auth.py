@@ -13,7 +13,10 @@ ones and `$SRV`, is a permission violation the client hears about.
 The state lives in `<state dir>/auth/` (mode 0700): `users.json` holds the passwords (the
 server's configuration needs them in clear text, as do the tenants' URLs) and `users.conf` is the
 `authorization` block the server's configuration includes, rewritten on every change, after
-which the server is told to reload (SIGHUP to the pid in `<state dir>/nats-server.pid`).
+which the server is told to reload (SIGHUP to the pid in `<state dir>/nats-server.pid`). Each
+tenant also gets an API key for the OpenAI-compatible gateway; `api_keys.json` maps the keys
+to their tenants, and the gateway reads it again whenever it changes
+(`gateway.api_keys_file`).
 docs/operations.md shows a production layout.
 """
 
@@ -85,6 +88,9 @@ class Users:
         state = json.loads(self.path.read_text()) if self.exists() else {
             "service_password": secrets.token_urlsafe(24), "tenants": {}}
         state.update(url=url, prefix=prefix, inbox_prefix=inbox_prefix)
+        keys = state.setdefault("api_keys", {})  # (a state from before keys: each gets one)
+        for name in state["tenants"]:
+            keys.setdefault(name, new_api_key())
         self.save(state)
         return state
 
@@ -97,9 +103,11 @@ class Users:
         users += [{"user": name, "password": secret,
                    "permissions": tenant_permissions(state["prefix"], state["inbox_prefix"], name)}
                   for name, secret in sorted(state["tenants"].items())]
+        api_keys = {key: name for name, key in state.get("api_keys", {}).items()}
         for path, text in ((self.path, json.dumps(state, indent=1)),
                            (self.conf, "authorization: " + json.dumps({"users": users}, indent=1)),
-                           (self.dir / "service.password", state["service_password"])):
+                           (self.dir / "service.password", state["service_password"]),
+                           (self.api_keys_path, json.dumps(api_keys, indent=1))):
             part = path.with_suffix(".part")
             part.write_text(text + "\n")
             part.chmod(0o600)
@@ -109,11 +117,24 @@ class Users:
     def conf(self) -> Path:
         return self.dir / "users.conf"
 
+    @property
+    def api_keys_path(self) -> Path:
+        return self.dir / "api_keys.json"
+
+    def api_key(self, name: str) -> str:
+        """The tenant's API key for the OpenAI-compatible gateway."""
+        key = self.load().get("api_keys", {}).get(name)
+        if key is None:
+            raise AuthError(f"no tenant {name!r} in {self.path}")
+        return key
+
     def service_env(self) -> dict[str, str]:
-        """What the services log in with (the environment, never their command line)."""
+        """What the services log in with (the environment, never their command line); the
+        gateway also takes the tenants' API keys from here."""
         return {"JETSERVE_NATS__USER": SERVICE_USER,
                 "JETSERVE_NATS__PASSWORD": self.load()["service_password"],
-                "JETSERVE_NATS__TENANT_INBOXES": "true"}
+                "JETSERVE_NATS__TENANT_INBOXES": "true",
+                "JETSERVE_GATEWAY__API_KEYS_FILE": str(self.api_keys_path.resolve())}
 
     def add_tenant(self, name: str, reload: bool = True) -> str:
         """A new tenant's URL, `nats://NAME:SECRET@host:port`, after the server reloaded
@@ -126,6 +147,7 @@ class Users:
             raise AuthError(f"tenant {name!r} exists; `jetserve tenant remove {name}` first to "
                             f"give it a new secret")
         state["tenants"][name] = secrets.token_urlsafe(24)
+        state.setdefault("api_keys", {})[name] = new_api_key()
         self.save(state)
         if reload:
             self.reload()
@@ -137,6 +159,7 @@ class Users:
         state = self.load()
         if state["tenants"].pop(name, None) is None:
             raise AuthError(f"no tenant {name!r} in {self.path}")
+        state.get("api_keys", {}).pop(name, None)
         self.save(state)
         if reload:
             self.reload()
@@ -210,6 +233,10 @@ async def _quiet(_exc: Exception) -> None:
     pass
 
 
+def new_api_key() -> str:
+    return "sk-jetserve-" + secrets.token_urlsafe(24)
+
+
 def tenant_url(url: str, name: str, secret: str) -> str:
     scheme, rest = url.split("://", 1)
     return f"{scheme}://{name}:{secret}@{rest}"
@@ -245,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 url = users.add_tenant(name, reload=False)
             print(f"tenant {name}: {url}", flush=True)
+            print(f"tenant {name} api key: {users.api_key(name)}", flush=True)
     except AuthError as exc:
         print(f"services.auth: {exc}", file=sys.stderr)
         return 1

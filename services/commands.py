@@ -90,8 +90,10 @@ async def tenant(args) -> int:
         if args.action == "add":
             url = users.add_tenant(args.name)
             await wait_login(url, accepted=True, tls=tls)
-            print(f"tenant {args.name} added; its clients connect with (keep it secret):",
-                  file=sys.stderr)
+            print(f"tenant {args.name} added; its clients use (keep them secret) this API key "
+                  f"at the OpenAI-compatible gateway (Authorization: Bearer KEY), and this URL "
+                  f"over NATS:", file=sys.stderr)
+            print(users.api_key(args.name))
             print(url)
         else:
             url = tenant_url(users.load()["url"], args.name,

@@ -316,6 +316,10 @@ class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # API key -> tenant. None configured: no key is asked for, every request is tenant
     # `default`. Configured: `Authorization: Bearer KEY` is required (401 without a known one).
     api_keys: dict[str, str] = {}
+    # A JSON file of more API keys -> tenants, read again whenever it changes: the one
+    # `jetserve tenant add|remove` keeps (`<state dir>/auth/api_keys.json`), which `jetserve up
+    # --auth` and compose.yaml point the gateway at. Set, a key is always required.
+    api_keys_file: str | None = None
     # Names the model is served under in `model` and /v1/models (empty: model.name).
     served_model_names: list[str] = []
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0

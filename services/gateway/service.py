@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
 import secrets
 import time
@@ -50,7 +51,7 @@ from shared.protocol import (
     ProtocolError,
     check_nesting,
 )
-from shared.subjects import Subjects
+from shared.subjects import TENANT_PATTERN, Subjects
 from shared.telemetry import SpanKind, carrier_of, context_from
 
 log = structlog.get_logger()
@@ -85,6 +86,8 @@ class Gateway:
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.draining = False
+        self.file_keys: dict[str, str] = {}  # from gateway.api_keys_file, as last read
+        self.file_stamp: tuple | None = None
         # The model's tokenizer and limits, as admission's: /tokenize, /detokenize, and the
         # prompt count of `continuous_usage_stats`.
         self.tokenizer, self.vocab_size, self.max_model_len = served_model(config.model)
@@ -116,7 +119,7 @@ class Gateway:
                                         f"internal.gateway.{self.id}.stats",
                                         handler=self.on_stats)
         log.info("serving HTTP", host=self.gateway.host, port=self.port, models=self.models,
-                 api_keys=len(self.gateway.api_keys))
+                 api_keys=len(self.gateway.api_keys), api_keys_file=self.gateway.api_keys_file)
 
     async def stop(self) -> None:
         """No new connections or requests (503); requests under way finish, up to
@@ -223,10 +226,33 @@ class Gateway:
 
     # --------------------------------------------------------------------------- generation
 
+    def api_keys(self) -> dict[str, str]:
+        """`gateway.api_keys` and those of `gateway.api_keys_file`, read again when the file
+        changes (a stat per request; `jetserve tenant add|remove` rewrites it whole)."""
+        path = self.gateway.api_keys_file
+        if path is None:
+            return self.gateway.api_keys
+        try:
+            stat = os.stat(path)
+            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        except OSError:
+            stamp = None
+        if stamp != self.file_stamp:
+            self.file_stamp = stamp
+            try:
+                read = {} if stamp is None else msgspec.json.decode(
+                    open(path, "rb").read(), type=dict[str, str])
+                self.file_keys = {k: t for k, t in read.items() if TENANT_PATTERN.fullmatch(t)}
+                log.info("API keys read", file=path, keys=len(self.file_keys))
+            except (OSError, msgspec.DecodeError) as exc:  # the keys read before stay
+                log.warning("API keys file unreadable", file=path, error=repr(exc))
+        return {**self.file_keys, **self.gateway.api_keys}
+
     def tenant(self, request: web.Request) -> str:
-        """The tenant of the request's API key; `default` when no keys are configured."""
-        keys = self.gateway.api_keys
-        if not keys:
+        """The tenant of the request's API key; `default` when no keys are configured (no
+        `api_keys`, no `api_keys_file`)."""
+        keys = self.api_keys()
+        if not keys and self.gateway.api_keys_file is None:
             return "default"
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         tenant = keys.get(key) if scheme.lower() == "bearer" else None

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory):
-    async with running_stack(tmp_path_factory.mktemp("auth"), auth=True) as s:
+    async with running_stack(tmp_path_factory.mktemp("auth"), auth=True, http_port=0) as s:
         s.urls = {name: s.add_tenant(name) for name in ("alice", "bob")}
         yield s
 
@@ -158,12 +158,28 @@ def jetserve(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-async def test_tenant_add_prints_a_url_that_works_and_remove_revokes_it(stack):
+async def completion_over_http(stack, api_key: str | None) -> tuple[int, dict]:
+    """A two-token completion through the stack's OpenAI-compatible gateway."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(stack.http_url + "/completions", headers=headers, json={
+                "model": "dummy:tiny", "prompt": "hi", "max_tokens": 2}) as reply:
+            return reply.status, await reply.json()
+
+
+async def test_tenant_add_prints_a_url_and_an_api_key_that_work_and_remove_revokes_them(stack):
     added = await asyncio.to_thread(jetserve, "tenant", "add", "carol",
                                     "--state-dir", str(stack.state_dir))
     assert added.returncode == 0, added.stderr
-    url = added.stdout.strip().splitlines()[-1]
+    api_key, url = added.stdout.strip().splitlines()[-2:]
     assert url.startswith("nats://carol:") and url.endswith(f"@127.0.0.1:{stack.nats_port}")
+    # The API key works at the gateway at once (it reads the keys file again when it changes);
+    # no key, or another, is a 401: the gateway is no way around the server's logins.
+    assert (await completion_over_http(stack, api_key))[0] == 200
+    assert (await completion_over_http(stack, None))[0] == 401
+    assert (await completion_over_http(stack, api_key + "x"))[0] == 401
     closed = asyncio.Event()
 
     async def on_closed() -> None:
@@ -182,6 +198,8 @@ async def test_tenant_add_prints_a_url_that_works_and_remove_revokes_it(stack):
     assert removed.returncode == 0, removed.stderr
     with pytest.raises(nats.errors.Error):
         await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0)
+    status, body = await completion_over_http(stack, api_key)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key", body
     unknown = await asyncio.to_thread(jetserve, "tenant", "remove", "nobody",
                                       "--state-dir", str(stack.state_dir))
     assert unknown.returncode == 1 and "no tenant 'nobody'" in unknown.stderr
@@ -204,3 +222,25 @@ async def test_with_tls_a_client_without_the_ca_cannot_connect_and_one_with_it_i
                                                timeout=30)
     assert isinstance(refused.value, ssl.SSLCertVerificationError), refused.value
     assert isinstance(completion, Completion) and len(completion.token_ids) == 2
+
+
+async def test_a_state_from_before_api_keys_gets_one_per_tenant(tmp_path):
+    """users.json written before tenants had API keys: the next start (`create`) gives each
+    tenant one, and api_keys.json (key -> tenant, owner-only) is what the gateway reads."""
+    import json
+    import stat
+
+    from services.auth import Users
+
+    (tmp_path / "auth").mkdir()
+    (tmp_path / "auth" / "users.json").write_text(json.dumps({
+        "service_password": "s", "tenants": {"acme": "p1", "beta": "p2"}}))
+    users = Users(tmp_path)
+    users.create("nats://127.0.0.1:4222", "llm", "_INBOX")
+    keys = json.loads(users.api_keys_path.read_text())
+    assert sorted(keys.values()) == ["acme", "beta"]
+    assert keys[users.api_key("acme")] == "acme" and users.api_key("acme") != users.api_key("beta")
+    assert stat.S_IMODE(users.api_keys_path.stat().st_mode) == 0o600
+    before = users.api_key("acme")
+    users.create("nats://127.0.0.1:4222", "llm", "_INBOX")  # kept across starts
+    assert users.api_key("acme") == before

@@ -35,9 +35,9 @@ SCHEMA = ROOT.parent / "shared" / "vendor" / "compose-spec.json"
 JETSERVE = ("admission", "priority", "batcher", "gateway", "executor")
 
 
-def post_json(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+def post_json(url: str, body: dict, api_key: str) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 
@@ -111,6 +111,7 @@ async def test_compose_services_run_as_host_processes(tmp_path):
     made = subprocess.run([sys.executable, *auth[1:]], capture_output=True, text=True, cwd=ROOT)
     assert made.returncode == 0, made.stderr
     tenant_url = made.stdout.split("tenant default: ")[1].split()[0]
+    api_key = made.stdout.split("tenant default api key: ")[1].split()[0]
     conf = (ROOT / "deploy" / "nats-server.conf").read_text()
     conf = conf.replace("port: 4222", f"port: {nats_port}").replace(
         "http_port: 8222", f"http_port: {free_port()}").replace(
@@ -166,11 +167,11 @@ async def test_compose_services_run_as_host_processes(tmp_path):
             [name] = json.loads(reply.data)
             assert name.startswith(f"executor-{socket.gethostname()}-")
             assert completion.scheduling.executor == name
-            # The OpenAI-compatible gateway (no API keys: tenant `default`).
+            # The OpenAI-compatible gateway, with tenant default's API key (nats-auth made it).
             answer = await asyncio.to_thread(post_json, f"http://127.0.0.1:{ports['gateway']}"
                                              f"/v1/completions", {
                 "model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
-                "max_tokens": 8, "temperature": 0})
+                "max_tokens": 8, "temperature": 0}, api_key)
             assert answer["choices"][0]["text"] == completion.text, answer
 
         admission = await scrape(ports["admission"])

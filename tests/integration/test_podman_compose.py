@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -68,9 +69,10 @@ def get_json(url: str):
         return json.loads(response.read())
 
 
-def post_json(url: str, body: dict):
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+def post_json(url: str, body: dict, api_key: str | None = None):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+        "Content-Type": "application/json",
+        **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
 
@@ -224,10 +226,14 @@ async def test_the_compose_stack_runs_in_containers(stack):
         assert all(c.usage.completion_tokens == 8 for c in completions)
         served_by = {c.scheduling.executor for c in completions}
         assert served_by == set(names), served_by
-        # ... and through the OpenAI-compatible gateway (tenant `default`: no keys configured).
-        answer = await asyncio.to_thread(post_json, "http://127.0.0.1:8000/v1/completions", {
-            "model": "SmolLM2-135M-Instruct", "prompt": "Count to 3:", "max_tokens": 8,
-            "temperature": 0, "ignore_eos": True})
+        # ... and through the OpenAI-compatible gateway, with tenant default's API key (none:
+        # 401, the gateway is no way around the server's logins).
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Count to 3:", "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            await asyncio.to_thread(post_json, "http://127.0.0.1:8000/v1/completions", body)
+        answer = await asyncio.to_thread(post_json, "http://127.0.0.1:8000/v1/completions", body,
+                                         made["api_keys"]["default"])
         assert answer["usage"]["completion_tokens"] == 8, answer
 
         # That request is one trace, with spans from every service, the gateway's first. Checked
