@@ -31,6 +31,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from shared.config import nats_servers
 from shared.subjects import RESULTS_STREAM, TENANT_PATTERN, Subjects
 
 SERVICE_USER = "jetserve"
@@ -165,12 +166,16 @@ class Users:
             self.reload()
 
     def reload(self) -> None:
-        pid_file = self.state_dir / "nats-server.pid"
-        try:
-            os.kill(int(pid_file.read_text().strip()), signal.SIGHUP)
-        except (OSError, ValueError) as exc:
-            raise AuthError(f"the credentials are saved, but no running nats-server took them "
-                            f"({pid_file}: {exc}); the next `jetserve up --auth` will") from None
+        """SIGHUP to the embedded server (every node of a cluster: `nats-server-<i>.pid`)."""
+        pid_files = sorted(self.state_dir.glob("nats-server*.pid")) or \
+            [self.state_dir / "nats-server.pid"]
+        for pid_file in pid_files:
+            try:
+                os.kill(int(pid_file.read_text().strip()), signal.SIGHUP)
+            except (OSError, ValueError) as exc:
+                raise AuthError(f"the credentials are saved, but no running nats-server took "
+                                f"them ({pid_file}: {exc}); the next `jetserve up --auth` "
+                                f"will") from None
 
 
 def make_certificates(directory: Path) -> dict[str, str]:
@@ -212,7 +217,7 @@ async def wait_login(url: str, accepted: bool, tls=None, timeout_s: float = 10.0
     while True:
         works = None
         try:
-            nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False,
+            nc = await nats.connect(nats_servers(url), connect_timeout=1, allow_reconnect=False,
                                     max_reconnect_attempts=0, error_cb=_quiet, tls=tls)
             await nc.close()
             works = True
@@ -238,8 +243,11 @@ def new_api_key() -> str:
 
 
 def tenant_url(url: str, name: str, secret: str) -> str:
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://{name}:{secret}@{rest}"
+    """`url` (one server, or a comma-separated list of a cluster's) with the tenant's login."""
+    def one(server: str) -> str:
+        scheme, rest = server.strip().split("://", 1)
+        return f"{scheme}://{name}:{secret}@{rest}"
+    return ",".join(one(server) for server in url.split(","))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--nats-url", default=os.environ.get("NATS_URL"),
                     help="use this NATS server instead of starting one (default: $NATS_URL)")
     up.add_argument("--nats-port", type=int, default=4222)
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="run the embedded server as a cluster of N nodes on this host (node 0 "
+                         "on --nats-port), the streams replicated (nats.replicas: N, 3 at most)")
     up.add_argument("--state-dir", default=".jetserve", help="JetStream data and logs")
     up.add_argument("--executors", type=int, default=1)
     up.add_argument("--model", default=None, help=f"default: the config's, else {DEFAULT_MODEL}")

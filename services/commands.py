@@ -36,6 +36,7 @@ async def up(args) -> int:
         stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
                       executors=args.executors, config_path=args.config, auth=args.auth,
                       tls=args.tls, http_port=args.http_port or None,
+                      nats_cluster=args.nats_cluster,
                       settings={"model.name": model} | (
                           {"model.quantization": args.quantization} if args.quantization else {}))
     except (ValueError, AuthError) as exc:
@@ -44,7 +45,9 @@ async def up(args) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"jetserve: starting {'embedded nats-server, ' if stack.embedded else ''}"
+    servers = (f"{len(stack.nats_nodes)} embedded nats-servers (a cluster), "
+               if len(stack.nats_nodes) > 1 else "embedded nats-server, ")
+    print(f"jetserve: starting {servers if stack.embedded else ''}"
           f"{', '.join(stack.services)} and {args.executors} executor(s) with {model}",
           flush=True)
     starting = asyncio.create_task(stack.start())

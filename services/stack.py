@@ -19,7 +19,7 @@ import nats
 
 from services.auth import Users, make_certificates
 from shared.bus import connect_options, discover
-from shared.config import env_overrides, load_config
+from shared.config import env_overrides, load_config, nats_servers
 from shared.subjects import Subjects
 
 SERVICES = ("admission", "priority", "batcher")
@@ -48,22 +48,35 @@ class Stack:
                  nats_port: int = 4222, executors: int = 1, config_path: str | None = None,
                  settings: dict[str, object] | None = None, log_dir: str | Path | None = None,
                  env: dict[str, str] | None = None, nats_settings: dict[str, object] | None = None,
-                 auth: bool = False, tls: bool = False, http_port: int | None = None):
+                 auth: bool = False, tls: bool = False, http_port: int | None = None,
+                 nats_cluster: int = 1):
         """`nats_settings`: the embedded nats-server's configuration beyond port and store
         (`max_payload`, for one), written to a config file it reads. `auth`: the embedded
         server takes users and permissions (services/auth.py); the services log in as theirs.
         `tls`: it takes TLS connections only, with a certificate of a local CA (made once in
         `<state dir>/tls/`); the services trust that CA, and so must every client.
         `http_port`: the OpenAI-compatible gateway serves there too (0: a free port; None: no
-        gateway)."""
+        gateway). `nats_cluster` N > 1: the embedded server is a cluster of N nodes on this
+        host (processes `nats-server-<i>`, node 0 on `nats_port`), every connection gets all
+        their URLs, and the streams N replicas (3 at most) unless `nats.replicas` is set."""
         self.state_dir = Path(state_dir)
         self.embedded = nats_url is None
-        self.url = nats_url or f"nats://127.0.0.1:{nats_port}"
+        if nats_cluster < 1 or (nats_cluster > 1 and not self.embedded):
+            raise ValueError("--nats-cluster N (N >= 1) runs the embedded servers; not with "
+                             "--nats-url")
+        self.nats_nodes = ["nats-server"] if nats_cluster == 1 else \
+            [f"nats-server-{i}" for i in range(nats_cluster)]
+        self.client_ports = [nats_port] + [free_port() for _ in range(nats_cluster - 1)]
+        self.cluster_ports = [free_port() for _ in range(nats_cluster)] if nats_cluster > 1 \
+            else []
+        self.url = nats_url or ",".join(f"nats://127.0.0.1:{p}" for p in self.client_ports)
         self.nats_port = nats_port
         self.http_port = None if http_port is None else http_port or free_port()
         self.num_executors = executors
         self.config_path = config_path
         self.settings = dict(settings or {})
+        if nats_cluster > 1:
+            self.settings.setdefault("nats.replicas", min(nats_cluster, 3))
         self.log_dir = Path(log_dir) if log_dir else None
         self.extra_env = env or {}
         self.nats_settings = dict(nats_settings or {})
@@ -120,11 +133,20 @@ class Stack:
         if output:
             output.close()  # the child has its own copy
 
-    def _nats_argv(self) -> list[str]:
-        data = self.state_dir / "nats"
+    def _nats_argv(self, node: str = "nats-server") -> list[str]:
+        """The command of one embedded server: the single one, or node `nats-server-<i>` of
+        the cluster (its own store and pid file, routes to every other node)."""
+        i = self.nats_nodes.index(node)
+        cluster = len(self.nats_nodes) > 1
+        data = self.state_dir / ("nats" if not cluster else f"nats-{i}")
         data.mkdir(parents=True, exist_ok=True)
-        argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.nats_port), "-js",
-                "-sd", str(data), "-P", str(self.state_dir / "nats-server.pid")]
+        pid = self.state_dir / (f"{node}.pid" if cluster else "nats-server.pid")
+        argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.client_ports[i]), "-js",
+                "-sd", str(data), "-P", str(pid)]
+        if cluster:
+            routes = ",".join(f"nats://127.0.0.1:{p}" for p in self.cluster_ports)
+            argv += ["-n", f"jetserve-{i}", "--cluster_name", "jetserve",
+                     "--cluster", f"nats://127.0.0.1:{self.cluster_ports[i]}", "--routes", routes]
         if self.nats_settings or self.users or self.tls:
             conf = self.state_dir / "nats-server.conf"
             settings = {**self.nats_settings, **({"tls": {
@@ -145,8 +167,9 @@ class Stack:
             self.users.create(self.url, nats.prefix, nats.client_inbox_prefix)
         try:
             if self.embedded:
-                await self._spawn("nats-server", self._nats_argv(),
-                                  log_dir=self.log_dir or self.state_dir)
+                for node in self.nats_nodes:
+                    await self._spawn(node, self._nats_argv(node),
+                                      log_dir=self.log_dir or self.state_dir)
             config = ["--config", self.config_path] if self.config_path else []
             for service in self.services:
                 await self._spawn(service, [sys.executable, "-m", f"services.{service}", *config])
@@ -166,8 +189,8 @@ class Stack:
         as `start` did; the one before must have exited."""
         assert self.processes[name].returncode is not None, f"{name} is still running"
         config = ["--config", self.config_path] if self.config_path else []
-        if name == "nats-server":
-            await self._spawn(name, self._nats_argv(), log_dir=self.log_dir or self.state_dir)
+        if name in self.nats_nodes:
+            await self._spawn(name, self._nats_argv(name), log_dir=self.log_dir or self.state_dir)
         elif name.startswith("executor-"):
             await self._spawn(name, [sys.executable, "-m", "services.executor", *config,
                                      "--name", name, "--metrics-port", "0"],
@@ -185,7 +208,8 @@ class Stack:
                 self._check_alive()
                 if nc is None:
                     try:
-                        nc = await nats.connect(self.url, connect_timeout=1, error_cb=_quiet,
+                        nc = await nats.connect(nats_servers(self.url), connect_timeout=1,
+                                                error_cb=_quiet,
                                                 max_reconnect_attempts=0, allow_reconnect=False,
                                                 **self.service_login())
                     except Exception:
@@ -214,11 +238,11 @@ class Stack:
                 raise RuntimeError(f"{name} exited with code {process.returncode}{hint}")
 
     async def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the services (they drain), then the nats-server; SIGKILL what outlives it."""
-        services = [p for n, p in self.processes.items() if n != "nats-server"]
+        """SIGTERM the services (they drain), then the nats-server(s); SIGKILL what outlives
+        it."""
+        services = [p for n, p in self.processes.items() if n not in self.nats_nodes]
         await _terminate(services, timeout)
-        if "nats-server" in self.processes:
-            await _terminate([self.processes["nats-server"]], 10.0)
+        await _terminate([p for n, p in self.processes.items() if n in self.nats_nodes], 10.0)
         self.processes.clear()
 
 

@@ -28,7 +28,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from nats import micro
 
-from shared.config import ConfigError, JetserveConfig, NatsSection
+from shared.config import ConfigError, JetserveConfig, NatsSection, nats_servers
 from shared.keys import RequestKey
 from shared.messages import Done, Holding, WorkItem, encode, holding_entry_bytes
 from shared.protocol import (
@@ -120,7 +120,8 @@ async def connect(section: NatsSection, name: str) -> Client:
 
     nc = Client()
     connecting = asyncio.ensure_future(nc.connect(
-        section.url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        nats_servers(section.url), name=name, max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
         connect_timeout=min(5.0, section.connect_wait_s), allow_reconnect=True,
         inbox_prefix=section.client_inbox_prefix,  # services answer one another's inboxes too
         **connect_options(section),
@@ -201,7 +202,7 @@ class StreamMismatch(Exception):
 # The stream settings jetserve sets; of them, JetStream cannot change these on a stream.
 MANAGED_STREAM_FIELDS = ("subjects", "retention", "storage", "max_msgs", "discard",
                          "max_msgs_per_subject", "discard_new_per_subject", "duplicate_window",
-                         "max_age", "allow_direct")
+                         "max_age", "allow_direct", "num_replicas")
 FIXED_STREAM_FIELDS = ("retention", "storage")
 
 
@@ -221,11 +222,13 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
                      retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
                      max_msgs=config.scheduler.request_level.max_pending_requests,
                      discard=DiscardPolicy.NEW, max_msgs_per_subject=1,
-                     discard_new_per_subject=True, duplicate_window=window),
+                     discard_new_per_subject=True, duplicate_window=window,
+                     num_replicas=config.nats.replicas),
         StreamConfig(name=RESULTS_STREAM, subjects=[subjects.results(">", "").rstrip(".")],
                      retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                      max_age=config.nats.results_max_age_s, duplicate_window=window,
-                     allow_direct=True),  # a result read by its subject, which permissions scope
+                     allow_direct=True,  # a result read by its subject, which permissions scope
+                     num_replicas=config.nats.replicas),
     ]
     for stream in wanted:
         try:

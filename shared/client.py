@@ -19,6 +19,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import PubAck
 from nats.js.errors import APIError, NotFoundError
 
+from shared.config import nats_servers
 from shared.protocol import Cancel, Completion, Delta, Error, GenerateRequest
 from shared.subjects import (
     DURABLE_ID_PATTERN,
@@ -81,11 +82,12 @@ class JetserveClient:
     @classmethod
     async def connect(cls, url: str, tenant: str = "default", prefix: str = "llm",
                       inbox_prefix: str = "_INBOX", **options) -> JetserveClient:
-        """`url` may hold the tenant's credentials (`jetserve tenant add` prints such a URL);
+        """`url` may hold the tenant's credentials (`jetserve tenant add` prints such a URL),
+        and may be a comma-separated list of a cluster's servers;
         `options` are nats-py's (`tls`, `user_credentials`, ...). Inboxes are made under
         `<inbox_prefix>.<tenant>.`, the only inboxes a tenant's NATS permissions let it read
         (docs/operations.md)."""
-        nc = await nats.connect(url, name="jetserve-client",
+        nc = await nats.connect(nats_servers(url), name="jetserve-client",
                                 inbox_prefix=f"{inbox_prefix}.{tenant}", **options)
         return cls(nc, tenant, prefix)
 

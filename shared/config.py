@@ -42,6 +42,10 @@ class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # of `jetserve up --auth` let that tenant alone subscribe: no tenant can aim its answers
     # at another's inbox. On under `--auth` and in compose.yaml; off, any client inbox.
     tenant_inboxes: bool = False
+    # JetStream replicas of jetserve's streams (admission's consumer follows its stream): 1 on
+    # one server; 3 on a cluster of three or more, so losing a node loses nothing. Raised on an
+    # existing stream at the next start (JetStream moves it).
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     results_max_age_s: Annotated[float, msgspec.Meta(gt=0.0)] = 24 * 3600.0
     # A held durable request is kept alive with in-progress acks well inside this window.
     ack_wait_s: Annotated[float, msgspec.Meta(ge=1.0)] = 30.0
@@ -316,7 +320,7 @@ class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # API key -> tenant. None configured: no key is asked for, every request is tenant
     # `default`. Configured: `Authorization: Bearer KEY` is required (401 without a known one).
     api_keys: dict[str, str] = {}
-    # A JSON file of more API keys -> tenants, read again whenever it changes: the one
+    # A JSON file of more API keys -> tenants, read again within a second of a change: the one
     # `jetserve tenant add|remove` keeps (`<state dir>/auth/api_keys.json`), which `jetserve up
     # --auth` and compose.yaml point the gateway at. Set, a key is always required.
     api_keys_file: str | None = None
@@ -468,6 +472,12 @@ def check_timing(config: JetserveConfig) -> None:
         if value < 3 * interval:
             raise ConfigError(f"{key} ({value:g}) must be at least three times "
                               f"distributed.heartbeat_interval_s ({interval:g}): {why}")
+
+
+def nats_servers(url: str) -> list[str]:
+    """`nats.url` as nats-py takes it: the servers of a comma-separated list (a cluster's
+    nodes; the client picks one and fails over to the others)."""
+    return [server.strip() for server in url.split(",") if server.strip()]
 
 
 def env_overrides(settings: Mapping[str, object]) -> dict[str, str]:

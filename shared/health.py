@@ -12,11 +12,11 @@ import sys
 import nats
 
 from shared.bus import connect_options, discover, redacted
-from shared.config import NatsSection, load_config
+from shared.config import NatsSection, load_config, nats_servers
 
 
 async def healthy(service: str, section: NatsSection, wait_s: float) -> bool:
-    nc = await nats.connect(section.url, connect_timeout=wait_s, allow_reconnect=False,
+    nc = await nats.connect(nats_servers(section.url), connect_timeout=wait_s, allow_reconnect=False,
                             inbox_prefix=section.client_inbox_prefix, **connect_options(section))
     try:
         answers = await discover(nc, "PING", service, wait_s=wait_s)

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import os
 import re
+import stat
 import secrets
 import time
 
@@ -38,7 +39,7 @@ from services.gateway.openai_api import (
     finish_reason,
     tokenize_request,
 )
-from shared.bus import ENVELOPE_BYTES, add_micro_service, service_main
+from shared.bus import ENVELOPE_BYTES, add_micro_service, every, service_main
 from shared.client import Output, StreamAssembler
 from shared.config import JetserveConfig
 from shared.metrics import counter, histogram
@@ -67,6 +68,8 @@ FIRST_BYTE = histogram("gateway_time_to_first_token_seconds", "From a generation
 TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 TRACESTATE_MAX = 512  # characters (W3C: at most 32 entries of 256; more is dropped, not sent)
 CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+KEYS_FILE_MAX_BYTES = 16 << 20
+KEYS_FILE_POLL_S = 1.0  # how soon a key `jetserve tenant add|remove` writes takes effect
 WRITE_TIMEOUT_S = 60.0  # a client that reads nothing of its stream this long is gone
 SHUTDOWN = object()  # put in a request's reply queue when the drain time is up
 
@@ -86,13 +89,18 @@ class Gateway:
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.draining = False
+        self.handling = 0  # generation requests being handled, sent to the pipeline or not
         self.file_keys: dict[str, str] = {}  # from gateway.api_keys_file, as last read
-        self.file_stamp: tuple | None = None
+        self.file_stamp: tuple | None = ()  # (none read yet)
+        self.keys_poll: asyncio.Task | None = None
         # The model's tokenizer and limits, as admission's: /tokenize, /detokenize, and the
         # prompt count of `continuous_usage_stats`.
         self.tokenizer, self.vocab_size, self.max_model_len = served_model(config.model)
 
     async def start(self) -> None:
+        if self.gateway.api_keys_file is not None:
+            await self.read_keys()
+            self.keys_poll = asyncio.create_task(every(KEYS_FILE_POLL_S, self.read_keys))
         self.subscription = await self.nc.subscribe(
             f"{self.inbox_prefix}.*.{self.id}.*", cb=self.on_reply)
         app = web.Application(client_max_size=self.gateway.max_body_bytes,
@@ -104,9 +112,11 @@ class Gateway:
                         web.post("/detokenize", self.detokenize),
                         web.get("/health", self.health),
                         web.get("/metrics", self.metrics)])
-        # The drain is stop()'s own; by the runner's cleanup every handler is ending.
+        # The drain is stop()'s own; by the runner's cleanup every handler is ending (aiohttp
+        # may wait this twice; with the NATS drain the whole stop stays inside the drain time
+        # plus shared.bus.STOP_GRACE_S).
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=5.0)
+                                    shutdown_timeout=2.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.gateway.host, self.gateway.port)
         await site.start()
@@ -132,13 +142,15 @@ class Gateway:
                 await site.stop()
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.config.distributed.drain_timeout_s
-            while self.replies and loop.time() < deadline:
+            while self.handling and loop.time() < deadline:
                 await asyncio.sleep(0.05)
             if self.replies:
                 log.info("drain time is up: ending open requests", open=len(self.replies))
             for queue in self.replies.values():
                 queue.put_nowait(SHUTDOWN)
             await self.runner.cleanup()
+        if self.keys_poll is not None:
+            self.keys_poll.cancel()
         await self.service.stop()
         await self.subscription.unsubscribe()
 
@@ -226,26 +238,52 @@ class Gateway:
 
     # --------------------------------------------------------------------------- generation
 
-    def api_keys(self) -> dict[str, str]:
-        """`gateway.api_keys` and those of `gateway.api_keys_file`, read again when the file
-        changes (a stat per request; `jetserve tenant add|remove` rewrites it whole)."""
-        path = self.gateway.api_keys_file
-        if path is None:
-            return self.gateway.api_keys
-        try:
-            stat = os.stat(path)
-            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-        except OSError:
-            stamp = None
-        if stamp != self.file_stamp:
-            self.file_stamp = stamp
+    async def read_keys(self) -> None:
+        """`gateway.api_keys_file` again when it changed (its mtime, size or inode), off the
+        event loop: a JSON object of API key -> tenant. A missing file means no keys (every
+        request a 401); one that is unreadable, not a regular file, too large or not such an
+        object leaves the keys read before; entries with an empty key, whitespace in it or an
+        invalid tenant name are dropped, said in the log."""
+        path = os.path.expanduser(self.gateway.api_keys_file)
+
+        def load() -> tuple[tuple | None, dict | str | None]:
             try:
-                read = {} if stamp is None else msgspec.json.decode(
-                    open(path, "rb").read(), type=dict[str, str])
-                self.file_keys = {k: t for k, t in read.items() if TENANT_PATTERN.fullmatch(t)}
-                log.info("API keys read", file=path, keys=len(self.file_keys))
-            except (OSError, msgspec.DecodeError) as exc:  # the keys read before stay
-                log.warning("API keys file unreadable", file=path, error=repr(exc))
+                info = os.stat(path)
+            except OSError:
+                return None, None
+            stamp = (info.st_mtime_ns, info.st_size, info.st_ino)
+            if stamp == self.file_stamp:
+                return stamp, None
+            if not stat.S_ISREG(info.st_mode) or info.st_size > KEYS_FILE_MAX_BYTES:
+                return stamp, f"not a regular file of at most {KEYS_FILE_MAX_BYTES} bytes"
+            try:
+                with open(path, "rb") as file:
+                    return stamp, msgspec.json.decode(file.read(KEYS_FILE_MAX_BYTES + 1),
+                                                      type=dict[str, str])
+            except (OSError, msgspec.DecodeError) as exc:
+                return stamp, repr(exc)
+
+        stamp, read = await asyncio.to_thread(load)
+        if stamp == self.file_stamp:
+            return
+        self.file_stamp = stamp
+        if stamp is None:
+            self.file_keys = {}
+            log.warning("API keys file missing: every request is refused (401) until it "
+                        "exists", file=path)
+        elif isinstance(read, str):
+            log.warning("API keys file unreadable; the keys read before stay", file=path,
+                        error=read)
+        elif read is not None:
+            self.file_keys = {key: tenant for key, tenant in read.items()
+                              if key and not any(c.isspace() for c in key)
+                              and TENANT_PATTERN.fullmatch(tenant)}
+            dropped = len(read) - len(self.file_keys)
+            (log.warning if dropped else log.info)(
+                "API keys read", file=path, keys=len(self.file_keys), dropped=dropped)
+
+    def api_keys(self) -> dict[str, str]:
+        """`gateway.api_keys` and those of `gateway.api_keys_file` as last read."""
         return {**self.file_keys, **self.gateway.api_keys}
 
     def tenant(self, request: web.Request) -> str:
@@ -271,6 +309,13 @@ class Gateway:
                                           if state and len(state) <= TRACESTATE_MAX else {})}
 
     async def generation(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        self.handling += 1  # (the drain waits for these, from their first byte on)
+        try:
+            return await self._generation(request, chat)
+        finally:
+            self.handling -= 1
+
+    async def _generation(self, request: web.Request, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
         arrived = time.perf_counter()
         # The pipeline's id is always a fresh one: a client's could be another's (cancels
@@ -309,6 +354,9 @@ class Gateway:
             except ProtocolError as exc:
                 return self.error(endpoint, bad("messages" if chat else "prompt", exc.message),
                                   headers)
+        if self.draining:  # (it read its body while the drain began: not sent yet)
+            return self.error(endpoint, ApiError(503, "the gateway is shutting down; retry on "
+                                                      "another", code="overloaded"), headers)
         token = str(next(self.tokens))
         queue: asyncio.Queue = asyncio.Queue()
         self.replies[token] = queue

@@ -72,3 +72,20 @@ def test_the_inverse_cdf_draw_follows_the_distribution_across_blocks():
     assert torch.allclose(counts, probs.double(), atol=1e-3), counts
     edge = torch.tensor([[0.0], [1.0 - 2.0**-53]], dtype=torch.float64)
     assert inverse_cdf(probs.expand(2, -1).contiguous(), edge, block=4).tolist() == [0, 8]
+
+
+def test_rows_that_are_not_numbers_take_their_greedy_token_and_fault_nothing():
+    """A temperature so small the logits overflow (any client may send 1e-40), an infinite
+    logit, a row all -inf: each row gets a token in range (its argmax), the others sample as
+    ever, and nothing indexes outside a tensor (on a GPU, a device-side assert)."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(6))
+    logits[1, 7] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, 5] = float("nan")
+    hot = SamplingParams(max_tokens=1, temperature=1.0)
+    tiny = SamplingParams(max_tokens=1, temperature=1e-40)
+    assert tiny.greedy
+    params = [tiny, hot, hot, hot]
+    out = sample(logits, batch_of(*params, seed=9))
+    assert out[0].item() == logits[0].argmax().item() and out[1].item() == 7
+    assert all(0 <= t < 3000 for t in out.tolist())

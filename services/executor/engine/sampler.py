@@ -50,12 +50,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     params = [batch.params[i] for i in rows]
     index = torch.tensor(rows, device=logits.device)
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    probs = _filtered_probs(logits[index] / temperature[:, None], params)
     u = torch.tensor([[uniform(batch.seeds[row])] for row in rows], dtype=torch.float64,
                      device=logits.device)
-    tokens = greedy_tokens.cpu()
-    tokens[rows] = inverse_cdf(probs, u).cpu()
-    return tokens
+    probs = _filtered_probs(logits[index] / temperature[:, None], params)
+    drawn = inverse_cdf(probs, u)
+    # A row whose probabilities are not numbers (an infinite or NaN logit, a row all -inf)
+    # takes its greedy token rather than an arbitrary one.
+    drawn = torch.where(torch.isfinite(probs).all(dim=-1), drawn, greedy_tokens[index])
+    greedy_tokens[index] = drawn
+    return greedy_tokens.cpu()  # (one copy to the host: on a GPU, one wait)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -70,7 +73,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = 1024) -> torc
     cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [rows, blocks]
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    chosen = torch.searchsorted(cdf, target, right=True)  # [rows, 1]: the block's index
+    # [rows, 1]: the block's index (kept in range when a row's mass is not a number, so no
+    # gather below reads outside the tensor; such a row's draw is meaningless, not a fault)
+    chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
     before = torch.where(chosen > 0, cdf.gather(1, (chosen - 1).clamp(min=0)), 0.0)
     inner = blocks.gather(1, chosen[:, :, None].expand(rows, 1, block)).squeeze(1)
     inner = inner.to(torch.float64).cumsum(dim=-1)  # [rows, block]

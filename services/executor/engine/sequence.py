@@ -13,6 +13,9 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -27,7 +30,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it (< 1e-5, as vLLM's) that dividing the logits by it
+        would overflow: argmax either way."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(eq=False)
