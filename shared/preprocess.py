@@ -84,9 +84,10 @@ def check_model(request: GenerateRequest, served: str) -> None:
 
 
 def admitted(request: GenerateRequest, prompt: list[int], model: str, max_model_len: int,
-             vocab_size: int) -> GenerateRequest:
+             vocab_size: int, seed: int | None = None) -> GenerateRequest:
     """The request as every later hop takes it (and trusts): tokenized (its text dropped), within
-    the model's limits, naming the model, with an id and a seed. Raises ProtocolError."""
+    the model's limits, naming the model, with an id and a seed (the client's; else `seed`;
+    else a random one). Raises ProtocolError."""
     total = len(prompt) + request.max_tokens
     if total > max_model_len:
         raise ProtocolError("prompt_too_long", f"prompt has {len(prompt)} tokens and "
@@ -96,5 +97,6 @@ def admitted(request: GenerateRequest, prompt: list[int], model: str, max_model_
     return msgspec.structs.replace(
         request, prompt=None, messages=None, prompt_token_ids=prompt, model=model,
         request_id=request.request_id or f"req-{secrets.token_hex(8)}",
-        seed=request.seed if request.seed is not None else secrets.randbits(63))
+        seed=request.seed if request.seed is not None else
+        seed if seed is not None else secrets.randbits(63))
 

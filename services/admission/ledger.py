@@ -99,7 +99,7 @@ class Ledger:
 
     # ------------------------------------------------------------------ taking on requests
 
-    def watch(self, key: RequestKey, item: bytes, msg: object = None) -> bool:
+    def watch(self, key: RequestKey, item: bytes, msg: object = None, attempt: int = 0) -> bool:
         """Watch a request about to be handed to priority (from before priority has it: its
         Done may come back before priority's reply does). False for a generate whose id is
         already watched: priority or the executor refuses that one, and the first keeps its
@@ -107,7 +107,7 @@ class Ledger:
         table = self.held if msg is not None else self.generates
         if msg is None and key in table:
             return False
-        self._put(table, key, Watched(msg, self.clock, item, submitting=True))
+        self._put(table, key, Watched(msg, self.clock, item, attempt=attempt, submitting=True))
         return True
 
     def submitted(self, key: RequestKey, durable: bool) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
@@ -220,9 +221,11 @@ class Admission:
 
     # --------------------------------------------------------------------------- validation
 
-    async def admit(self, tenant: str, payload: bytes, durable_id: str | None = None) -> WorkItem:
+    async def admit(self, tenant: str, payload: bytes, durable_id: str | None = None,
+                    seed: int | None = None, attempt: int = 0) -> WorkItem:
         """A valid, tokenized WorkItem, or a ProtocolError that names the field or limit;
-        `durable_id` is a durable submission's id, from its subject.
+        `durable_id` is a durable submission's id, from its subject; `seed` its seed unless
+        the client gave one; `attempt` its first attempt's number.
 
         Every check that needs no tokens comes first (a prompt that must be too long is refused
         by its length); text is tokenized on a small thread pool, never on the event loop."""
@@ -245,9 +248,10 @@ class Admission:
         else:
             prompt = await asyncio.get_running_loop().run_in_executor(
                 self.tokenize_pool, prompt_token_ids, self.tokenizer, request, self.vocab_size)
-        request = admitted(request, prompt, self.model_name, self.max_model_len, self.vocab_size)
+        request = admitted(request, prompt, self.model_name, self.max_model_len, self.vocab_size,
+                           seed)
         now = time.time()
-        item = WorkItem(request=request, tenant=tenant, arrival_time=now,
+        item = WorkItem(request=request, tenant=tenant, arrival_time=now, attempt=attempt,
                         durable=durable_id is not None,
                         deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None,
                         block_hashes=block_hashes(prompt, self.config.kv_cache.block_size))
@@ -333,7 +337,7 @@ class Admission:
         subject has nobody to answer: not watched, so not handed on. `seat`: its seat of
         `being_admitted`, given up once it is watched (counted there from then on)."""
         watched = (msg is not None or bool(item.reply_to)) and self.ledger.watch(
-            item.key, encode(item), msg)
+            item.key, encode(item), msg, item.attempt)
         if watched and seat is not None:
             self.release(seat)
         if watched and self.cancels.take(item.tenant, item.request_id,
@@ -606,7 +610,14 @@ class Admission:
                                         "durable submission: JetStream deduplicates it across "
                                         "all tenants, so another tenant could suppress the "
                                         "request; its subject is its key (docs/protocol.md)")
-                item = await self.admit(tenant, msg.data, durable_id=claimed_id)
+                # Admitted again after a redelivery (an admission restarted, or handed it back),
+                # it keeps the seed of its JetStream message and takes attempts above every
+                # earlier delivery's: a stalled holder of one of those is revoked when it
+                # reports, and its checkpoints are never spliced into this run.
+                item = await self.admit(
+                    tenant, msg.data, durable_id=claimed_id,
+                    seed=durable_seed(tenant, claimed_id, msg.metadata.sequence.stream),
+                    attempt=(msg.metadata.num_delivered - 1) * ATTEMPTS_PER_DELIVERY)
             except ProtocolError as exc:
                 span.set_attribute("error", exc.code)
                 if exc.retry_after_s is not None:  # rate limited: a durable request waits its turn
@@ -825,6 +836,19 @@ class Admission:
                             tenant=key.tenant, request_id=key.request_id)
                 self.counts["durable_redelivered"] += 1
                 await _quietly(held.msg.nak())
+
+
+# A durable request's attempts in one delivery (hand-ons by one admission) stay below this.
+ATTEMPTS_PER_DELIVERY = 1 << 20
+
+
+def durable_seed(tenant: str, request_id: str, stream_sequence: int) -> int:
+    """The seed of a durable request whose client gave none: the same for every delivery of
+    its JetStream message (so every admission that admits it draws the same tokens), another
+    for a later submission under the same id."""
+    digest = hashlib.blake2b(f"{tenant}\0{request_id}\0{stream_sequence}".encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits
 
 
 async def _quietly(ack) -> None:

@@ -322,3 +322,69 @@ async def test_a_thousand_long_durable_requests_of_one_tenant_do_not_starve_anot
                 "LLM_RESULTS", subjects_filter="llm.results.heavy.>")).state.messages
     assert isinstance(result, Completion) and len(result.token_ids) == 4
     assert done < 100, done  # it did not wait for the backlog
+
+
+@pytest.mark.asyncio
+async def test_admission_and_the_executor_dying_together_keep_the_request_s_seed(tmp_path):
+    """A sampled durable request (no seed given) whose admission and executor are SIGKILLed
+    together runs again from the start after JetStream redelivers it, and draws the tokens of
+    the seed its message was first admitted with (derived from the message, not drawn anew):
+    the same text as a generate given that seed. Before, each admission drew a fresh seed."""
+    from services.admission.service import durable_seed
+
+    settings = {"distributed.heartbeat_timeout_s": 1.0, "nats.ack_wait_s": 2.0}
+    async with running_stack(tmp_path, executors=1, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="seeded") as client:
+            request = GenerateRequest(request_id="seeded-1", prompt="a tale", max_tokens=1500,
+                                      ignore_eos=True, temperature=1.0)
+            ack = await client.submit(request)
+            victim = await busy_executor(client)
+            stack.processes["admission"].kill()
+            stack.processes[victim].kill()
+            await stack.processes["admission"].wait()
+            await stack.processes[victim].wait()
+            await stack.restart("admission")
+            await stack.restart(victim)
+            result = await client.result("seeded-1", timeout=120)
+            reference = await client.generate(msgspec.structs.replace(
+                request, request_id="seeded-reference",
+                seed=durable_seed("seeded", "seeded-1", ack.seq)), timeout=120)
+    assert isinstance(result, Completion) and isinstance(reference, Completion), (result, reference)
+    assert len(result.token_ids) == 1500
+    assert result.token_ids == reference.token_ids
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_holder_of_an_earlier_delivery_is_revoked_after_admission_restarts(
+        tmp_path):
+    """SIGSTOP the executor running a durable request and SIGKILL admission: the restarted
+    admission gets the request again from JetStream and admits it as an attempt above every
+    attempt of the earlier delivery, so when the stalled executor wakes and reports its
+    (earlier) attempt it is told to drop it: one result, from the other executor. Before,
+    the re-admitted request started again at attempt 0, and the stalled one's checkpoints
+    were taken as this run's."""
+    settings = {"distributed.heartbeat_timeout_s": 1.5, "nats.ack_wait_s": 1.0,
+                "model.name": "sim:smollm2-cpu"}
+    async with running_stack(tmp_path, executors=2, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="stall2") as client:
+            await client.submit(GenerateRequest(request_id="napper-2", prompt="wake me",
+                                                max_tokens=150, ignore_eos=True, seed=1))
+            victim = await busy_executor(client)
+            await asyncio.sleep(1.0)  # a checkpoint or two
+            stack.processes[victim].send_signal(signal.SIGSTOP)
+            stack.processes["admission"].kill()
+            await stack.processes["admission"].wait()
+            await stack.restart("admission")
+            await asyncio.sleep(4.0)  # redelivered, not reported: admitted again elsewhere
+            stack.processes[victim].send_signal(signal.SIGCONT)
+            result = await client.result("napper-2", timeout=120)
+            for _ in range(100):
+                stats = {s["executor"]: s for s in await executor_stats(client)}
+                if stats[victim]["revoked"]:
+                    break
+                await asyncio.sleep(0.1)
+            info = await client.js.stream_info("LLM_RESULTS")
+    assert isinstance(result, Completion) and len(result.token_ids) == 150
+    assert result.scheduling.executor != victim
+    assert stats[victim]["revoked"] == 1 and stats[victim]["completed"] == 0
+    assert info.state.messages == 1
