@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                          "on --nats-port), the streams replicated (nats.replicas: N, 3 at most)")
     up.add_argument("--state-dir", default=".jetserve", help="JetStream data and logs")
     up.add_argument("--executors", type=int, default=1)
+    up.add_argument("--replicas", type=int, default=1, metavar="N",
+                    help="processes of each of admission, priority and the batcher")
     up.add_argument("--model", default=None, help=f"default: the config's, else {DEFAULT_MODEL}")
     _quantization_option(up, None)
     up.add_argument("--config", help="jetserve.yaml (environment variables override it)")

@@ -36,7 +36,7 @@ async def up(args) -> int:
         stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
                       executors=args.executors, config_path=args.config, auth=args.auth,
                       tls=args.tls, http_port=args.http_port or None,
-                      nats_cluster=args.nats_cluster,
+                      nats_cluster=args.nats_cluster, replicas=args.replicas,
                       settings={"model.name": model} | (
                           {"model.quantization": args.quantization} if args.quantization else {}))
     except (ValueError, AuthError) as exc:

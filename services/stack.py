@@ -49,7 +49,7 @@ class Stack:
                  settings: dict[str, object] | None = None, log_dir: str | Path | None = None,
                  env: dict[str, str] | None = None, nats_settings: dict[str, object] | None = None,
                  auth: bool = False, tls: bool = False, http_port: int | None = None,
-                 nats_cluster: int = 1):
+                 nats_cluster: int = 1, replicas: int = 1):
         """`nats_settings`: the embedded nats-server's configuration beyond port and store
         (`max_payload`, for one), written to a config file it reads. `auth`: the embedded
         server takes users and permissions (services/auth.py); the services log in as theirs.
@@ -58,7 +58,9 @@ class Stack:
         `http_port`: the OpenAI-compatible gateway serves there too (0: a free port; None: no
         gateway). `nats_cluster` N > 1: the embedded server is a cluster of N nodes on this
         host (processes `nats-server-<i>`, node 0 on `nats_port`), every connection gets all
-        their URLs, and the streams N replicas (3 at most) unless `nats.replicas` is set."""
+        their URLs, and the streams N replicas (3 at most) unless `nats.replicas` is set.
+        `replicas`: processes of each of admission, priority and the batcher (`admission`,
+        `admission-1`, ...); one gateway (more need a port each, behind a load balancer)."""
         self.state_dir = Path(state_dir)
         self.embedded = nats_url is None
         if nats_cluster < 1 or (nats_cluster > 1 and not self.embedded):
@@ -73,6 +75,9 @@ class Stack:
         self.nats_port = nats_port
         self.http_port = None if http_port is None else http_port or free_port()
         self.num_executors = executors
+        if replicas < 1:
+            raise ValueError("--replicas must be at least 1")
+        self.replicas = replicas
         self.config_path = config_path
         self.settings = dict(settings or {})
         if nats_cluster > 1:
@@ -89,7 +94,14 @@ class Stack:
 
     @property
     def services(self) -> tuple[str, ...]:
+        """The service kinds this stack runs (each `replicas` times, but the gateway)."""
         return SERVICES + (("gateway",) if self.http_port is not None else ())
+
+    @property
+    def service_processes(self) -> list[tuple[str, str]]:
+        """(process name, service kind) of every service process."""
+        return [(kind if i == 0 else f"{kind}-{i}", kind) for kind in self.services
+                for i in range(1 if kind == "gateway" else self.replicas)]
 
     @property
     def http_url(self) -> str | None:
@@ -133,6 +145,13 @@ class Stack:
         if output:
             output.close()  # the child has its own copy
 
+    @staticmethod
+    def _service_argv(name: str, kind: str, config: list[str]) -> list[str]:
+        """A replica past the first serves no /metrics here (its kind's port is the first's);
+        in compose each replica is a container with the port to itself."""
+        extra = ["--metrics-port", "0"] if name != kind else []
+        return [sys.executable, "-m", f"services.{kind}", *config, *extra]
+
     def _nats_argv(self, node: str = "nats-server") -> list[str]:
         """The command of one embedded server: the single one, or node `nats-server-<i>` of
         the cluster (its own store and pid file, routes to every other node)."""
@@ -171,8 +190,8 @@ class Stack:
                     await self._spawn(node, self._nats_argv(node),
                                       log_dir=self.log_dir or self.state_dir)
             config = ["--config", self.config_path] if self.config_path else []
-            for service in self.services:
-                await self._spawn(service, [sys.executable, "-m", f"services.{service}", *config])
+            for name, kind in self.service_processes:
+                await self._spawn(name, self._service_argv(name, kind, config))
             base = load_config(self.config_path, self._env()).monitoring.metrics_port.executor
             executor_env = self._executor_env()
             for i in range(self.num_executors):
@@ -196,11 +215,13 @@ class Stack:
                                      "--name", name, "--metrics-port", "0"],
                               env=self._executor_env())
         else:
-            await self._spawn(name, [sys.executable, "-m", f"services.{name}", *config])
+            await self._spawn(name, self._service_argv(name, dict(self.service_processes)[name],
+                                                       config))
 
     async def wait_ready(self) -> None:
         """Until every service answers $SRV.PING (a child that exits is an error)."""
-        want = Counter({**{s: 1 for s in self.services}, "executor": self.num_executors})
+        want = Counter({**Counter(kind for _, kind in self.service_processes),
+                        "executor": self.num_executors})
         subjects = Subjects(load_config(self.config_path, self._env()).nats.prefix)
         nc = None
         try:

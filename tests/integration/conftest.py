@@ -102,11 +102,12 @@ async def sigterm_services(stack: Stack, bound_s: float) -> dict[str, tuple[int 
 async def running_stack(directory: Path, executors: int = 1, settings: dict | None = None,
                         env: dict[str, str] | None = None, timeout: float = 180.0,
                         nats_settings: dict | None = None, auth: bool = False,
-                        tls: bool = False, http_port: int | None = None, nats_cluster: int = 1):
+                        tls: bool = False, http_port: int | None = None, nats_cluster: int = 1,
+                        replicas: int = 1):
     stack = Stack(state_dir=directory, nats_port=free_port(), executors=executors,
                   settings={**TINY_STACK, **(settings or {})}, log_dir=directory / "logs", env=env,
                   nats_settings=nats_settings, auth=auth, tls=tls, http_port=http_port,
-                  nats_cluster=nats_cluster)
+                  nats_cluster=nats_cluster, replicas=replicas)
     try:
         await stack.start(timeout=timeout)
     except BaseException:
