@@ -58,6 +58,13 @@ async def submit_all(client, prefix: str, count: int, rng: random.Random) -> lis
     return ids
 
 
+def generate_all(client, prefix: str, count: int, rng: random.Random) -> list[asyncio.Task]:
+    """`count` generates sent at once, each a task that ends with its one final answer."""
+    return [asyncio.create_task(client.generate(GenerateRequest(
+        request_id=f"{prefix}-{i}", prompt=f"{prefix} {i}", max_tokens=rng.randint(20, 60),
+        ignore_eos=True, temperature=0.0), timeout=300)) for i in range(count)]
+
+
 async def check_exactly_once(client, ids, results) -> None:
     assert all(isinstance(r, Completion) for r in results.values()), \
         [r for r in results.values() if not isinstance(r, Completion)]

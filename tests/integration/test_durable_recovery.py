@@ -275,6 +275,21 @@ async def test_generates_survive_their_executor_and_the_priority_service(tmp_pat
     assert stats["generates_handed_on"] >= 2, stats
 
 
+async def revoked_there_one_result(client, victim: str, result) -> None:
+    """`victim` (back from its stall) dropped its attempt, told to; the one result is the
+    other executor's."""
+    for _ in range(100):
+        stats = {s["executor"]: s for s in await executor_stats(client)}
+        if stats[victim]["revoked"]:
+            break
+        await asyncio.sleep(0.1)
+    info = await client.js.stream_info("LLM_RESULTS")
+    assert isinstance(result, Completion) and len(result.token_ids) == 150
+    assert result.scheduling.executor != victim
+    assert stats[victim]["revoked"] == 1 and stats[victim]["completed"] == 0
+    assert info.state.messages == 1
+
+
 @pytest.mark.asyncio
 async def test_an_executor_back_from_a_stall_drops_the_requests_handed_on(tmp_path):
     """SIGSTOP the executor running a durable request past the lease: the request is handed on
@@ -291,16 +306,7 @@ async def test_an_executor_back_from_a_stall_drops_the_requests_handed_on(tmp_pa
             await asyncio.sleep(3.0)  # past the lease: handed on
             stack.processes[victim].send_signal(signal.SIGCONT)
             result = await client.result("napper", timeout=120)
-            for _ in range(100):
-                stats = {s["executor"]: s for s in await executor_stats(client)}
-                if stats[victim]["revoked"]:
-                    break
-                await asyncio.sleep(0.1)
-            info = await client.js.stream_info("LLM_RESULTS")
-    assert isinstance(result, Completion) and len(result.token_ids) == 150
-    assert result.scheduling.executor != victim
-    assert stats[victim]["revoked"] == 1 and stats[victim]["completed"] == 0
-    assert info.state.messages == 1
+            await revoked_there_one_result(client, victim, result)
 
 
 @pytest.mark.asyncio
@@ -378,13 +384,4 @@ async def test_a_stalled_holder_of_an_earlier_delivery_is_revoked_after_admissio
             await asyncio.sleep(4.0)  # redelivered, not reported: admitted again elsewhere
             stack.processes[victim].send_signal(signal.SIGCONT)
             result = await client.result("napper-2", timeout=120)
-            for _ in range(100):
-                stats = {s["executor"]: s for s in await executor_stats(client)}
-                if stats[victim]["revoked"]:
-                    break
-                await asyncio.sleep(0.1)
-            info = await client.js.stream_info("LLM_RESULTS")
-    assert isinstance(result, Completion) and len(result.token_ids) == 150
-    assert result.scheduling.executor != victim
-    assert stats[victim]["revoked"] == 1 and stats[victim]["completed"] == 0
-    assert info.state.messages == 1
+            await revoked_there_one_result(client, victim, result)

@@ -161,6 +161,17 @@ async def ended_in_the_pipeline(stack, cancelled: int) -> None:
     raise AssertionError(f"the executor still runs or has not counted the cancel: {stats}")
 
 
+async def one_more_cancelled(nats_client, before: dict) -> None:
+    """The executor counts one more request cancelled (its slot freed), none completed."""
+    for _ in range(100):
+        after = await service_stats(nats_client, "executor")
+        if after["running"] == 0 and after["cancelled"] > before["cancelled"]:
+            break
+        await asyncio.sleep(0.05)
+    assert after["cancelled"] == before["cancelled"] + 1 and after["running"] == 0
+    assert after["completed"] == before["completed"]
+
+
 async def test_a_stream_closed_early_cancels_its_request_in_the_pipeline(stack):
     async with await JetserveClient.connect(stack.url, tenant="acme") as nats_client:
         for _ in range(100):  # what earlier tests left running has ended
@@ -177,13 +188,7 @@ async def test_a_stream_closed_early_cancels_its_request_in_the_pipeline(stack):
             if seen == 3:
                 break
         await stream.close()  # the HTTP connection goes: the gateway cancels the request
-        for _ in range(100):
-            after = await service_stats(nats_client, "executor")
-            if after["running"] == 0 and after["cancelled"] > before["cancelled"]:
-                break
-            await asyncio.sleep(0.05)
-    assert after["cancelled"] == before["cancelled"] + 1 and after["running"] == 0
-    assert after["completed"] == before["completed"]
+        await one_more_cancelled(nats_client, before)
 
 
 async def test_x_request_id_comes_back_and_the_pipeline_s_id_is_the_gateway_s(stack):
@@ -272,13 +277,7 @@ async def test_sigterm_ends_an_open_stream_with_an_error_event_and_cancels_it(st
             assert error["code"] == "overloaded" and "shutting down" in error["message"], error
             assert all(b'"error"' not in e for e in events[:-2])  # tokens until then
             assert len(events) < 1900
-            for _ in range(100):
-                after = await service_stats(nats_client, "executor")
-                if after["running"] == 0 and after["cancelled"] > before["cancelled"]:
-                    break
-                await asyncio.sleep(0.05)
-            assert after["cancelled"] == before["cancelled"] + 1 and after["running"] == 0
-            assert after["completed"] == before["completed"]
+            await one_more_cancelled(nats_client, before)
     finally:
         if gateway.returncode is None:
             gateway.kill()

@@ -12,10 +12,11 @@ import signal
 import pytest
 
 from shared.client import JetserveClient
-from shared.protocol import Completion, GenerateRequest
+from shared.protocol import Completion
 from shared.subjects import RESULTS_STREAM
 from tests.integration.conftest import running_stack
-from tests.integration.test_chaos import CHAOS, check_exactly_once, results_by_id, submit_all
+from tests.integration.test_chaos import (CHAOS, check_exactly_once, generate_all,
+                                          results_by_id, submit_all)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
@@ -30,9 +31,7 @@ async def test_a_node_killed_under_load_loses_and_duplicates_nothing(tmp_path):
                 assert info.config.num_replicas == 3, info.config
                 assert len(info.cluster.replicas or []) == 2, info.cluster  # beside the leader
             ids = await submit_all(client, "cluster", 120, rng)
-            generates = [asyncio.create_task(client.generate(GenerateRequest(
-                request_id=f"gen-{i}", prompt=f"cluster {i}", max_tokens=rng.randint(20, 60),
-                ignore_eos=True, temperature=0.0), timeout=300)) for i in range(60)]
+            generates = generate_all(client, "gen", 60, rng)
             await asyncio.sleep(2.0)
             # The node the client is on: the one whose loss disturbs it most.
             victim = f"nats-server-{stack.client_ports.index(client.nc.connected_url.port)}"

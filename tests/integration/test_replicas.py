@@ -14,9 +14,10 @@ import signal
 import pytest
 
 from shared.client import JetserveClient
-from shared.protocol import Completion, GenerateRequest
+from shared.protocol import Completion
 from tests.integration.conftest import running_stack
-from tests.integration.test_chaos import CHAOS, check_exactly_once, results_by_id, submit_all
+from tests.integration.test_chaos import (CHAOS, check_exactly_once, generate_all,
+                                          results_by_id, submit_all)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
@@ -28,9 +29,7 @@ async def test_two_replicas_of_each_service_answer_every_request_once(tmp_path):
         assert {"admission-1", "priority-1", "batcher-1"} <= set(stack.processes)
         async with await JetserveClient.connect(stack.url, tenant="replicas") as client:
             ids = await submit_all(client, "rep", 100, rng)
-            generates = [asyncio.create_task(client.generate(GenerateRequest(
-                request_id=f"gen-{i}", prompt=f"replicas {i}", max_tokens=rng.randint(20, 60),
-                ignore_eos=True, temperature=0.0), timeout=300)) for i in range(100)]
+            generates = generate_all(client, "gen", 100, rng)
             for name in victims:
                 await asyncio.sleep(rng.uniform(1.0, 2.0))
                 stack.processes[name].send_signal(signal.SIGKILL)
