@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -31,7 +30,7 @@ from shared.subjects import (
 )
 
 Output = Delta | Completion | Error
-SUBMITTED_KEPT = 100_000  # durable ids whose submission time a client keeps (see `result`)
+SUBMITTED_KEPT = 100_000  # durable ids whose earlier result a client keeps (see `result`)
 _decode_output = msgspec.json.Decoder(Output).decode
 _encode = msgspec.json.Encoder().encode
 
@@ -77,7 +76,9 @@ class JetserveClient:
         self.js = nc.jetstream()
         self.tenant = tenant
         self.subjects = Subjects(prefix)
-        self.submitted: dict[str, float] = {}  # durable ids submitted here -> when (wall clock)
+        # Durable ids submitted here -> the LLM_RESULTS sequence of the result their subject
+        # held then (0: none): a retryable refusal at or below it answered an earlier try.
+        self.submitted: dict[str, int] = {}
 
     @classmethod
     async def connect(cls, url: str, tenant: str = "default", prefix: str = "llm",
@@ -158,16 +159,19 @@ class JetserveClient:
         if not request.request_id or not DURABLE_ID_PATTERN.fullmatch(request.request_id):
             raise ValueError("a durable submission needs a request_id matching "
                              "[A-Za-z0-9_-]{1,128} (it is a subject token)")
+        earlier = 0  # the sequence of a retryable refusal of an earlier try, if one is stored
         try:
             stored = await self.js.get_last_msg(
                 RESULTS_STREAM, self.subjects.results(self.tenant, request.request_id),
                 direct=True)
             if final_result(stored.headers, self.tenant, request.request_id):
                 return PubAck(stream=RESULTS_STREAM, seq=stored.seq, duplicate=True)
+            earlier = stored.seq
         except NotFoundError:
             pass
         subject = self.subjects.requests(self.tenant, request.request_id)
-        self.submitted[request.request_id] = time.time() - 1.0  # (a second of clock skew)
+        self.submitted.pop(request.request_id, None)  # (kept in submission order)
+        self.submitted[request.request_id] = earlier
         if len(self.submitted) > SUBMITTED_KEPT:  # ids never asked for their result: the oldest
             del self.submitted[next(iter(self.submitted))]
         try:
@@ -193,12 +197,13 @@ class JetserveClient:
                 # subscription, before it was stored, is found by the next look (each second).
                 with contextlib.suppress(NotFoundError):
                     stored = await self.js.get_last_msg(RESULTS_STREAM, subject, direct=True)
+                    # A retryable refusal answers this try only if stored after its submission
+                    # (a later sequence than the one its subject held then), however soon.
                     if final_result(stored.headers, self.tenant, request_id) or (
                             retryable_result(stored.headers, self.tenant, request_id)
-                            and (stored.time.timestamp() if stored.time else 0)
-                            >= self.submitted.get(request_id, 0)):
+                            and stored.seq > self.submitted.get(request_id, 0)):
                         self.submitted.pop(request_id, None)
-                        return _decode_output(stored.data)  # (a refusal of an earlier try: no)
+                        return _decode_output(stored.data)
                 left = deadline - loop.time()
                 if left <= 0:
                     raise NatsTimeoutError

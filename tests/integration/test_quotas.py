@@ -65,7 +65,10 @@ async def test_past_its_share_of_the_durable_backlog_a_tenant_is_rate_limited(st
         mine = await light.result("mine", timeout=120)
         kept = await asyncio.gather(*(heavy.result(f"h{i}", timeout=120)
                                       for i in range(QUEUE // 2)))
-        # A refusal by the share is retryable: the same id, sent again, runs.
+        # A refusal by the share is retryable: the same id, sent again once admission has
+        # settled the requests that ended (a result is stored before admission hears the
+        # request is done; until then it still counts toward the share), runs.
+        await wait_for_stat(heavy, "admission", "durable_held", 0)
         again = await heavy.submit(long(f"h{QUEUE - 1}", 10))
         retried = await heavy.result(f"h{QUEUE - 1}", timeout=120)
     assert all(isinstance(r, Error) and r.code == "rate_limited" and r.retry_after_ms == 1000.0
