@@ -48,7 +48,9 @@ async def up(args) -> int:
     servers = (f"{len(stack.nats_nodes)} embedded nats-servers (a cluster), "
                if len(stack.nats_nodes) > 1 else "embedded nats-server, ")
     print(f"jetserve: starting {servers if stack.embedded else ''}"
-          f"{', '.join(stack.services)} and {args.executors} executor(s) with {model}",
+          f"{', '.join(stack.services)}"
+          f"{f' ({stack.replicas} of each but the gateway)' if stack.replicas > 1 else ''}"
+          f" and {args.executors} executor(s) with {model}",
           flush=True)
     starting = asyncio.create_task(stack.start())
     await asyncio.wait([starting, asyncio.create_task(stop.wait())],
