@@ -206,6 +206,9 @@ MANAGED_STREAM_FIELDS = ("subjects", "retention", "storage", "max_msgs", "discar
 FIXED_STREAM_FIELDS = ("retention", "storage")
 
 
+JETSTREAM_WAKE_S = 5.0  # how long no JetStream responder at all is taken for one starting
+
+
 async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
     """Create LLM_REQUESTS and LLM_RESULTS when absent; bring existing ones to the
     configuration (a changed limit, window or subject list is applied), or raise
@@ -230,10 +233,30 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
                      allow_direct=True,  # a result read by its subject, which permissions scope
                      num_replicas=config.nats.replicas),
     ]
+    # A cluster's JetStream is unavailable (503, or no answer) until it has elected a leader:
+    # waited for up to nats.connect_wait_s. No responders at all is a server without
+    # JetStream, or one whose JetStream is still starting: a few seconds.
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     for stream in wanted:
-        try:
-            current = (await js.stream_info(stream.name)).config
-        except NotFoundError:
+        while True:
+            try:
+                current = (await js.stream_info(stream.name)).config
+                break
+            except NotFoundError:
+                current = None
+                break
+            except (NoRespondersError, ServiceUnavailableError, nats.errors.TimeoutError) as exc:
+                waited = loop.time() - start
+                if waited >= (JETSTREAM_WAKE_S if isinstance(exc, NoRespondersError)
+                              else config.nats.connect_wait_s):
+                    raise StreamMismatch(
+                        "JetStream is not enabled on the NATS server, or its cluster has no "
+                        "JetStream leader (start nats-server with -js, or `jetstream {}` in its "
+                        "configuration; a cluster needs most of its nodes up): jetserve keeps "
+                        "durable requests and results in streams") from None
+                await asyncio.sleep(0.5)
+        if current is None:
             try:
                 await js.add_stream(stream)
                 continue
@@ -241,11 +264,6 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
                 if "already in use" not in str(exc):
                     raise
             current = (await js.stream_info(stream.name)).config
-        except (NoRespondersError, ServiceUnavailableError, nats.errors.TimeoutError):
-            raise StreamMismatch(
-                "JetStream is not enabled on the NATS server (start nats-server with -js, or "
-                "`jetstream {}` in its configuration): jetserve keeps durable requests and "
-                "results in streams") from None
         await _reconcile(js, current, stream)
 
 
