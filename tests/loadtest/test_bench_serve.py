@@ -68,7 +68,8 @@ def test_adaptive_batch_size_grows_under_a_queue_and_holds_at_the_minimum_past_i
                 "--set", "scheduler.load_aware.initial_batch_size=2",
                 "--set", "scheduler.load_aware.step_size=2",
                 "--set", "scheduler.load_aware.interval_s=0.1",
-                "--num-requests", "60", "--input-len-range", "8", "16",
+                # (enough that the queue outlasts a few limit steps on a busy machine too)
+                "--num-requests", "120", "--input-len-range", "8", "16",
                 "--output-len-range", "24", "48", "--no-progress",
                 "--sweep", "scheduler.load_aware.tpot_slo_ms=0.001",
                 "--sweep", "scheduler.load_aware.tpot_slo_ms=100000",
@@ -77,7 +78,7 @@ def test_adaptive_batch_size_grows_under_a_queue_and_holds_at_the_minimum_past_i
     runs = json.loads(result_json.read_text())["runs"]
     assert [r["label"] for r in runs] == ["tpot_slo_ms=0.001", "tpot_slo_ms=100000"]
     for r in runs:
-        assert r["summary"]["completed"] == 60
+        assert r["summary"]["completed"] == 120
     strict, loose = ({e["limit"] for t in r["timeline"] for e in t["executors"].values()}
                      for r in runs)
     assert strict == {2}
