@@ -169,13 +169,15 @@ class Users:
         """SIGHUP to the embedded server (every node of a cluster: `nats-server-<i>.pid`)."""
         pid_files = sorted(self.state_dir.glob("nats-server*.pid")) or \
             [self.state_dir / "nats-server.pid"]
-        for pid_file in pid_files:
+        failed = []
+        for pid_file in pid_files:  # (a node that is down reads users.conf when it restarts)
             try:
                 os.kill(int(pid_file.read_text().strip()), signal.SIGHUP)
             except (OSError, ValueError) as exc:
-                raise AuthError(f"the credentials are saved, but no running nats-server took "
-                                f"them ({pid_file}: {exc}); the next `jetserve up --auth` "
-                                f"will") from None
+                failed.append(f"{pid_file}: {exc}")
+        if len(failed) == len(pid_files):
+            raise AuthError(f"the credentials are saved, but no running nats-server took them "
+                            f"({'; '.join(failed)}); the next `jetserve up --auth` will")
 
 
 def make_certificates(directory: Path) -> dict[str, str]:

@@ -186,6 +186,8 @@ class Stack:
             self.users.create(self.url, nats.prefix, nats.client_inbox_prefix)
         try:
             if self.embedded:
+                for stale in self.state_dir.glob("nats-server*.pid"):  # (an earlier run's)
+                    stale.unlink(missing_ok=True)
                 for node in self.nats_nodes:
                     await self._spawn(node, self._nats_argv(node),
                                       log_dir=self.log_dir or self.state_dir)

@@ -260,9 +260,12 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
             try:
                 await js.add_stream(stream)
                 continue
-            except Exception as exc:  # another service created it first
+            except APIError as exc:  # another service created it first, or it cannot be made
                 if "already in use" not in str(exc):
-                    raise
+                    raise StreamMismatch(
+                        f"stream {stream.name} could not be created: "
+                        f"{exc.description or exc!r} (nats.replicas {stream.num_replicas} "
+                        f"needs at least that many JetStream nodes)") from None
             current = (await js.stream_info(stream.name)).config
         await _reconcile(js, current, stream)
 

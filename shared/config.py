@@ -42,10 +42,10 @@ class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # of `jetserve up --auth` let that tenant alone subscribe: no tenant can aim its answers
     # at another's inbox. On under `--auth` and in compose.yaml; off, any client inbox.
     tenant_inboxes: bool = False
-    # JetStream replicas of jetserve's streams (admission's consumer follows its stream): 1 on
-    # one server; 3 on a cluster of three or more, so losing a node loses nothing. Raised on an
-    # existing stream at the next start (JetStream moves it).
-    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    # JetStream replicas of jetserve's streams (admission's consumer follows its stream): None
+    # leaves them as they are (new streams: the server's default, 1); 3 on a cluster of three
+    # or more nodes, so losing one loses nothing (applied to existing streams at start).
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] | None = None
     results_max_age_s: Annotated[float, msgspec.Meta(gt=0.0)] = 24 * 3600.0
     # A held durable request is kept alive with in-progress acks well inside this window.
     ack_wait_s: Annotated[float, msgspec.Meta(ge=1.0)] = 30.0
