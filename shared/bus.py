@@ -31,6 +31,7 @@ from nats import micro
 from shared.config import ConfigError, JetserveConfig, NatsSection, nats_servers
 from shared.keys import RequestKey
 from shared.messages import Done, Holding, WorkItem, encode, holding_entry_bytes
+from shared.request_state import STATE_STREAM, state_subjects, tombstone
 from shared.protocol import (
     Completion,
     Delta,
@@ -202,7 +203,7 @@ class StreamMismatch(Exception):
 # The stream settings jetserve sets; of them, JetStream cannot change these on a stream.
 MANAGED_STREAM_FIELDS = ("subjects", "retention", "storage", "max_msgs", "discard",
                          "max_msgs_per_subject", "discard_new_per_subject", "duplicate_window",
-                         "max_age", "allow_direct", "num_replicas")
+                         "max_age", "allow_direct", "allow_msg_ttl", "num_replicas")
 FIXED_STREAM_FIELDS = ("retention", "storage")
 
 
@@ -231,6 +232,12 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
                      retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                      max_age=config.nats.results_max_age_s, duplicate_window=window,
                      allow_direct=True,  # a result read by its subject, which permissions scope
+                     num_replicas=config.nats.replicas),
+        # What admission knows of each request in flight, one message per subject
+        # (shared/request_state.py); ended requests' tombstones and stale checkpoints expire.
+        StreamConfig(name=STATE_STREAM, subjects=[state_subjects(subjects)],
+                     retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                     max_msgs_per_subject=1, allow_direct=True, allow_msg_ttl=True,
                      num_replicas=config.nats.replicas),
     ]
     # A cluster's JetStream is unavailable (503, or no answer) until it has elected a leader:
@@ -510,6 +517,9 @@ class Outbox:
                                   f"{undeliverable(exc, self.nc)}")
             await self._deliver(item, error, headers)  # failing too: no Done, retried
         if done:
+            # The request's state ends before the Done: if no admission hears the Done, the
+            # state does not outlive the request (shared/request_state.py).
+            await tombstone(self.nc, self.subjects, item.key)
             await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
 
     async def _deliver(self, item: WorkItem, output: Completion | Error,

@@ -134,6 +134,12 @@ class Subjects:
         return f"{self.prefix}.internal.admission.backpressure"
 
     @property
+    def admissions(self) -> str:
+        """Each admission to the others, every heartbeat interval: its name (the owner of the
+        request states it keeps in LLM_STATE), so they take those over once it falls silent."""
+        return f"{self.prefix}.internal.admission.alive"
+
+    @property
     def done(self) -> str:
         """Whoever answered a request, to admission and priority: it has its final answer."""
         return f"{self.prefix}.internal.done"

@@ -42,6 +42,10 @@ class Watched:
     attempt: int = 0
     # Its submission to priority has had no answer yet (nor timed out): not lost meanwhile.
     submitting: bool = False
+    # The revision of its state in LLM_STATE (shared/request_state.py) that this admission
+    # wrote or took over: every later write names it. None: not kept there.
+    revision: int | None = None
+    checkpointed: int = 0  # how many of `tokens` were last written to LLM_STATE
 
 
 class Ledger:
@@ -109,6 +113,17 @@ class Ledger:
             return False
         self._put(table, key, Watched(msg, self.clock, item, attempt=attempt, submitting=True))
         return True
+
+    def claim(self, key: RequestKey, watched: Watched, durable: bool) -> bool:
+        """Watch a request taken over from another admission (its state read from LLM_STATE):
+        False when it is watched here already."""
+        if self.watches(key):
+            return False
+        self._put(self.held if durable else self.generates, key, watched)
+        return True
+
+    def get(self, key: RequestKey, durable: bool) -> Watched | None:
+        return (self.held if durable else self.generates).get(key)
 
     def submitted(self, key: RequestKey, durable: bool) -> None:
         """Priority answered the submission, or did not in time (it may have queued it late):

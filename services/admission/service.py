@@ -19,6 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
+import os
+import secrets
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
@@ -54,6 +58,7 @@ from shared.bus import (
     while_connected,
 )
 from shared.cancels import RecentCancels
+from shared.request_state import RequestState, RequestStates, Taken, tombstone
 from shared.config import JetserveConfig, TenantQuota, share_limit
 from shared.keys import RequestKey
 from shared.messages import (
@@ -106,6 +111,9 @@ INTAKE_CAPACITY = 4096  # generate requests waiting to be admitted (services/adm
 TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
 # A result's bytes besides its tokens' text and ids: ids, usage, metrics, scheduling, model.
 RESULT_BYTES = 2048
+# Besides when another admission falls silent, LLM_STATE is scanned for requests nobody watches
+# over this often (a take-over that failed, an owner that died unheard).
+SCAN_EVERY_LEASES = 12
 # A durable request that fails inside admission this many times gets an Error. Only failures
 # count, not deliveries: a request put back for a rate limit or a full queue did not fail.
 MAX_FAILURES = 5
@@ -136,12 +144,20 @@ class Admission:
         # Every request handed to priority and not yet ended, and who last reported holding it.
         self.ledger = Ledger(config.distributed.heartbeat_timeout_s,
                              config.distributed.heartbeat_interval_s)
+        # What the ledger knows of each request is also kept in LLM_STATE, owned by this
+        # instance's name (new at every start), so another admission can take it over.
+        self.owner = f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.states = RequestStates(nc, js, self.subjects, self.owner)
+        self.peers: dict[str, float] = {}  # other admissions' names -> when last heard (clock)
+        self.scanned_at: float | None = None  # ledger clock of the last scan of LLM_STATE
+        self.scan_task: asyncio.Task | None = None
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
                            resumed_tokens=0, generates_handed_on=0, refused_at_once=0,
                            submits_timed_out=0, reply_refused=0, no_reply=0,
-                           cancels_forwarded=0, cancels_remembered=0, cancels_malformed=0)
+                           cancels_forwarded=0, cancels_remembered=0, cancels_malformed=0,
+                           taken_over=0, let_go=0, state_errors=0)
         # Cancels of requests not (yet) in flight: one admitted after its cancel arrived is not
         # cancelled by it, but one being admitted when it arrived is (shared/cancels.py).
         self.cancels = RecentCancels()
@@ -173,6 +189,7 @@ class Admission:
         await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)
         await self.nc.subscribe(self.subjects.backpressure, cb=self.on_backpressure)
+        await self.nc.subscribe(self.subjects.admissions, cb=self.on_peer)
         # Created, or brought up to this config (its limits are editable) if it exists.
         consumer = await self.js.add_consumer(REQUESTS_STREAM, ConsumerConfig(
             name=ADMISSION_CONSUMER, durable_name=ADMISSION_CONSUMER,
@@ -206,7 +223,7 @@ class Admission:
         give_up = time.monotonic() + wait_s
         while self.admitting and time.monotonic() < give_up:
             await asyncio.sleep(0.02)
-        await cancel_all(self.tasks)
+        await cancel_all(self.tasks + ([self.scan_task] if self.scan_task else []))
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
         self.collector.unregister()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -217,7 +234,7 @@ class Admission:
                 "cancels_kept": len(self.cancels), "first_lease": self.ledger.young,
                 "intake_waiting": len(self.intake),
                 "admitting": self.admitting, "errors": self.errors_by_code,
-                "model": self.model_name}
+                "model": self.model_name, "owner": self.owner, "peers": len(self.peers)}
 
     # --------------------------------------------------------------------------- validation
 
@@ -336,8 +353,35 @@ class Admission:
         take it (a durable one's redelivery is then admitted again). A generate without a reply
         subject has nobody to answer: not watched, so not handed on. `seat`: its seat of
         `being_admitted`, given up once it is watched (counted there from then on)."""
+        encoded = encode(item)
         watched = (msg is not None or bool(item.reply_to)) and self.ledger.watch(
-            item.key, encode(item), msg, item.attempt)
+            item.key, encoded, msg, item.attempt)
+        # Its state is written while priority takes it (joined below, whatever happens).
+        persisting = asyncio.ensure_future(self.persist(item, encoded)) if watched else None
+        try:
+            return await self._submit_watched(item, msg, watched, seat, received)
+        finally:
+            if persisting is not None:
+                revision = await persisting
+                kept = self.ledger.get(item.key, item.durable)
+                if kept is not None and kept.item is encoded:
+                    kept.revision = revision
+                elif revision is not None:  # not taken after all: its state goes too
+                    await _quietly(tombstone(self.nc, self.subjects, item.key))
+
+    async def persist(self, item: WorkItem, encoded: bytes) -> int | None:
+        """Write a request's state to LLM_STATE; its revision, or None when it could not be
+        (the request runs, but only this admission can hand it on)."""
+        try:
+            return await self.states.create(item.key, encoded, item.attempt, item.durable)
+        except Exception as exc:
+            self.counts["state_errors"] += 1
+            log.warning("request state not written", tenant=item.tenant,
+                        request_id=item.request_id, error=repr(exc))
+            return None
+
+    async def _submit_watched(self, item: WorkItem, msg, watched: bool, seat: list[str] | None,
+                              received: float | None) -> Error | None:
         if watched and seat is not None:
             self.release(seat)
         if watched and self.cancels.take(item.tenant, item.request_id,
@@ -587,6 +631,12 @@ class Admission:
             self.counts["redelivered_with_result"] += 1
             await msg.ack()
             return
+        # Its state is in LLM_STATE (an admission that died or stalled admitted it): taken
+        # over with its admitted copy, attempt and checkpoint, to be handed on from there if
+        # its holder is gone too.
+        if (taken := await self.take(key)) is not None:
+            self.watch_taken(key, taken, msg)
+            return
         if self.ledger.adopt(key, msg):  # a service still reports it: not run a second time
             self.counts["durable_adopted"] += 1
             return
@@ -763,9 +813,91 @@ class Admission:
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)
         held = self.ledger.done(done.key, done.durable)
-        if held is not None:  # (another admission instance may hold it)
+        if held is not None and held.msg is not None:  # (another admission may hold it)
             await held.msg.ack()
             self.counts["durable_acked"] += 1
+
+    # -------------------------------------------------------------- taking requests over
+
+    async def take(self, key: RequestKey | None = None, leave: frozenset[str] = frozenset(),
+                   subject: str | None = None) -> Taken | None:
+        """The request's state (by key, or its state's subject), now owned here; None when it
+        has none (ended, never written), its owner is in `leave`, or LLM_STATE cannot be
+        reached."""
+        try:
+            return await self.states.take(key, leave, subject)
+        except Exception as exc:
+            self.counts["state_errors"] += 1
+            log.warning("request state not read", key=str(key or subject), error=repr(exc))
+            return None
+
+    def watch_taken(self, key: RequestKey, taken: Taken, msg=None) -> bool:
+        """Watch a request taken over. Once this ledger has heard a lease of reports, one that
+        no holder reported meanwhile is lost now (handed on at the next tick); a young ledger
+        waits a lease for them."""
+        state = taken.state
+        since = self.ledger.clock if self.ledger.young else -math.inf
+        watched = Watched(msg, since, state.item, list(taken.token_ids), state.attempt,
+                          revision=taken.revision, checkpointed=len(taken.token_ids))
+        if not self.ledger.claim(key, watched, state.durable):
+            return False
+        self.counts["taken_over"] += 1
+        log.info("request taken over", tenant=key.tenant, request_id=key.request_id,
+                 attempt=state.attempt, outputs=len(taken.token_ids), durable=state.durable)
+        return True
+
+    async def on_peer(self, msg) -> None:
+        owner = msg.data.decode(errors="replace")
+        if owner != self.owner:
+            self.peers[owner] = self.ledger.clock
+
+    async def take_over_orphans(self) -> None:
+        """Every request in LLM_STATE whose owner is neither this admission nor one heard
+        within a lease is taken over (compare-and-set: of several admissions trying at once,
+        one gets each)."""
+        leave = frozenset((self.owner, *self.peers))
+        try:
+            owners = await self.states.owners()
+        except Exception as exc:
+            self.counts["state_errors"] += 1
+            log.warning("request states not scanned", error=repr(exc))
+            return
+        for subject, owner in owners:
+            if owner in leave:
+                continue
+            taken = await self.take(leave=leave, subject=subject)
+            if taken is not None:
+                self.watch_taken(RequestKey(taken.state.tenant, taken.state.request_id), taken)
+
+    def look_after_peers(self) -> None:
+        """Say this admission is alive; forget peers silent for a lease, and scan LLM_STATE
+        for what they owned (also once this ledger is a lease old, and every few leases)."""
+        clock, lease = self.ledger.clock, self.ledger.lease_s
+        died = [p for p, heard in self.peers.items() if clock - heard > lease]
+        for peer in died:
+            del self.peers[peer]
+            log.warning("another admission fell silent; taking over its requests", peer=peer)
+        due = not self.ledger.young and (
+            died or self.scanned_at is None or clock - self.scanned_at >= SCAN_EVERY_LEASES * lease)
+        if due and (self.scan_task is None or self.scan_task.done()):
+            self.scanned_at = clock
+            self.scan_task = asyncio.create_task(self.take_over_orphans(), name="take-over")
+
+    async def save_checkpoints(self) -> None:
+        """Each watched request's outputs, when its checkpoints brought new ones."""
+        for key, watched in [*self.ledger.held.items(), *self.ledger.generates.items()]:
+            if watched.revision is not None and len(watched.tokens) != watched.checkpointed:
+                watched.checkpointed = len(watched.tokens)
+                await _quietly(self.states.checkpoint(key, watched.attempt, watched.tokens))
+
+    async def let_go(self, key: RequestKey, held: Watched, durable: bool) -> None:
+        """Its state moved on: another admission took it over, or it ended (its Done was
+        lost). Not watched here any more; a durable one that ended is acked."""
+        self.counts["let_go"] += 1
+        if self.ledger.get(key, durable) is held:
+            self.ledger.unwatch(key, durable)
+        if held.msg is not None and await self.has_result(*key):
+            await _quietly(held.msg.ack())
 
     async def on_holding(self, msg) -> None:
         holding = _holding.decode(msg.data)
@@ -786,6 +918,23 @@ class Admission:
         tokens = held.tokens if self.config.distributed.resume_from_checkpoints else []
         item = msgspec.structs.replace(_item.decode(held.item), attempt=held.attempt + 1,
                                        resume_token_ids=list(tokens))
+        if held.revision is not None:
+            # Compare-and-set first: of two admissions that both took it for lost, one hands
+            # it on; and one that ended meanwhile (its Done lost) is not run again.
+            try:
+                revision = await self.states.write(RequestState(
+                    key.tenant, key.request_id, self.owner, item.attempt, item.durable,
+                    held.item), held.revision)
+            except Exception as exc:  # LLM_STATE away: handed on all the same, unkept
+                self.counts["state_errors"] += 1
+                log.warning("request state not written", tenant=key.tenant,
+                            request_id=key.request_id, error=repr(exc))
+                revision = None
+            else:
+                if revision is None:
+                    await self.let_go(key, held, item.durable)
+                    return False
+            held.revision, held.checkpointed = revision, -1  # its checkpoint follows
         try:
             error = await self.to_priority(item)
         except Exception as exc:  # a timeout too: not taken (if priority did, it reports it)
@@ -815,11 +964,15 @@ class Admission:
             self.ledger.tick(tick - last_tick)
             last_tick = tick
             try:
+                await _quietly(self.nc.publish(self.subjects.admissions, self.owner.encode()))
                 await self.watch_over()
+                await self.save_checkpoints()
+                self.look_after_peers()
                 if tick - last_progress >= progress_every:
                     last_progress = tick
                     for held in list(self.ledger.held.values()):
-                        await _quietly(held.msg.in_progress())
+                        if held.msg is not None:  # (one taken over waits for its redelivery)
+                            await _quietly(held.msg.in_progress())
             except Exception:  # a bug must not end failover and in-progress acks for good
                 log.exception("keep-alive failed; continuing")
 
@@ -831,7 +984,7 @@ class Admission:
         await asyncio.gather(*(self.hand_on(key, held) for key, held in lost
                                if held.item is not None))
         for key, held in lost:
-            if held.item is None and self.ledger.give_back(key, held):
+            if held.item is None and held.msg is not None and self.ledger.give_back(key, held):
                 log.warning("durable request lost with its holder; redelivering",
                             tenant=key.tenant, request_id=key.request_id)
                 self.counts["durable_redelivered"] += 1

@@ -213,7 +213,8 @@ async def test_a_stalled_admission_does_not_run_healthy_requests_twice(tmp_path)
 @pytest.mark.asyncio
 async def test_a_restarted_admission_adopts_the_requests_that_still_run(tmp_path):
     """SIGKILL admission while 8 durable requests run on two (simulated) executors; its
-    successor gets them again after ack_wait and must hold them, not run them a second time."""
+    successor takes them over (from LLM_STATE, or as JetStream redelivers them) and must hold
+    them, not run them a second time."""
     settings = {"distributed.heartbeat_timeout_s": 1.5, "nats.ack_wait_s": 1.0,
                 "model.name": "sim:smollm2-cpu"}
     async with running_stack(tmp_path, executors=2, settings=settings) as stack:
@@ -232,7 +233,8 @@ async def test_a_restarted_admission_adopts_the_requests_that_still_run(tmp_path
             info = await client.js.stream_info("LLM_REQUESTS")
     assert all(isinstance(r, Completion) and len(r.token_ids) == 200 for r in results)
     assert runs == (8, 0), runs  # none admitted a second time (to run again, or be refused)
-    assert stats.get("durable_adopted") == 8, stats
+    # Taken over from LLM_STATE (with their admitted copies), not admitted or run again.
+    assert stats["taken_over"] == 8 and stats["durable_handed_on"] == 0, stats
     assert stats["durable_held"] == 0 and info.state.messages == 0
 
 

@@ -71,7 +71,8 @@ def work_item(request_id: str, durable: bool, reply_to: str | None = None) -> Wo
 async def test_an_output_over_max_payload_is_answered_with_an_error(tmp_path):
     async with nats_server(tmp_path, max_payload=16384) as nc:
         outbox = Outbox(nc, nc.jetstream(), Subjects("llm"), "_INBOX")
-        inbox, done = await nc.subscribe("_INBOX.client"), await nc.subscribe("llm.internal.>")
+        inbox = await nc.subscribe("_INBOX.client")
+        done = await nc.subscribe("llm.internal.done")
         await outbox.final(work_item("huge", durable=False, reply_to="_INBOX.client"),
                            completion("huge", "x" * 20000))
         answer = decode_output((await inbox.next_msg(timeout=2)).data)
@@ -90,7 +91,7 @@ async def test_a_result_the_store_refuses_ends_the_request_with_an_error(tmp_pat
         config = (await js.stream_info(RESULTS_STREAM)).config
         config.max_msg_size = 1024
         await js.update_stream(config)
-        done = await nc.subscribe("llm.internal.>")
+        done = await nc.subscribe("llm.internal.done")
         await Outbox(nc, js, Subjects("llm"), "_INBOX").final(work_item("big", durable=True),
                                                     completion("big", "y" * 5000))
         stored = decode_output((await js.get_last_msg(RESULTS_STREAM, "llm.results.acme.big")).data)

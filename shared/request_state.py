@@ -1,0 +1,206 @@
+"""Request state in JetStream: what admission knows of each request in flight, where any
+admission (a restarted one, another replica) can take it over.
+
+Stream LLM_STATE (file storage, `nats.replicas` copies) keeps one message per subject:
+
+- `<prefix>.internal.state.req.<tenant>.<id hash>`: a `RequestState`, the admitted WorkItem
+  (prompt tokens, seed, arrival time, reply subject), its current attempt and which admission
+  watches over it (its owner, also in the `Jetserve-Owner` header, so a scan reads headers only).
+  Every write is a compare-and-set on the subject's last sequence: of two admissions that both
+  take a request over, or both think it lost, one wins and the other lets it go.
+- `<prefix>.internal.state.out.<tenant>.<id hash>`: a `Checkpoint`, the outputs its executor's
+  checkpoints reported for an attempt, written by the owner without an ack (a lost one costs
+  recomputation, not correctness) and with a TTL, so one left behind expires.
+
+Whoever gives a request its final answer (`Outbox.final`) writes an empty message, a
+tombstone with a short TTL, on both subjects before it says Done: a request whose Done is
+lost while no admission is alive is not taken for lost and run again, and a late
+compare-and-set against an ended request fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import msgspec
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError, NotFoundError
+
+from shared.keys import RequestKey
+from shared.subjects import Subjects
+
+STATE_STREAM = "LLM_STATE"
+OWNER_HEADER = "Jetserve-Owner"
+TOMBSTONE_TTL = "60s"  # how long an ended request's empty message stays (JetStream's Nats-TTL)
+CHECKPOINT_TTL = "1h"  # a checkpoint not renewed for this long expires (its request is gone)
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the expected last sequence did not match
+SCAN_BATCH = 256
+
+
+class RequestState(msgspec.Struct, array_like=True):
+    tenant: str
+    request_id: str
+    owner: str  # the admission that watches over it
+    attempt: int
+    durable: bool
+    item: bytes  # the admitted WorkItem, msgpack-encoded (shared.messages.encode)
+
+
+class Checkpoint(msgspec.Struct, array_like=True):
+    attempt: int
+    token_ids: list[int]
+
+
+_state = msgspec.msgpack.Decoder(RequestState)
+_checkpoint = msgspec.msgpack.Decoder(Checkpoint)
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def key_token(key: RequestKey) -> str:
+    """`<tenant>.<hash of the id>`: ids are any string, a subject token is not."""
+    digest = hashlib.blake2b(key.request_id.encode(), digest_size=16).hexdigest()
+    return f"{key.tenant}.{digest}"
+
+
+def state_subjects(subjects: Subjects) -> str:
+    return f"{subjects.prefix}.internal.state.>"
+
+
+def request_subject(subjects: Subjects, key: RequestKey) -> str:
+    return f"{subjects.prefix}.internal.state.req.{key_token(key)}"
+
+
+def checkpoint_subject(subjects: Subjects, key: RequestKey) -> str:
+    return f"{subjects.prefix}.internal.state.out.{key_token(key)}"
+
+
+async def tombstone(nc, subjects: Subjects, key: RequestKey) -> None:
+    """The request ended: its state and checkpoint are emptied (stored without an ack; each
+    tombstone expires after TOMBSTONE_TTL)."""
+    headers = {"Nats-TTL": TOMBSTONE_TTL}
+    await nc.publish(request_subject(subjects, key), b"", headers=headers)
+    await nc.publish(checkpoint_subject(subjects, key), b"", headers=headers)
+
+
+class Taken(msgspec.Struct):
+    """A request's state as read (or just written), with the sequence a later
+    compare-and-set must name, and its checkpoint for the current attempt (if any)."""
+
+    state: RequestState
+    revision: int
+    token_ids: list[int] = []
+
+
+class RequestStates:
+    """One admission's reads and compare-and-set writes of LLM_STATE. Every write returns the
+    new revision, or None when the subject moved on (another admission took the request, or
+    it ended): the caller then lets it go."""
+
+    def __init__(self, nc, js, subjects: Subjects, owner: str):
+        self.nc, self.js, self.subjects, self.owner = nc, js, subjects, owner
+
+    async def _cas(self, subject: str, payload: bytes, last: int) -> int | None:
+        try:
+            ack = await self.js.publish(subject, payload, stream=STATE_STREAM, headers={
+                OWNER_HEADER: self.owner, "Nats-Expected-Last-Subject-Sequence": str(last)})
+        except APIError as exc:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
+                return None
+            raise
+        return ack.seq
+
+    async def create(self, key: RequestKey, item: bytes, attempt: int, durable: bool) -> int | None:
+        """The state of a request just admitted; None when one that has not ended is there
+        (a generate reusing a running one's id: not this admission's to keep)."""
+        payload = _encode(RequestState(key.tenant, key.request_id, self.owner, attempt,
+                                       durable, item))
+        subject = request_subject(self.subjects, key)
+        revision = await self._cas(subject, payload, 0)
+        if revision is None:  # an ended request's tombstone is in the way
+            last = await self._last(subject)
+            if last is not None and not last.data:
+                revision = await self._cas(subject, payload, last.seq)
+        return revision
+
+    async def write(self, state: RequestState, last: int) -> int | None:
+        """`state` (owned by this admission) over revision `last`."""
+        state.owner = self.owner
+        return await self._cas(request_subject(self.subjects, RequestKey(state.tenant,
+                                                                        state.request_id)),
+                               _encode(state), last)
+
+    async def _last(self, subject: str):
+        try:
+            return await self.js.get_last_msg(STATE_STREAM, subject, direct=True)
+        except NotFoundError:
+            return None
+
+    async def read(self, key: RequestKey) -> Taken | None:
+        """The request's state and its checkpoint, or None when it has none (ended, or never
+        written)."""
+        return await self._read(request_subject(self.subjects, key))
+
+    async def _read(self, subject: str) -> Taken | None:
+        last = await self._last(subject)
+        if last is None or not last.data:
+            return None
+        taken = Taken(_state.decode(last.data), last.seq)
+        key = RequestKey(taken.state.tenant, taken.state.request_id)
+        checkpoint = await self._last(checkpoint_subject(self.subjects, key))
+        if checkpoint is not None and checkpoint.data:
+            checkpoint = _checkpoint.decode(checkpoint.data)
+            # An earlier attempt's outputs are this one's too: the seed is the request's.
+            if checkpoint.attempt <= taken.state.attempt:
+                taken.token_ids = checkpoint.token_ids
+        return taken
+
+    async def take(self, key: RequestKey | None = None, leave: frozenset[str] = frozenset(),
+                   subject: str | None = None, tries: int = 4) -> Taken | None:
+        """Take the request (by key, or by its state's subject) over: this admission becomes
+        its owner, unless its owner is in `leave`. None when it has no state (ended), is left
+        to its owner, or kept changing under each try."""
+        subject = subject or request_subject(self.subjects, key)
+        for _ in range(tries):
+            taken = await self._read(subject)
+            if taken is None:
+                return None
+            owner = taken.state.owner
+            if owner == self.owner:
+                return taken
+            if owner in leave:
+                return None
+            revision = await self.write(taken.state, taken.revision)
+            if revision is not None:
+                taken.revision = revision
+                return taken
+        return None
+
+    def checkpoint(self, key: RequestKey, attempt: int, token_ids: list[int]):
+        """Publish the outputs so far (a coroutine; no ack is waited for)."""
+        return self.nc.publish(checkpoint_subject(self.subjects, key),
+                               _encode(Checkpoint(attempt, token_ids)),
+                               headers={"Nats-TTL": CHECKPOINT_TTL})
+
+    async def owners(self) -> list[tuple[str, str]]:
+        """(subject, owner) of every request with state, from its headers alone (an ephemeral
+        consumer over the latest message of each subject; it expires by itself)."""
+        prefix = f"{self.subjects.prefix}.internal.state.req."
+        sub = await self.js.pull_subscribe(
+            prefix + ">", stream=STATE_STREAM, config=ConsumerConfig(
+                ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                headers_only=True, inactive_threshold=10.0, mem_storage=True))
+        found = []
+        try:
+            pending = (await sub.consumer_info()).num_pending
+            while pending > 0:
+                messages = await sub.fetch(min(pending, SCAN_BATCH), timeout=5.0)
+                for msg in messages:
+                    owner = (msg.headers or {}).get(OWNER_HEADER)
+                    if owner:  # a tombstone has none
+                        found.append((msg.subject, owner))
+                    pending = msg.metadata.num_pending
+        finally:
+            with contextlib.suppress(Exception):  # the consumer expires by itself anyway
+                await sub.unsubscribe()
+        return found

@@ -1,0 +1,58 @@
+"""LLM_STATE against a real nats-server: a request's state is taken over by compare-and-set
+(one admission of two wins), a tombstone ends it (a late write against it fails), a checkpoint
+comes back with it, and a scan names each state's owner from headers alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.bus import ensure_streams
+from shared.config import load_config
+from shared.keys import RequestKey
+from shared.request_state import STATE_STREAM, RequestState, RequestStates, tombstone
+from shared.subjects import Subjects
+from tests.nats_server import nats_server
+
+KEY = RequestKey("acme", "a request id: with spaces/and.dots")
+
+
+async def test_a_state_is_taken_over_once_and_ends_with_its_tombstone(tmp_path):
+    subjects = Subjects()
+    async with nats_server(tmp_path) as nc:
+        js = nc.jetstream()
+        await ensure_streams(js, load_config(None, {}))
+        first = RequestStates(nc, js, subjects, "admission-a")
+        second = RequestStates(nc, js, subjects, "admission-b")
+        third = RequestStates(nc, js, subjects, "admission-c")
+
+        revision = await first.create(KEY, b"item", 0, durable=False)
+        assert revision is not None
+        assert await second.create(KEY, b"other", 0, durable=False) is None  # not ended
+
+        await first.checkpoint(KEY, 0, [5, 6, 7])
+        await nc.flush()
+        assert await second.take(KEY, leave=frozenset({"admission-a"})) is None  # alive
+        # Two take it over at once, each leaving the other's alone: one wins.
+        alive = frozenset({"admission-b", "admission-c"})
+        taken = await asyncio.gather(second.take(KEY, alive), third.take(KEY, alive))
+        owners = {t.state.owner for t in taken if t is not None}
+        assert len(owners) == 1 and owners <= {"admission-b", "admission-c"}
+        winner = next(t for t in taken if t is not None)
+        assert (winner.state.item, winner.state.attempt, winner.token_ids) == (b"item", 0,
+                                                                               [5, 6, 7])
+        # The first owner's write against its old revision fails: it lets the request go.
+        assert await first.write(RequestState(KEY.tenant, KEY.request_id, "admission-a", 1,
+                                              False, b"item"), revision) is None
+
+        assert [owner for _, owner in await first.owners()] == [winner.state.owner]
+
+        await tombstone(nc, subjects, KEY)
+        await nc.flush()
+        assert await first.read(KEY) is None
+        assert await first.take(KEY) is None
+        assert await first.write(winner.state, winner.revision) is None  # ended: no resurrection
+        assert await first.owners() == []
+        # The same id again (a generate's ids may be reused once it ended): a new state.
+        assert await first.create(KEY, b"again", 0, durable=False) is not None
+        info = await js.stream_info(STATE_STREAM)
+    assert info.config.allow_msg_ttl and info.config.max_msgs_per_subject == 1
