@@ -335,9 +335,9 @@ async def test_a_thousand_long_durable_requests_of_one_tenant_do_not_starve_anot
 @pytest.mark.asyncio
 async def test_admission_and_the_executor_dying_together_keep_the_request_s_seed(tmp_path):
     """A sampled durable request (no seed given) whose admission and executor are SIGKILLed
-    together runs again from the start after JetStream redelivers it, and draws the tokens of
-    the seed its message was first admitted with (derived from the message, not drawn anew):
-    the same text as a generate given that seed. Before, each admission drew a fresh seed."""
+    together continues with the seed its message was first admitted with (derived from the
+    message, and kept in its LLM_STATE copy): the same text as a generate given that seed.
+    Before, each admission drew a fresh seed."""
     from services.admission.service import durable_seed
 
     settings = {"distributed.heartbeat_timeout_s": 1.0, "nats.ack_wait_s": 2.0}

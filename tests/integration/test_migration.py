@@ -78,3 +78,70 @@ async def test_a_killed_executors_request_resumes_from_its_checkpoint(tmp_path, 
     assert assembled.restarts == 1
     stats = next(ep["data"] for ep in admission["endpoints"] if ep.get("data"))
     assert stats["durable_handed_on"] == 1 and stats["resumed_tokens"] >= 24, stats
+
+
+async def admission_stats(client) -> dict:
+    admission = msgspec.json.decode((await client.nc.request(
+        "$SRV.STATS.admission", b"", timeout=2)).data)
+    return next(ep["data"] for ep in admission["endpoints"] if ep.get("data"))
+
+
+async def kill_with_admission(stack, client) -> str:
+    """SIGKILL admission and the executor running the one request (once a checkpoint had time
+    to report its outputs), restart admission; the executor killed."""
+    victim = await busy_executor(client)
+    await asyncio.sleep(CHECKPOINT_WAIT_S)
+    for name in ("admission", victim):
+        stack.processes[name].kill()
+        await stack.processes[name].wait()
+    await stack.restart("admission")
+    return victim
+
+
+async def test_admission_and_the_executor_dying_together_continue_from_the_checkpoint(tmp_path):
+    """Admission and the executor running a request are SIGKILLed together mid-generation.
+    The restarted admission finds the request in LLM_STATE (its admitted copy, attempt and the
+    checkpoint of its outputs) and hands it on: it continues on the other executor from the
+    checkpoint, durable and generate alike, with the text of an undisturbed run. Before, a
+    generate was lost with admission, and a durable request ran again from the start."""
+    prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+    base = GenerateRequest(prompt=prompt, max_tokens=96, ignore_eos=True, temperature=0.0)
+    async with running_stack(tmp_path, executors=2, settings=SMOLLM2) as stack, \
+            await JetserveClient.connect(stack.url, tenant="both") as client:
+        undisturbed = await client.generate(msgspec.structs.replace(base, request_id="calm"),
+                                            timeout=300)
+        # A durable request: its deltas watched, to kill once 24 tokens arrived.
+        deltas = await client.stream_deltas("durable-both")
+        await client.submit(msgspec.structs.replace(base, request_id="durable-both",
+                                                    stream=True))
+        seen = StreamAssembler()
+        while len(seen.token_ids) < 24:
+            seen.add(decode_delta((await deltas.next_msg(timeout=60)).data))
+        durable_victim = await kill_with_admission(stack, client)
+        durable = await client.result("durable-both", timeout=300)
+        after_durable = await admission_stats(client)
+        await deltas.unsubscribe()
+        await stack.restart(durable_victim)  # two executors again
+        # A streaming generate: nobody but admission (and LLM_STATE) knows it.
+        streamed = client.stream(msgspec.structs.replace(base, request_id="generate-both",
+                                                         stream=True), timeout=300)
+        outputs = [await anext(streamed)]
+        while sum(len(o.token_ids) for o in outputs) < 24:
+            outputs.append(await anext(streamed))
+        generate_victim = await kill_with_admission(stack, client)
+        outputs += [o async for o in streamed]
+        after_generate = await admission_stats(client)
+    assert isinstance(undisturbed, Completion) and isinstance(durable, Completion), durable
+    generated = outputs[-1]
+    assert isinstance(generated, Completion), generated
+    assert durable.scheduling.executor != durable_victim
+    assert generated.scheduling.executor != generate_victim
+    assert durable.token_ids == undisturbed.token_ids and durable.text == undisturbed.text
+    assert generated.token_ids == undisturbed.token_ids and generated.text == undisturbed.text
+    streamed_tokens = [t for o in outputs[:-1] for t in o.token_ids]
+    assert streamed_tokens == generated.token_ids  # each index once, no gap
+    # Each continued from its checkpoint (at least the 24 tokens seen before the kill).
+    assert after_durable["taken_over"] == 1 and after_durable["durable_handed_on"] == 1
+    assert after_durable["resumed_tokens"] >= 24, after_durable
+    assert after_generate["taken_over"] == 1 and after_generate["generates_handed_on"] == 1
+    assert after_generate["resumed_tokens"] >= 24, after_generate
