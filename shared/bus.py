@@ -238,7 +238,7 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
         StreamConfig(name=STATE_STREAM, subjects=[state_subjects(subjects)],
                      retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
                      max_msgs_per_subject=1, allow_direct=True, allow_msg_ttl=True,
-                     num_replicas=config.nats.replicas),
+                     duplicate_window=window, num_replicas=config.nats.replicas),
     ]
     # A cluster's JetStream is unavailable (503, or no answer) until it has elected a leader:
     # waited for up to nats.connect_wait_s. No responders at all is a server without

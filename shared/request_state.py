@@ -176,6 +176,19 @@ class RequestStates:
                 return taken
         return None
 
+    async def end(self, key: RequestKey, last: int) -> None:
+        """The ended request's tombstone, over revision `last` (acked); done already when the
+        subject moved on (its answerer's tombstone, or another admission's write)."""
+        try:
+            await self.js.publish(request_subject(self.subjects, key), b"", stream=STATE_STREAM,
+                                  headers={"Nats-TTL": TOMBSTONE_TTL,
+                                           "Nats-Expected-Last-Subject-Sequence": str(last)})
+        except APIError as exc:
+            if exc.err_code != WRONG_LAST_SEQUENCE:
+                raise
+        await self.nc.publish(checkpoint_subject(self.subjects, key), b"",
+                               headers={"Nats-TTL": TOMBSTONE_TTL})
+
     def checkpoint(self, key: RequestKey, attempt: int, token_ids: list[int]):
         """Publish the outputs so far (a coroutine; no ack is waited for)."""
         return self.nc.publish(checkpoint_subject(self.subjects, key),

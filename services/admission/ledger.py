@@ -177,12 +177,11 @@ class Ledger:
         return False
 
     def done(self, key: RequestKey, durable: bool) -> Watched | None:
-        """The request ended (its final answer was sent, or its result stored). For a durable
-        one, what this ledger held, whose message the caller acks (None: another admission
-        holds it)."""
+        """The request ended (its final answer was sent, or its result stored): what this
+        ledger watched (None: another admission watches it); the caller acks a durable one's
+        message and ends its state."""
         if not durable:
-            self._pop(self.generates, key)
-            return None
+            return self._pop(self.generates, key)
         self.last_reported.pop(key, None)
         return self._pop(self.held, key)
 

@@ -151,6 +151,7 @@ class Admission:
         self.peers: dict[str, float] = {}  # other admissions' names -> when last heard (clock)
         self.scanned_at: float | None = None  # ledger clock of the last scan of LLM_STATE
         self.scan_task: asyncio.Task | None = None
+        self.ending: set[asyncio.Task] = set()  # states of ended requests being tombstoned
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
@@ -223,7 +224,8 @@ class Admission:
         give_up = time.monotonic() + wait_s
         while self.admitting and time.monotonic() < give_up:
             await asyncio.sleep(0.02)
-        await cancel_all(self.tasks + ([self.scan_task] if self.scan_task else []))
+        await cancel_all(self.tasks + ([self.scan_task] if self.scan_task else [])
+                         + list(self.ending))
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
         self.collector.unregister()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -813,9 +815,33 @@ class Admission:
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)
         held = self.ledger.done(done.key, done.durable)
-        if held is not None and held.msg is not None:  # (another admission may hold it)
+        if held is None:  # another admission watches it
+            return
+        if held.revision is not None:
+            self.ending.add(asyncio.create_task(self.end_state(done.key, held.revision)))
+        if done.durable and held.msg is not None:
             await held.msg.ack()
             self.counts["durable_acked"] += 1
+
+    async def end_state(self, key: RequestKey, revision: int) -> None:
+        """Tombstone the state of a request that ended, acked and retried: the tombstone its
+        answerer published (without an ack) may have been lost in a failover, and a state
+        left behind would be taken for a lost request and run again. A tombstone there already,
+        or another admission's write, ends the attempt."""
+        try:
+            for attempt in range(5):
+                try:
+                    await self.states.end(key, revision)
+                    return
+                except Exception as exc:
+                    if attempt == 4:
+                        self.counts["state_errors"] += 1
+                        log.warning("request state not ended", tenant=key.tenant,
+                                    request_id=key.request_id, error=repr(exc))
+                        return
+                    await asyncio.sleep(0.5 * (attempt + 1))
+        finally:
+            self.ending.discard(asyncio.current_task())
 
     # -------------------------------------------------------------- taking requests over
 

@@ -90,7 +90,7 @@ def test_priority_answers_late_the_request_stays_watched_and_the_lease_decides()
     assert ledger.lost() == []  # a whole lease from the timeout, not from the watch
     _pass(ledger, INTERVAL_S, reported=[queued])
     assert [key for key, _ in ledger.lost()] == [dropped]
-    assert ledger.done(queued, durable=False) is None and queued not in ledger.generates
+    assert ledger.done(queued, durable=False) is not None and queued not in ledger.generates
 
 
 def test_admission_dies_the_next_one_adopts_what_a_service_still_reports():
@@ -142,7 +142,7 @@ def test_generates_are_watched_once_and_forgotten_at_their_done():
     assert _watch(ledger, KEY, b"first")
     assert not _watch(ledger, KEY, b"second")  # the same id again: refused downstream
     assert ledger.generates[KEY].item == b"first"
-    assert ledger.done(KEY, durable=False) is None and ledger.generates == {}
+    assert ledger.done(KEY, durable=False).item == b"first" and ledger.generates == {}
     assert ledger.done(RequestKey("acme", "unknown"), durable=True) is None  # another admission's
     _watch(ledger, KEY, b"again")
     ledger.unwatch(KEY, durable=False)  # priority refused it

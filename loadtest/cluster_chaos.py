@@ -1,0 +1,215 @@
+"""Cluster chaos: a three-node NATS cluster (streams R3), two replicas of each control-plane
+service and two simulated executors (`sim:smollm2-cpu`) take durable and generate requests,
+all sent at once, while one process of each kind is SIGKILLed in turn (a NATS node, an
+admission, a priority, a batcher, an executor), each restarted after a pause.
+
+It counts what a user would: every durable request's results in LLM_RESULTS (exactly one
+each), every generate's final answers at its own reply subject (exactly one each, watched for
+two leases after the last), and `internal` Errors (none). And the throughput around each kill:
+output tokens of the requests answered per second (at the client), over the window before the
+kill against each window after it, and how long it took to be back to 80 % of before.
+
+    python -m loadtest.cluster_chaos --result-json results/cluster_chaos.json
+
+`tests/integration/test_cluster_chaos.py` runs the same at the issue's scale (300 + 300) and
+asserts the counts; the throughput figures are this script's (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from loadtest.metrics import write_result
+from services.stack import temporary_stack
+from shared.client import JetserveClient, _decode_output, _encode
+from shared.protocol import Completion, Delta, Error, GenerateRequest
+from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM
+
+# One process of each kind; "nats-server-client" is the node the client is connected to.
+VICTIMS = ["nats-server-client", "admission-1", "priority", "batcher-1", "executor-0"]
+SETTINGS = {"model.name": "sim:smollm2-cpu", "kv_cache.num_blocks": 4096,
+            "distributed.heartbeat_interval_s": 0.25, "distributed.heartbeat_timeout_s": 1.5,
+            "nats.ack_wait_s": 2.0, "scheduler.batch_level.max_num_seqs": 32,
+            **{f"monitoring.metrics_port.{kind}": 0
+               for kind in ("admission", "priority", "batcher", "executor")}}
+
+
+@dataclass
+class Answers:
+    """What came back, as it came: (monotonic time, output tokens) of each first answer, and
+    every final answer per request."""
+
+    first: list[tuple[float, int]] = field(default_factory=list)
+    finals: dict[str, list[Completion | Error]] = field(default_factory=dict)
+    at: dict[str, list[float]] = field(default_factory=dict)  # when each final came
+
+    def add(self, request_id: str, output) -> None:
+        if isinstance(output, Delta):
+            return
+        seen = self.finals.setdefault(request_id, [])
+        seen.append(output)
+        self.at.setdefault(request_id, []).append(time.monotonic())
+        if len(seen) == 1:
+            tokens = output.usage.completion_tokens if isinstance(output, Completion) else 0
+            self.first.append((time.monotonic(), tokens))
+
+
+async def chaos(stack, client, durable: int, generate: int, victims: list[str],
+                gap_s: float, pause_s: float, rng: random.Random) -> dict:
+    """The load, the kills, and what came back (see the module's docstring)."""
+    lease_s = SETTINGS["distributed.heartbeat_timeout_s"]
+    durable_answers, generate_answers = Answers(), Answers()
+    tenant = client.tenant
+
+    async def on_result(msg) -> None:
+        request_id = msg.subject.rsplit(".", 1)[1]
+        durable_answers.add(request_id, _decode_output(msg.data))
+
+    async def on_answer(msg) -> None:
+        if msg.data:  # (an empty message ends a stream)
+            generate_answers.add(msg.subject.rsplit(".", 1)[1], _decode_output(msg.data))
+
+    inbox = client.nc.new_inbox()
+    subscriptions = [await client.nc.subscribe(client.subjects.results(tenant, "*"), cb=on_result),
+                     await client.nc.subscribe(f"{inbox}.*", cb=on_answer)]
+    durable_ids = [f"d{i}" for i in range(durable)]
+    generate_ids = [f"g{i}" for i in range(generate)]
+    started = time.monotonic()
+    for request_id in durable_ids:
+        await client.submit(GenerateRequest(
+            request_id=request_id, prompt=f"chaos {request_id}", max_tokens=rng.randint(20, 80),
+            ignore_eos=True, temperature=0.0))
+    for request_id in generate_ids:
+        await client.nc.publish(client.subjects.generate(tenant), _encode(GenerateRequest(
+            request_id=request_id, prompt=f"chaos {request_id}", max_tokens=rng.randint(20, 80),
+            ignore_eos=True, temperature=0.0)), reply=f"{inbox}.{request_id}")
+    kills = []
+    for name in victims:
+        if name == "nats-server-client":  # the node whose loss disturbs the client most
+            name = f"nats-server-{stack.client_ports.index(client.nc.connected_url.port)}"
+        await asyncio.sleep(gap_s)
+        stack.processes[name].send_signal(signal.SIGKILL)
+        await stack.processes[name].wait()
+        kills.append((name, time.monotonic()))
+        await asyncio.sleep(pause_s)
+        await stack.restart(name)
+    deadline = time.monotonic() + 300
+    while (len(durable_answers.finals) < durable or len(generate_answers.finals) < generate) \
+            and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    ended = time.monotonic()
+    await asyncio.sleep(2 * lease_s)  # a second answer would come within this
+    for subscription in subscriptions:
+        await subscription.unsubscribe()
+    stored = (await client.js.stream_info(RESULTS_STREAM)).state.messages
+    for _ in range(100):  # every durable request's message acked (after its result)
+        unacked = (await client.js.stream_info(REQUESTS_STREAM)).state.messages
+        if unacked == 0:
+            break
+        await asyncio.sleep(0.1)
+    finals = {**durable_answers.finals, **generate_answers.finals}
+    errors = [o for seen in finals.values() for o in seen if isinstance(o, Error)]
+    first = sorted(durable_answers.first + generate_answers.first)
+    return {
+        "durable": durable, "generate": generate,
+        "durable_answered": len(durable_answers.finals),
+        "generate_answered": len(generate_answers.finals),
+        "results_stored": stored, "requests_left_in_stream": unacked,
+        # A durable request's second result would be refused by LLM_RESULTS (yet reach a
+        # subscriber): counted from the stream; a generate's, at its reply subject.
+        "duplicates": (stored - durable) + sum(len(seen) - 1
+                                              for seen in generate_answers.finals.values()),
+        "errors": [msgspec.to_builtins(e) for e in errors[:10]], "error_count": len(errors),
+        "internal_errors": sum(e.code == "internal" for e in errors),
+        "elapsed_s": round(ended - started, 2),
+        "duplicated": [{"request_id": request_id, "at_s": [round(t - started, 2) for t in
+                                                           generate_answers.at[request_id]],
+                        "executors": [getattr(getattr(o, "scheduling", None), "executor", None)
+                                      for o in seen]}
+                       for request_id, seen in generate_answers.finals.items() if len(seen) > 1],
+        "kills": recovery(first, kills, started, lease_s),
+        "processes_running": all(p.returncode is None for p in stack.processes.values()),
+    }
+
+
+def recovery(first: list[tuple[float, int]], kills: list[tuple[str, float]], started: float,
+             lease_s: float, window_s: float = 2.0, back: float = 0.8) -> list[dict]:
+    """Per kill: output tokens/s answered in the `window_s` before it, in each window after it
+    (sliding by a quarter of a second), and how long after the kill a window first reached
+    `back` of before (None: not within the run)."""
+    def rate(start: float, end: float) -> float:
+        return sum(tokens for at, tokens in first if start <= at < end) / (end - start)
+
+    last = first[-1][0] if first else started
+    out = []
+    for name, at in kills:
+        before = rate(at - window_s, at)
+        back_after = None
+        t = at
+        while t + window_s <= last:
+            if rate(t, t + window_s) >= back * before:
+                back_after = t + window_s - at  # the window's end: when that rate was seen
+                break
+            t += 0.25
+        out.append({"victim": name, "at_s": round(at - started, 2),
+                    "before_tok_s": round(before, 1),
+                    "after_2_leases_tok_s": round(rate(at + 2 * lease_s - window_s,
+                                                       at + 2 * lease_s), 1),
+                    "back_to_80pct_after_s": None if back_after is None else round(back_after, 2),
+                    "leases": None if back_after is None else round(back_after / lease_s, 2)})
+    return out
+
+
+def report(result: dict) -> str:
+    lines = [f"{result['durable']} durable + {result['generate']} generate requests, "
+             f"{result['elapsed_s']} s: durable answered {result['durable_answered']} "
+             f"(LLM_RESULTS holds {result['results_stored']}), generates answered "
+             f"{result['generate_answered']}, duplicates {result['duplicates']}, errors "
+             f"{result['error_count']} ({result['internal_errors']} internal)",
+             f"{'killed':<16}{'at s':>8}{'before tok/s':>14}{'2 leases on':>13}"
+             f"  back to 80 %"]
+    for kill in result["kills"]:
+        back = kill["back_to_80pct_after_s"]
+        back = "-" if back is None else f"{back} s ({kill['leases']} leases)"
+        lines.append(f"{kill['victim']:<16}{kill['at_s']:>8}{kill['before_tok_s']:>14}"
+                     f"{kill['after_2_leases_tok_s']:>13}  {back}")
+    return "\n".join(lines)
+
+
+async def run(args) -> dict:
+    rng = random.Random(args.seed)
+    async with temporary_stack(executors=2, settings=SETTINGS, nats_cluster=args.nodes,
+                               replicas=args.replicas) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="chaos") as client:
+            return await chaos(stack, client, args.durable, args.generate, args.victims,
+                               args.gap_s, args.pause_s, rng)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--durable", type=int, default=300)
+    parser.add_argument("--generate", type=int, default=300)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--victims", nargs="+", default=VICTIMS)
+    parser.add_argument("--gap-s", type=float, default=5.0, help="between kills")
+    parser.add_argument("--pause-s", type=float, default=1.0, help="dead before its restart")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-json", default="results/cluster_chaos.json")
+    args = parser.parse_args(argv)
+    result = asyncio.run(run(args))
+    print(report(result))
+    write_result(args.result_json, "cluster_chaos", params=vars(args), settings=SETTINGS,
+                 summary=result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
