@@ -7,6 +7,9 @@ over each run is read from /proc.
 
     python -m loadtest.control_plane --executors 8 --rates 50 100 200 400 \\
         --result-json results/control_plane.json
+
+`--replicas 1 2` runs the sweep once with one process of each control-plane service and once
+with two of each (`jetserve up --replicas 2`), one after the other in the same run set.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
 def bench_args(rate: float, duration: float, model: str, executors: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
@@ -38,9 +48,9 @@ def bench_args(rate: float, duration: float, model: str, executors: int) -> argp
         "--output-len-range", "2", "4", "--no-progress", "--label", f"rate-{rate:g}"])
 
 
-async def sweep(args) -> list[dict]:
+async def sweep(args, replicas: int = 1) -> list[dict]:
     rows = []
-    async with temporary_stack("jetserve-cp-", executors=args.executors,
+    async with temporary_stack("jetserve-cp-", executors=args.executors, replicas=replicas,
                                settings={"model.name": args.model}) as stack:
         pids = {name: p.pid for name, p in stack.processes.items()}
         pids["load generator (this process)"] = os.getpid()
@@ -55,11 +65,12 @@ async def sweep(args) -> list[dict]:
             cpu = {k: round(v, 3) for k, v in used.items() if not k.startswith("executor")}
             cpu["executors (all)"] = round(executors, 3)
             s = result["summary"]
-            rows.append({"offered_rate": rate, "completed_rate": s["request_throughput"],
+            rows.append({"replicas": replicas, "offered_rate": rate,
+                         "completed_rate": s["request_throughput"],
                          "completed": s["completed"], "requests": s["requests"],
                          "failed": s["failed"], "ttft_p50_ms": s["ttft_ms"]["p50"],
                          "ttft_p99_ms": s["ttft_ms"]["p99"], "cpu_cores": cpu})
-            print(f"rate {rate:>6g}/s: completed {s['request_throughput']:.1f}/s, "
+            print(f"replicas {replicas}, rate {rate:>6g}/s: completed {s['request_throughput']:.1f}/s, "
                   f"TTFT p50 {s['ttft_ms']['p50'] or 0:.0f} ms p99 "
                   f"{s['ttft_ms']['p99'] or 0:.0f} ms, cores "
                   + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
@@ -72,12 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="sim:llama3-8b-h100")
     parser.add_argument("--rates", type=float, nargs="+", default=[50, 100, 200, 400])
     parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1],
+                        help="processes of each control-plane service, one sweep each")
     parser.add_argument("--result-json", type=Path)
     args = parser.parse_args(argv)
-    rows = asyncio.run(sweep(args))
+    rows = [row for replicas in args.replicas for row in asyncio.run(sweep(args, replicas))]
     if args.result_json:
         write_result(args.result_json, "control_plane", executors=args.executors,
-                     model=args.model, rows=rows)
+                     model=args.model, cpu=cpu_model(), rows=rows)
     return 0
 
 

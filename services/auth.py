@@ -209,26 +209,30 @@ def make_certificates(directory: Path) -> dict[str, str]:
 
 
 async def wait_login(url: str, accepted: bool, tls=None, timeout_s: float = 10.0) -> None:
-    """Until the server at `url` accepts its credentials (or, `accepted` False, refuses them:
-    an authorization error, not any failure to connect); a reload takes effect a moment after
-    the signal. `tls`: an SSLContext trusting the server."""
+    """Until every server of `url` (one, or a cluster's list) that answers accepts its
+    credentials (or, `accepted` False, refuses them: an authorization error, not any failure
+    to connect); a reload takes effect a moment after the signal, node by node. A node that
+    does not answer is not waited for (it reads the users file when it starts). `tls`: an
+    SSLContext trusting the servers."""
     import nats
     import nats.errors
 
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        works = None
+    async def works(server: str) -> bool | None:
         try:
-            nc = await nats.connect(nats_servers(url), connect_timeout=1, allow_reconnect=False,
+            nc = await nats.connect([server], connect_timeout=1, allow_reconnect=False,
                                     max_reconnect_attempts=0, error_cb=_quiet, tls=tls)
             await nc.close()
-            works = True
+            return True
         except nats.errors.Error as exc:
-            if "authorization" in str(exc).lower():
-                works = False
+            return False if "authorization" in str(exc).lower() else None
         except Exception:
-            pass  # not reachable: neither
-        if works is accepted:
+            return None  # not reachable: neither
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        answers = [a for a in await asyncio.gather(*map(works, nats_servers(url)))
+                   if a is not None]
+        if answers and all(a is accepted for a in answers):
             return
         if asyncio.get_running_loop().time() > deadline:
             raise AuthError(f"the server did not {'take' if accepted else 'drop'} the "

@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="use this NATS server instead of starting one (default: $NATS_URL)")
     up.add_argument("--nats-port", type=int, default=4222)
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
-                    help="run the embedded server as a cluster of N nodes on this host (node 0 "
-                         "on --nats-port), the streams replicated (nats.replicas: N, 3 at most)")
+                    help="run the embedded server as a cluster of N nodes (1, or 3 and more) "
+                         "on this host: node i on --nats-port + i, its routes on --nats-port + "
+                         "2000 + i; the streams replicated (nats.replicas: N, 3 at most, unless "
+                         "the config sets it)")
     up.add_argument("--state-dir", default=".jetserve", help="JetStream data and logs")
     up.add_argument("--executors", type=int, default=1)
     up.add_argument("--replicas", type=int, default=1, metavar="N",

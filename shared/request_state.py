@@ -75,6 +75,11 @@ def checkpoint_subject(subjects: Subjects, key: RequestKey) -> str:
     return f"{subjects.prefix}.internal.state.out.{key_token(key)}"
 
 
+def fairness_subject(subjects: Subjects) -> str:
+    """Priority's tenant counters (services/priority/service.py saves and loads them)."""
+    return f"{subjects.prefix}.internal.state.fairness"
+
+
 async def tombstone(nc, subjects: Subjects, key: RequestKey) -> None:
     """The request ended: its state and checkpoint are emptied (stored without an ack; each
     tombstone expires after TOMBSTONE_TTL)."""

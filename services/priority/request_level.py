@@ -386,10 +386,15 @@ class RequestScheduler:
 
     def done(self, report: Done, now: float) -> None:
         """A request this instance dispatched ended: correct the advance charge, learn its
-        length, and count its TTFT against its class's target. (One that ended while it waited
-        here, or that an earlier instance dispatched, teaches nothing.)"""
+        length, and count its TTFT against its class's target. One another priority (a
+        replica, or this one before a restart) dispatched is charged whole to its tenant's
+        counter, so every replica's counters follow what every tenant was served; one that
+        ended unserved (while it waited) teaches nothing."""
         charge = self.charges.get(report.key)
         if charge is None or charge.arrival_time != report.arrival_time:
+            if report.output_tokens:
+                self.counters.charge(report.tenant, self.counters.cost(report.prompt_tokens,
+                                                                       report.output_tokens))
             return
         del self.charges[report.key]
         self.counters.charge(report.tenant, 2 * (report.output_tokens

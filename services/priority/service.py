@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import structlog
+from nats.js.errors import NotFoundError
 from nats.micro import Request
 
 from services.priority.request_level import MISSED_MS, RequestScheduler
@@ -50,6 +52,7 @@ from shared.metrics import (
     histogram,
 )
 from shared.protocol import QUOTA_RETRY_MS, Error
+from shared.request_state import STATE_STREAM, fairness_subject
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from
 
@@ -62,6 +65,17 @@ _done = decoder(Done)
 _cancel = decoder(CancelRequest)
 EXPIRY_CHECK_S = 0.05  # how late a waiting request may learn that its deadline passed
 BACKPRESSURE_CHECK_S = 0.1  # how often a full queue's refused tenants are looked at
+# The tenant counters saved in LLM_STATE are loaded at start if no older than this (beyond, the
+# tenants active then are not those active now).
+FAIRNESS_SNAPSHOT_MAX_AGE_S = 600.0
+
+
+class FairnessSnapshot(msgspec.Struct, array_like=True):
+    saved_at: float  # wall clock
+    counters: dict[str, float]
+    highest: float
+
+
 QUEUE_WAIT = histogram("priority_queue_wait_seconds",
                        "Time in priority's waiting queue, from admission to dispatch",
                        ("priority",), TTFT_BUCKETS)
@@ -70,7 +84,7 @@ QUEUE_WAIT = histogram("priority_queue_wait_seconds",
 class PriorityService:
     def __init__(self, config: JetserveConfig, nc, js, tracer):
         self.subjects = Subjects(config.nats.prefix)
-        self.nc, self.tracer = nc, tracer
+        self.nc, self.js, self.tracer = nc, js, tracer
         self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix,
                              config.nats.tenant_inboxes)
         self.quotas = config.quotas
@@ -95,6 +109,7 @@ class PriorityService:
         self.tenant_label = TenantLabels()
 
     async def start(self) -> None:
+        await self.load_fairness()
         service = await add_micro_service(self.nc, "priority", "global waiting queue", self.stats,
                                           self.outbox.inbox_prefix)
         await service.add_endpoint(name="submit", subject=self.subjects.priority_submit,
@@ -206,6 +221,38 @@ class PriorityService:
         counters forgotten (an O(tenants) sweep, so once a feedback interval, not a request)."""
         self.scheduler.class_weights.update(time.time())
         self.scheduler.counters.forget_idle(busy={key.tenant for key in self.scheduler.charges})
+        await self.save_fairness()
+
+    async def save_fairness(self) -> None:
+        """The tenant counters, to LLM_STATE (no ack: the next feedback step writes again), so
+        a priority that restarts, or another replica, does not start fairness from zero."""
+        counters = self.scheduler.counters
+        snapshot = FairnessSnapshot(time.time(), counters.counters, counters.highest)
+        try:
+            await self.nc.publish(fairness_subject(self.subjects), msgspec.msgpack.encode(snapshot),
+                                  headers={"Nats-TTL": f"{FAIRNESS_SNAPSHOT_MAX_AGE_S:.0f}s"})
+        except Exception as exc:  # reconnecting
+            log.info("tenant counters not saved", error=repr(exc))
+
+    async def load_fairness(self) -> None:
+        """The tenant counters the last priority saved, if recent (each replica's counters
+        follow every Done, so any replica's are good)."""
+        try:
+            last = await self.js.get_last_msg(STATE_STREAM, fairness_subject(self.subjects),
+                                              direct=True)
+            snapshot = msgspec.msgpack.decode(last.data, type=FairnessSnapshot)
+        except NotFoundError:
+            return
+        except Exception as exc:  # no LLM_STATE yet (admission makes it), or unreadable
+            log.info("no tenant counters loaded", error=repr(exc))
+            return
+        if time.time() - snapshot.saved_at > FAIRNESS_SNAPSHOT_MAX_AGE_S:
+            return
+        counters = self.scheduler.counters
+        counters.counters.update(snapshot.counters)
+        counters.highest = max(counters.highest, snapshot.highest)
+        log.info("tenant counters loaded", tenants=len(snapshot.counters),
+                 age_s=round(time.time() - snapshot.saved_at, 1))
 
     async def on_submit(self, request: Request) -> None:
         item = _item.decode(request.data)

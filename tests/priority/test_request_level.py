@@ -46,10 +46,14 @@ def test_completions_correct_the_charge_and_teach_the_predictor():
     assert sched.counters.counters["t"] == 100 + 2 * 20 and not sched.charges
     sched.push(item("b"))
     assert sched.queue.predicted_output(0) == 20
-    # One that ended while it waited (or that an earlier instance dispatched) teaches nothing.
+    # One that ended while it waited teaches nothing.
     sched.done(Done("t", "expired", False, 0.0, 5, 100, 0, 100, None, "deadline_exceeded"),
                now=2.0)
     assert sched.counters.counters["t"] == 100 + 2 * 20 and not any(sched.class_weights.samples.values())
+    # One another priority dispatched (a replica, or this one before a restart) charges its
+    # tenant's counter its whole cost, and teaches nothing else.
+    sched.done(Done("u", "elsewhere", False, 0.0, 5, 40, 30, 100, 12.0, "stop"), now=3.0)
+    assert sched.counters.counters["u"] == 40 + 2 * 30 and not any(sched.class_weights.samples.values())
 
 
 def test_light_tenant_goes_ahead_of_a_heavy_backlog():
