@@ -30,7 +30,8 @@ from nats import micro
 
 from shared.config import ConfigError, JetserveConfig, NatsSection, nats_servers
 from shared.keys import RequestKey
-from shared.messages import Done, Holding, WorkItem, encode, holding_entry_bytes
+from shared.messages import (Done, Ended, Holding, WorkItem, encode, ended_bytes,
+                             holding_entry_bytes)
 from shared.request_state import STATE_STREAM, state_subjects, tombstone
 from shared.protocol import (
     Completion,
@@ -207,6 +208,7 @@ MANAGED_STREAM_FIELDS = ("subjects", "retention", "storage", "max_msgs", "discar
 FIXED_STREAM_FIELDS = ("retention", "storage")
 
 
+ENDED_LEASES = 2  # how long a service's holding reports name the requests it answered, in leases
 JETSTREAM_WAKE_S = 5.0  # how long no JetStream responder at all is taken for one starting
 
 
@@ -321,12 +323,18 @@ async def every(interval_s: float, tick: Callable[[], Awaitable[None]]) -> None:
 
 
 async def report_holding(nc: Client, subjects: Subjects, holder: str, interval_s: float,
-                         held: Callable[[], list[RequestKey]]) -> None:
+                         held: Callable[[], list[RequestKey]],
+                         ended: Callable[[], list[Ended]] = list) -> None:
     """Tell admission every `interval_s` which requests `holder` holds (it hands on those nobody
-    reports); a long list is several messages, each within the payload limit."""
+    reports), and which it answered lately (`ended`); a long list is several messages, each
+    within the payload limit."""
     async def holding_report() -> None:
-        for part in chunked(held(), holding_entry_bytes, payload_budget(nc)):
+        budget = payload_budget(nc)
+        for part in chunked(held(), holding_entry_bytes, budget):
             await nc.publish(subjects.holding, encode(Holding(holder=holder, requests=part)))
+        for part in chunked(ended(), ended_bytes, budget):
+            await nc.publish(subjects.holding, encode(Holding(holder=holder, requests=[],
+                                                              ended=part)))
 
     await every(interval_s, holding_report)
 
@@ -448,6 +456,19 @@ class Outbox:
                  tenant_inboxes: bool = False):
         self.nc, self.js, self.subjects = nc, js, subjects
         self.inbox_prefix, self.tenant_inboxes = inbox_prefix, tenant_inboxes
+        # Requests answered here, and when (monotonic), oldest first.
+        self.ended: dict[RequestKey, tuple[Ended, float]] = {}
+
+    def recently_ended(self, window_s: float) -> list[Ended]:
+        """The requests this service answered within `window_s` (what its holding reports
+        carry in `ended`); older ones are forgotten."""
+        horizon = time.monotonic() - window_s
+        while self.ended:
+            key, (_, at) = next(iter(self.ended.items()))
+            if at >= horizon:
+                break
+            del self.ended[key]
+        return [ended for ended, _ in self.ended.values()]
 
     def reply_to(self, item: WorkItem) -> str | None:
         """A generate's reply subject when it is a client inbox. Admission answers no other,
@@ -519,6 +540,9 @@ class Outbox:
         if done:
             # The request's state ends before the Done: if no admission hears the Done, the
             # state does not outlive the request (shared/request_state.py).
+            self.ended.pop(item.key, None)  # (ordered by when)
+            self.ended[item.key] = (Ended(item.tenant, item.request_id, item.arrival_time),
+                                    time.monotonic())
             await tombstone(self.nc, self.subjects, item.key)
             await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
 

@@ -146,6 +146,23 @@ class Progress(msgspec.Struct, array_like=True):
     token_ids: list[int]
 
 
+class Ended(msgspec.Struct, array_like=True):
+    """A request answered: which one (ids may be reused: its arrival time tells them apart)."""
+
+    tenant: str
+    request_id: str
+    arrival_time: float  # the WorkItem's
+
+    @property
+    def key(self) -> RequestKey:
+        return RequestKey(self.tenant, self.request_id)
+
+
+def ended_bytes(ended: Ended) -> int:
+    """An upper bound on the bytes one Ended adds to a Holding."""
+    return len(ended.tenant.encode()) + len(ended.request_id.encode()) + 16
+
+
 class Holding(msgspec.Struct):
     """The requests a service holds right now (priority: waiting; an executor: running), durable
     and generates alike, published every heartbeat interval. Admission watches over every
@@ -156,6 +173,10 @@ class Holding(msgspec.Struct):
     holder: str
     requests: list[RequestKey]
     progress: list[Progress] = []
+    # Requests it gave their final answer recently (for two leases): their Done, or the
+    # tombstone of their state, may have been lost in a failover, and a request taken for lost
+    # would run again. Admission ends them as a Done would.
+    ended: list[Ended] = []
 
 
 def holding_entry_bytes(key: RequestKey) -> int:

@@ -46,6 +46,7 @@ class Watched:
     # wrote or took over: every later write names it. None: not kept there.
     revision: int | None = None
     checkpointed: int = 0  # how many of `tokens` were last written to LLM_STATE
+    arrival: float | None = None  # the WorkItem's arrival_time (ids may be reused)
 
 
 class Ledger:
@@ -103,7 +104,8 @@ class Ledger:
 
     # ------------------------------------------------------------------ taking on requests
 
-    def watch(self, key: RequestKey, item: bytes, msg: object = None, attempt: int = 0) -> bool:
+    def watch(self, key: RequestKey, item: bytes, msg: object = None, attempt: int = 0,
+              arrival: float | None = None) -> bool:
         """Watch a request about to be handed to priority (from before priority has it: its
         Done may come back before priority's reply does). False for a generate whose id is
         already watched: priority or the executor refuses that one, and the first keeps its
@@ -111,7 +113,8 @@ class Ledger:
         table = self.held if msg is not None else self.generates
         if msg is None and key in table:
             return False
-        self._put(table, key, Watched(msg, self.clock, item, attempt=attempt, submitting=True))
+        self._put(table, key, Watched(msg, self.clock, item, attempt=attempt, submitting=True,
+                                      arrival=arrival))
         return True
 
     def claim(self, key: RequestKey, watched: Watched, durable: bool) -> bool:

@@ -47,6 +47,7 @@ from shared.preprocess import (
     served_model,
 )
 from shared.bus import (
+    ENDED_LEASES,
     ENVELOPE_BYTES,
     Outbox,
     add_micro_service,
@@ -66,6 +67,7 @@ from shared.messages import (
     Backpressure,
     CancelRequest,
     Done,
+    Ended,
     Holding,
     Revoke,
     SubmitReply,
@@ -152,13 +154,15 @@ class Admission:
         self.scanned_at: float | None = None  # ledger clock of the last scan of LLM_STATE
         self.scan_task: asyncio.Task | None = None
         self.ending: set[asyncio.Task] = set()  # states of ended requests being tombstoned
+        # Requests a holder reported answered (Holding.ended): key -> (arrival, ledger clock)
+        self.ended: dict[RequestKey, tuple[float, float]] = {}
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
                            resumed_tokens=0, generates_handed_on=0, refused_at_once=0,
                            submits_timed_out=0, reply_refused=0, no_reply=0,
                            cancels_forwarded=0, cancels_remembered=0, cancels_malformed=0,
-                           taken_over=0, let_go=0, state_errors=0)
+                           taken_over=0, let_go=0, state_errors=0, ended_by_report=0)
         # Cancels of requests not (yet) in flight: one admitted after its cancel arrived is not
         # cancelled by it, but one being admitted when it arrived is (shared/cancels.py).
         self.cancels = RecentCancels()
@@ -357,7 +361,7 @@ class Admission:
         `being_admitted`, given up once it is watched (counted there from then on)."""
         encoded = encode(item)
         watched = (msg is not None or bool(item.reply_to)) and self.ledger.watch(
-            item.key, encoded, msg, item.attempt)
+            item.key, encoded, msg, item.attempt, item.arrival_time)
         # Its state is written while priority takes it (joined below, whatever happens).
         persisting = asyncio.ensure_future(self.persist(item, encoded)) if watched else None
         try:
@@ -823,6 +827,31 @@ class Admission:
             await held.msg.ack()
             self.counts["durable_acked"] += 1
 
+    async def on_ended(self, ended: Ended) -> None:
+        """A holder says it answered this request (lately): as its Done would, it ends the
+        watch here if its Done was lost; and it is remembered, so a take-over does not run
+        it again."""
+        key, clock = ended.key, self.ledger.clock
+        if key not in self.ended:
+            self.ended[key] = (ended.arrival_time, clock)
+        for durable in (False, True):
+            held = self.ledger.get(key, durable)
+            if held is None or held.arrival != ended.arrival_time:
+                continue
+            self.ledger.done(key, durable)
+            self.counts["ended_by_report"] += 1
+            if held.revision is not None:
+                self.ending.add(asyncio.create_task(self.end_state(key, held.revision)))
+            if durable and held.msg is not None:  # its result is stored: it was answered
+                await _quietly(held.msg.ack())
+                self.counts["durable_acked"] += 1
+
+    def forget_ended(self) -> None:
+        """Requests reported answered longer ago than the reports name them (and a lease)."""
+        horizon = self.ledger.clock - (ENDED_LEASES + 1) * self.ledger.lease_s
+        for key in [k for k, (_, at) in self.ended.items() if at < horizon]:
+            del self.ended[key]
+
     async def end_state(self, key: RequestKey, revision: int) -> None:
         """Tombstone the state of a request that ended, acked and retried: the tombstone its
         answerer published (without an ack) may have been lost in a failover, and a state
@@ -862,9 +891,14 @@ class Admission:
         no holder reported meanwhile is lost now (handed on at the next tick); a young ledger
         waits a lease for them."""
         state = taken.state
+        arrival = _item.decode(state.item).arrival_time
+        if self.ended.get(key, (None,))[0] == arrival:  # answered; its end was lost
+            self.ending.add(asyncio.create_task(self.end_state(key, taken.revision)))
+            return False
         since = self.ledger.clock if self.ledger.young else -math.inf
         watched = Watched(msg, since, state.item, list(taken.token_ids), state.attempt,
-                          revision=taken.revision, checkpointed=len(taken.token_ids))
+                          revision=taken.revision, checkpointed=len(taken.token_ids),
+                          arrival=arrival)
         if not self.ledger.claim(key, watched, state.durable):
             return False
         self.counts["taken_over"] += 1
@@ -928,6 +962,8 @@ class Admission:
     async def on_holding(self, msg) -> None:
         holding = _holding.decode(msg.data)
         self.ledger.reported(holding.requests)
+        for ended in holding.ended:
+            await self.on_ended(ended)
         for progress in holding.progress:
             if self.ledger.checkpoint(RequestKey(progress.tenant, progress.request_id),
                                       progress.attempt, progress.index, progress.token_ids):
@@ -994,6 +1030,7 @@ class Admission:
                 await self.watch_over()
                 await self.save_checkpoints()
                 self.look_after_peers()
+                self.forget_ended()
                 if tick - last_progress >= progress_every:
                     last_progress = tick
                     for held in list(self.ledger.held.values()):

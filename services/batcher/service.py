@@ -23,6 +23,7 @@ from shared.bus import (
     every,
     json_encode,
     payload_budget,
+    ENDED_LEASES,
     report_holding,
     service_main,
     wait_event,
@@ -100,7 +101,10 @@ class BatcherService:
                       asyncio.create_task(report_holding(
                           self.nc, self.subjects, "batcher",
                           self.config.distributed.heartbeat_interval_s,
-                          lambda: list(self.holding)), name="holding")]
+                          lambda: list(self.holding),
+                          lambda: self.outbox.recently_ended(
+                              ENDED_LEASES * self.config.distributed.heartbeat_timeout_s)),
+                          name="holding")]
         if self.config.scheduler.batch_level.overtaking_dispatch:
             self.tasks.append(asyncio.create_task(self._until_stopped(self.overtake_once),
                                                   name="overtake"))

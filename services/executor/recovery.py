@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from services.executor.engine.llm_engine import Engine
 from shared.bus import chunked
-from shared.messages import Holding, Progress, holding_entry_bytes, progress_bytes
+from shared.messages import Holding, Progress, ended_bytes, holding_entry_bytes, progress_bytes
 
 
-def holding_reports(holder: str, running: dict, engine: Engine, budget: int) -> list[Holding]:
+def holding_reports(holder: str, running: dict, engine: Engine, budget: int,
+                    ended: list = ()) -> list[Holding]:
     """`running`: the executor's requests by key, each with its WorkItem (`item`) and how many
-    of its outputs a checkpoint has reported (`reported`, advanced here)."""
+    of its outputs a checkpoint has reported (`reported`, advanced here); `ended`: the requests
+    it answered lately (shared.bus.Outbox.recently_ended)."""
     held, progress = [], []
     for key, entry in running.items():
         item = entry.item
@@ -28,4 +30,6 @@ def holding_reports(holder: str, running: dict, engine: Engine, budget: int) -> 
                for part in chunked(held, holding_entry_bytes, budget)]
     reports += [Holding(holder=holder, requests=[], progress=part)
                 for part in chunked(progress, progress_bytes, budget)]
+    reports += [Holding(holder=holder, requests=[], ended=part)
+                for part in chunked(list(ended), ended_bytes, budget)]
     return reports

@@ -24,6 +24,7 @@ from services.executor.engine.llm_engine import Engine, Output
 from services.executor.observe import Observer, kv_pools
 from services.executor.recovery import holding_reports
 from shared.bus import (
+    ENDED_LEASES,
     Outbox,
     add_micro_service,
     cancel_all,
@@ -387,8 +388,10 @@ class ExecutorService:
                 await self.publish_kv_changes()
                 if time.monotonic() - holding_at >= interval:
                     holding_at = time.monotonic()
+                    ended = self.outbox.recently_ended(
+                        ENDED_LEASES * self.config.distributed.heartbeat_timeout_s)
                     for report in holding_reports(self.name, self.running, self.engine,
-                                                  payload_budget(self.nc)):
+                                                  payload_budget(self.nc), ended):
                         await self.nc.publish(self.subjects.holding, encode(report))
             except Exception:  # a missed beat is survivable; a dead loop looks like a dead executor
                 log.exception("heartbeat failed")

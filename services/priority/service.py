@@ -24,6 +24,7 @@ from shared.bus import (
     chunked,
     every,
     payload_budget,
+    ENDED_LEASES,
     report_holding,
     service_main,
     wait_event,
@@ -122,7 +123,10 @@ class PriorityService:
         self.service = service
         self.tasks = [asyncio.create_task(report_holding(  # the requests waiting here
                           self.nc, self.subjects, "priority", self.heartbeat_interval_s,
-                          lambda: [item.key for item in self.queue.items()]), name="holding"),
+                          lambda: [item.key for item in self.queue.items()],
+                          lambda: self.outbox.recently_ended(
+                              ENDED_LEASES * self.distributed.heartbeat_timeout_s)),
+                          name="holding"),
                       asyncio.create_task(every(EXPIRY_CHECK_S, self.expire_and_forget),
                                           name="expiry"),
                       asyncio.create_task(every(
