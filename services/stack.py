@@ -53,10 +53,30 @@ def _sets(config_path: str | None, section: str, key: str) -> bool:
         and key in data[section]
 
 
-def free_port() -> int:
+def free_port(nats_cluster: int = 1) -> int:
+    """A port free now; for a cluster of `nats_cluster` nodes, one whose neighbours the nodes
+    take (Stack: client ports port + i, route ports port + CLUSTER_PORT_OFFSET + i) are free
+    too."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if nats_cluster == 1:
+            return port
+        wanted = [port + i for i in range(1, nats_cluster)] + \
+            [port + CLUSTER_PORT_OFFSET + i for i in range(nats_cluster)]
+        if max(wanted) <= 65535 and all(map(_bindable, wanted)):
+            return port
+    raise RuntimeError(f"no {nats_cluster} free ports in a row found")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class Stack:
@@ -91,6 +111,9 @@ class Stack:
         # serves clients on nats_port + i and routes on nats_port + CLUSTER_PORT_OFFSET + i
         # (4222... and 6222..., NATS's own defaults, for the default port).
         self.client_ports = [nats_port + i for i in range(nats_cluster)]
+        if nats_cluster > 1 and nats_port + CLUSTER_PORT_OFFSET + nats_cluster > 65536:
+            raise ValueError(f"--nats-port {nats_port} leaves no room for the cluster's ports "
+                             f"(up to {nats_port + CLUSTER_PORT_OFFSET + nats_cluster - 1})")
         self.cluster_ports = [nats_port + CLUSTER_PORT_OFFSET + i for i in range(nats_cluster)] \
             if nats_cluster > 1 else []
         self.url = nats_url or ",".join(f"nats://127.0.0.1:{p}" for p in self.client_ports)
@@ -298,7 +321,8 @@ async def temporary_stack(prefix: str = "jetserve-", **options):
     """A started Stack (`options` as Stack's) in a temporary directory, stopped and removed on
     the way out; its logs are under `stack.log_dir`."""
     with tempfile.TemporaryDirectory(prefix=prefix) as state:
-        stack = Stack(state_dir=state, nats_port=free_port(), log_dir=Path(state) / "logs",
+        stack = Stack(state_dir=state, nats_port=free_port(options.get("nats_cluster", 1)),
+                      log_dir=Path(state) / "logs",
                       **options)
         await stack.start()
         try:

@@ -208,7 +208,7 @@ MANAGED_STREAM_FIELDS = ("subjects", "retention", "storage", "max_msgs", "discar
 FIXED_STREAM_FIELDS = ("retention", "storage")
 
 
-ENDED_LEASES = 2  # how long a service's holding reports name the requests it answered, in leases
+ENDED_LEASES = 8  # how long a service's holding reports name the requests it answered, in leases
 JETSTREAM_WAKE_S = 5.0  # how long no JetStream responder at all is taken for one starting
 
 
@@ -277,6 +277,10 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
                         f"needs at least that many JetStream nodes)") from None
             current = (await js.stream_info(stream.name)).config
         await _reconcile(js, current, stream)
+        if stream.allow_msg_ttl and not (await js.stream_info(stream.name)).config.allow_msg_ttl:
+            raise StreamMismatch(
+                f"stream {stream.name} needs per-message TTLs (its ended requests' tombstones "
+                f"expire by them), which nats-server 2.11 and later keep: upgrade the server")
 
 
 async def _reconcile(js: JetStreamContext, current: StreamConfig, wanted: StreamConfig) -> None:
@@ -543,7 +547,7 @@ class Outbox:
             self.ended.pop(item.key, None)  # (ordered by when)
             self.ended[item.key] = (Ended(item.tenant, item.request_id, item.arrival_time),
                                     time.monotonic())
-            await tombstone(self.nc, self.subjects, item.key)
+            await tombstone(self.nc, self.subjects, item.key, item.durable)
             await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
 
     async def _deliver(self, item: WorkItem, output: Completion | Error,

@@ -25,6 +25,7 @@ import hashlib
 
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import APIError, NotFoundError
 
 from shared.keys import RequestKey
@@ -44,11 +45,17 @@ class RequestState(msgspec.Struct, array_like=True):
     owner: str  # the admission that watches over it
     attempt: int
     durable: bool
+    arrival_time: float  # the WorkItem's: which request of that id (ids may be reused)
     item: bytes  # the admitted WorkItem, msgpack-encoded (shared.messages.encode)
+
+    @property
+    def key(self) -> RequestKey:
+        return RequestKey(self.tenant, self.request_id)
 
 
 class Checkpoint(msgspec.Struct, array_like=True):
     attempt: int
+    arrival_time: float  # its request's (a checkpoint of an earlier request of that id: not used)
     token_ids: list[int]
 
 
@@ -57,22 +64,23 @@ _checkpoint = msgspec.msgpack.Decoder(Checkpoint)
 _encode = msgspec.msgpack.Encoder().encode
 
 
-def key_token(key: RequestKey) -> str:
-    """`<tenant>.<hash of the id>`: ids are any string, a subject token is not."""
+def key_token(key: RequestKey, durable: bool) -> str:
+    """`<d|g>.<tenant>.<hash of the id>`: ids are any string, a subject token is not; a durable
+    request and a generate may share an id."""
     digest = hashlib.blake2b(key.request_id.encode(), digest_size=16).hexdigest()
-    return f"{key.tenant}.{digest}"
+    return f"{'d' if durable else 'g'}.{key.tenant}.{digest}"
 
 
 def state_subjects(subjects: Subjects) -> str:
     return f"{subjects.prefix}.internal.state.>"
 
 
-def request_subject(subjects: Subjects, key: RequestKey) -> str:
-    return f"{subjects.prefix}.internal.state.req.{key_token(key)}"
+def request_subject(subjects: Subjects, key: RequestKey, durable: bool) -> str:
+    return f"{subjects.prefix}.internal.state.req.{key_token(key, durable)}"
 
 
-def checkpoint_subject(subjects: Subjects, key: RequestKey) -> str:
-    return f"{subjects.prefix}.internal.state.out.{key_token(key)}"
+def checkpoint_subject(subjects: Subjects, key: RequestKey, durable: bool) -> str:
+    return f"{subjects.prefix}.internal.state.out.{key_token(key, durable)}"
 
 
 def fairness_subject(subjects: Subjects) -> str:
@@ -80,12 +88,12 @@ def fairness_subject(subjects: Subjects) -> str:
     return f"{subjects.prefix}.internal.state.fairness"
 
 
-async def tombstone(nc, subjects: Subjects, key: RequestKey) -> None:
+async def tombstone(nc, subjects: Subjects, key: RequestKey, durable: bool) -> None:
     """The request ended: its state and checkpoint are emptied (stored without an ack; each
     tombstone expires after TOMBSTONE_TTL)."""
     headers = {"Nats-TTL": TOMBSTONE_TTL}
-    await nc.publish(request_subject(subjects, key), b"", headers=headers)
-    await nc.publish(checkpoint_subject(subjects, key), b"", headers=headers)
+    await nc.publish(request_subject(subjects, key, durable), b"", headers=headers)
+    await nc.publish(checkpoint_subject(subjects, key, durable), b"", headers=headers)
 
 
 class Taken(msgspec.Struct):
@@ -115,12 +123,13 @@ class RequestStates:
             raise
         return ack.seq
 
-    async def create(self, key: RequestKey, item: bytes, attempt: int, durable: bool) -> int | None:
+    async def create(self, key: RequestKey, item: bytes, attempt: int, durable: bool,
+                     arrival_time: float) -> int | None:
         """The state of a request just admitted; None when one that has not ended is there
         (a generate reusing a running one's id: not this admission's to keep)."""
         payload = _encode(RequestState(key.tenant, key.request_id, self.owner, attempt,
-                                       durable, item))
-        subject = request_subject(self.subjects, key)
+                                       durable, arrival_time, item))
+        subject = request_subject(self.subjects, key, durable)
         revision = await self._cas(subject, payload, 0)
         if revision is None:  # an ended request's tombstone is in the way
             last = await self._last(subject)
@@ -131,8 +140,7 @@ class RequestStates:
     async def write(self, state: RequestState, last: int) -> int | None:
         """`state` (owned by this admission) over revision `last`."""
         state.owner = self.owner
-        return await self._cas(request_subject(self.subjects, RequestKey(state.tenant,
-                                                                        state.request_id)),
+        return await self._cas(request_subject(self.subjects, state.key, state.durable),
                                _encode(state), last)
 
     async def _last(self, subject: str):
@@ -141,31 +149,34 @@ class RequestStates:
         except NotFoundError:
             return None
 
-    async def read(self, key: RequestKey) -> Taken | None:
+    async def read(self, key: RequestKey, durable: bool) -> Taken | None:
         """The request's state and its checkpoint, or None when it has none (ended, or never
         written)."""
-        return await self._read(request_subject(self.subjects, key))
+        return await self._read(request_subject(self.subjects, key, durable))
 
     async def _read(self, subject: str) -> Taken | None:
         last = await self._last(subject)
         if last is None or not last.data:
             return None
-        taken = Taken(_state.decode(last.data), last.seq)
-        key = RequestKey(taken.state.tenant, taken.state.request_id)
-        checkpoint = await self._last(checkpoint_subject(self.subjects, key))
+        state = _state.decode(last.data)
+        taken = Taken(state, last.seq)
+        checkpoint = await self._last(checkpoint_subject(self.subjects, state.key, state.durable))
         if checkpoint is not None and checkpoint.data:
             checkpoint = _checkpoint.decode(checkpoint.data)
-            # An earlier attempt's outputs are this one's too: the seed is the request's.
-            if checkpoint.attempt <= taken.state.attempt:
+            # An earlier attempt's outputs are this one's too (the seed is the request's); an
+            # earlier request's of the same id are not.
+            if (checkpoint.arrival_time == state.arrival_time
+                    and checkpoint.attempt <= state.attempt):
                 taken.token_ids = checkpoint.token_ids
         return taken
 
     async def take(self, key: RequestKey | None = None, leave: frozenset[str] = frozenset(),
-                   subject: str | None = None, tries: int = 4) -> Taken | None:
-        """Take the request (by key, or by its state's subject) over: this admission becomes
-        its owner, unless its owner is in `leave`. None when it has no state (ended), is left
-        to its owner, or kept changing under each try."""
-        subject = subject or request_subject(self.subjects, key)
+                   subject: str | None = None, durable: bool = True,
+                   tries: int = 4) -> Taken | None:
+        """Take the request (by key and kind, or by its state's subject) over: this admission
+        becomes its owner, unless its owner is in `leave`. None when it has no state (ended),
+        is left to its owner, or kept changing under each try."""
+        subject = subject or request_subject(self.subjects, key, durable)
         for _ in range(tries):
             taken = await self._read(subject)
             if taken is None:
@@ -181,23 +192,25 @@ class RequestStates:
                 return taken
         return None
 
-    async def end(self, key: RequestKey, last: int) -> None:
+    async def end(self, key: RequestKey, durable: bool, last: int) -> None:
         """The ended request's tombstone, over revision `last` (acked); done already when the
         subject moved on (its answerer's tombstone, or another admission's write)."""
         try:
-            await self.js.publish(request_subject(self.subjects, key), b"", stream=STATE_STREAM,
+            await self.js.publish(request_subject(self.subjects, key, durable), b"",
+                                  stream=STATE_STREAM,
                                   headers={"Nats-TTL": TOMBSTONE_TTL,
                                            "Nats-Expected-Last-Subject-Sequence": str(last)})
         except APIError as exc:
             if exc.err_code != WRONG_LAST_SEQUENCE:
                 raise
-        await self.nc.publish(checkpoint_subject(self.subjects, key), b"",
+        await self.nc.publish(checkpoint_subject(self.subjects, key, durable), b"",
                                headers={"Nats-TTL": TOMBSTONE_TTL})
 
-    def checkpoint(self, key: RequestKey, attempt: int, token_ids: list[int]):
+    def checkpoint(self, key: RequestKey, durable: bool, arrival_time: float, attempt: int,
+                   token_ids: list[int]):
         """Publish the outputs so far (a coroutine; no ack is waited for)."""
-        return self.nc.publish(checkpoint_subject(self.subjects, key),
-                               _encode(Checkpoint(attempt, token_ids)),
+        return self.nc.publish(checkpoint_subject(self.subjects, key, durable),
+                               _encode(Checkpoint(attempt, arrival_time, token_ids)),
                                headers={"Nats-TTL": CHECKPOINT_TTL})
 
     async def owners(self) -> list[tuple[str, str]]:
@@ -212,7 +225,10 @@ class RequestStates:
         try:
             pending = (await sub.consumer_info()).num_pending
             while pending > 0:
-                messages = await sub.fetch(min(pending, SCAN_BATCH), timeout=5.0)
+                try:
+                    messages = await sub.fetch(min(pending, SCAN_BATCH), timeout=5.0)
+                except (NatsTimeoutError, TimeoutError):  # fewer came than counted: all there is
+                    break
                 for msg in messages:
                     owner = (msg.headers or {}).get(OWNER_HEADER)
                     if owner:  # a tombstone has none

@@ -59,7 +59,7 @@ from shared.bus import (
     while_connected,
 )
 from shared.cancels import RecentCancels
-from shared.request_state import RequestState, RequestStates, Taken, tombstone
+from shared.request_state import RequestState, RequestStates, Taken
 from shared.config import JetserveConfig, TenantQuota, share_limit
 from shared.keys import RequestKey
 from shared.messages import (
@@ -113,6 +113,7 @@ INTAKE_CAPACITY = 4096  # generate requests waiting to be admitted (services/adm
 TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
 # A result's bytes besides its tokens' text and ids: ids, usage, metrics, scheduling, model.
 RESULT_BYTES = 2048
+STATE_WRITE_S = 2.0  # a request's state not written within this is not kept (it still runs)
 # Besides when another admission falls silent, LLM_STATE is scanned for requests nobody watches
 # over this often (a take-over that failed, an owner that died unheard).
 SCAN_EVERY_LEASES = 12
@@ -153,7 +154,8 @@ class Admission:
         self.peers: dict[str, float] = {}  # other admissions' names -> when last heard (clock)
         self.scanned_at: float | None = None  # ledger clock of the last scan of LLM_STATE
         self.scan_task: asyncio.Task | None = None
-        self.ending: set[asyncio.Task] = set()  # states of ended requests being tombstoned
+        self.rescan = False  # a scan failed, or missed an admission that fell silent meanwhile
+        self.state_writes: set[asyncio.Task] = set()  # writes to LLM_STATE under way
         # Requests a holder reported answered (Holding.ended): key -> (arrival, ledger clock)
         self.ended: dict[RequestKey, tuple[float, float]] = {}
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
@@ -182,6 +184,9 @@ class Admission:
 
     async def start(self) -> None:
         await ensure_streams(self.js, self.config)
+        # Heard before it admits anything: the others leave its requests alone.
+        await self.nc.subscribe(self.subjects.admissions, cb=self.on_peer)
+        await self.nc.publish(self.subjects.admissions, self.owner.encode())
         self.service = await add_micro_service(self.nc, "admission", "validates and tokenizes",
                                                self.stats, self.inbox_prefix,
                                                self.config.nats.tenant_inboxes)
@@ -194,7 +199,6 @@ class Admission:
         await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)
         await self.nc.subscribe(self.subjects.backpressure, cb=self.on_backpressure)
-        await self.nc.subscribe(self.subjects.admissions, cb=self.on_peer)
         # Created, or brought up to this config (its limits are editable) if it exists.
         consumer = await self.js.add_consumer(REQUESTS_STREAM, ConsumerConfig(
             name=ADMISSION_CONSUMER, durable_name=ADMISSION_CONSUMER,
@@ -209,6 +213,7 @@ class Admission:
             else 0.0
         self.tasks = [asyncio.create_task(self.durable_loop(hear_first), name="durable"),
                       asyncio.create_task(self.keep_alive_loop(), name="keep-alive"),
+                      asyncio.create_task(self.say_alive(), name="alive"),
                       *(asyncio.create_task(self.admit_loop(), name="admit")
                         for _ in range(ADMIT_WORKERS))]
         log.info("admitting", model=self.model_name, max_model_len=self.max_model_len)
@@ -229,7 +234,7 @@ class Admission:
         while self.admitting and time.monotonic() < give_up:
             await asyncio.sleep(0.02)
         await cancel_all(self.tasks + ([self.scan_task] if self.scan_task else [])
-                         + list(self.ending))
+                         + list(self.state_writes))
         await self.consumer.unsubscribe()  # a pull subscription would stall the drain
         self.collector.unregister()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -362,29 +367,35 @@ class Admission:
         encoded = encode(item)
         watched = (msg is not None or bool(item.reply_to)) and self.ledger.watch(
             item.key, encoded, msg, item.attempt, item.arrival_time)
-        # Its state is written while priority takes it (joined below, whatever happens).
-        persisting = asyncio.ensure_future(self.persist(item, encoded)) if watched else None
-        try:
-            return await self._submit_watched(item, msg, watched, seat, received)
-        finally:
-            if persisting is not None:
-                revision = await persisting
-                kept = self.ledger.get(item.key, item.durable)
-                if kept is not None and kept.item is encoded:
-                    kept.revision = revision
-                elif revision is not None:  # not taken after all: its state goes too
-                    await _quietly(tombstone(self.nc, self.subjects, item.key))
+        if watched:  # its state is written beside (a slow JetStream holds up nothing here)
+            self.background(self.persist(item, encoded))
+        return await self._submit_watched(item, msg, watched, seat, received)
 
-    async def persist(self, item: WorkItem, encoded: bytes) -> int | None:
-        """Write a request's state to LLM_STATE; its revision, or None when it could not be
-        (the request runs, but only this admission can hand it on)."""
+    def background(self, coroutine) -> None:
+        """Run a write to LLM_STATE beside the request path (cancelled at stop)."""
+        task = asyncio.create_task(coroutine)
+        self.state_writes.add(task)
+        task.add_done_callback(self.state_writes.discard)
+
+    async def persist(self, item: WorkItem, encoded: bytes) -> None:
+        """Write a request's state to LLM_STATE and note its revision in the ledger; a request
+        not watched any more by then (refused, or ended) has its state ended again. Not
+        written (JetStream away): the request runs, but only this admission can hand it on."""
         try:
-            return await self.states.create(item.key, encoded, item.attempt, item.durable)
+            revision = await asyncio.wait_for(self.states.create(
+                item.key, encoded, item.attempt, item.durable, item.arrival_time), STATE_WRITE_S)
         except Exception as exc:
             self.counts["state_errors"] += 1
             log.warning("request state not written", tenant=item.tenant,
                         request_id=item.request_id, error=repr(exc))
-            return None
+            return
+        if revision is None:
+            return
+        kept = self.ledger.get(item.key, item.durable)
+        if kept is not None and kept.item is encoded:
+            kept.revision = revision
+        else:  # refused by priority, or already answered: its state goes too
+            await self.end_state(item.key, item.durable, revision)
 
     async def _submit_watched(self, item: WorkItem, msg, watched: bool, seat: list[str] | None,
                               received: float | None) -> Error | None:
@@ -640,7 +651,7 @@ class Admission:
         # Its state is in LLM_STATE (an admission that died or stalled admitted it): taken
         # over with its admitted copy, attempt and checkpoint, to be handed on from there if
         # its holder is gone too.
-        if (taken := await self.take(key)) is not None:
+        if msg.metadata.num_delivered > 1 and (taken := await self.take(key)) is not None:
             self.watch_taken(key, taken, msg)
             return
         if self.ledger.adopt(key, msg):  # a service still reports it: not run a second time
@@ -822,7 +833,7 @@ class Admission:
         if held is None:  # another admission watches it
             return
         if held.revision is not None:
-            self.ending.add(asyncio.create_task(self.end_state(done.key, held.revision)))
+            self.background(self.end_state(done.key, done.durable, held.revision))
         if done.durable and held.msg is not None:
             await held.msg.ack()
             self.counts["durable_acked"] += 1
@@ -841,7 +852,7 @@ class Admission:
             self.ledger.done(key, durable)
             self.counts["ended_by_report"] += 1
             if held.revision is not None:
-                self.ending.add(asyncio.create_task(self.end_state(key, held.revision)))
+                self.background(self.end_state(key, durable, held.revision))
             if durable and held.msg is not None:  # its result is stored: it was answered
                 await _quietly(held.msg.ack())
                 self.counts["durable_acked"] += 1
@@ -852,33 +863,30 @@ class Admission:
         for key in [k for k, (_, at) in self.ended.items() if at < horizon]:
             del self.ended[key]
 
-    async def end_state(self, key: RequestKey, revision: int) -> None:
+    async def end_state(self, key: RequestKey, durable: bool, revision: int) -> None:
         """Tombstone the state of a request that ended, acked and retried: the tombstone its
         answerer published (without an ack) may have been lost in a failover, and a state
         left behind would be taken for a lost request and run again. A tombstone there already,
         or another admission's write, ends the attempt."""
-        try:
-            for attempt in range(5):
-                try:
-                    await self.states.end(key, revision)
+        for attempt in range(5):
+            try:
+                await asyncio.wait_for(self.states.end(key, durable, revision), STATE_WRITE_S)
+                return
+            except Exception as exc:
+                if attempt == 4:
+                    self.counts["state_errors"] += 1
+                    log.warning("request state not ended", tenant=key.tenant,
+                                request_id=key.request_id, error=repr(exc))
                     return
-                except Exception as exc:
-                    if attempt == 4:
-                        self.counts["state_errors"] += 1
-                        log.warning("request state not ended", tenant=key.tenant,
-                                    request_id=key.request_id, error=repr(exc))
-                        return
-                    await asyncio.sleep(0.5 * (attempt + 1))
-        finally:
-            self.ending.discard(asyncio.current_task())
+                await asyncio.sleep(0.5 * (attempt + 1))
 
     # -------------------------------------------------------------- taking requests over
 
     async def take(self, key: RequestKey | None = None, leave: frozenset[str] = frozenset(),
                    subject: str | None = None) -> Taken | None:
-        """The request's state (by key, or its state's subject), now owned here; None when it
-        has none (ended, never written), its owner is in `leave`, or LLM_STATE cannot be
-        reached."""
+        """The request's state (a durable one's by key, or any by its state's subject), now
+        owned here; None when it has none (ended, never written), its owner is in `leave`, or
+        LLM_STATE cannot be reached."""
         try:
             return await self.states.take(key, leave, subject)
         except Exception as exc:
@@ -891,9 +899,9 @@ class Admission:
         no holder reported meanwhile is lost now (handed on at the next tick); a young ledger
         waits a lease for them."""
         state = taken.state
-        arrival = _item.decode(state.item).arrival_time
+        arrival = state.arrival_time
         if self.ended.get(key, (None,))[0] == arrival:  # answered; its end was lost
-            self.ending.add(asyncio.create_task(self.end_state(key, taken.revision)))
+            self.background(self.end_state(key, state.durable, taken.revision))
             return False
         since = self.ledger.clock if self.ledger.young else -math.inf
         watched = Watched(msg, since, state.item, list(taken.token_ids), state.attempt,
@@ -920,6 +928,7 @@ class Admission:
             owners = await self.states.owners()
         except Exception as exc:
             self.counts["state_errors"] += 1
+            self.rescan = True  # at the next tick, not in 12 leases
             log.warning("request states not scanned", error=repr(exc))
             return
         for subject, owner in owners:
@@ -937,18 +946,31 @@ class Admission:
         for peer in died:
             del self.peers[peer]
             log.warning("another admission fell silent; taking over its requests", peer=peer)
+        # (A death noticed while a scan runs is scanned for again: that scan left it alone.)
+        self.rescan |= bool(died)
         due = not self.ledger.young and (
-            died or self.scanned_at is None or clock - self.scanned_at >= SCAN_EVERY_LEASES * lease)
+            self.rescan or self.scanned_at is None
+            or clock - self.scanned_at >= SCAN_EVERY_LEASES * lease)
         if due and (self.scan_task is None or self.scan_task.done()):
-            self.scanned_at = clock
+            self.scanned_at, self.rescan = clock, False
             self.scan_task = asyncio.create_task(self.take_over_orphans(), name="take-over")
+
+    async def say_alive(self) -> None:
+        """Every heartbeat interval, on its own task: a tick held up by slow JetStream writes
+        must not look like this admission's death to the others."""
+        interval = self.config.distributed.heartbeat_interval_s
+        while True:
+            await _quietly(self.nc.publish(self.subjects.admissions, self.owner.encode()))
+            await asyncio.sleep(interval)
 
     async def save_checkpoints(self) -> None:
         """Each watched request's outputs, when its checkpoints brought new ones."""
-        for key, watched in [*self.ledger.held.items(), *self.ledger.generates.items()]:
-            if watched.revision is not None and len(watched.tokens) != watched.checkpointed:
-                watched.checkpointed = len(watched.tokens)
-                await _quietly(self.states.checkpoint(key, watched.attempt, watched.tokens))
+        for durable, table in ((True, self.ledger.held), (False, self.ledger.generates)):
+            for key, watched in list(table.items()):
+                if watched.revision is not None and len(watched.tokens) != watched.checkpointed:
+                    watched.checkpointed = len(watched.tokens)
+                    await _quietly(self.states.checkpoint(key, durable, watched.arrival,
+                                                          watched.attempt, watched.tokens))
 
     async def let_go(self, key: RequestKey, held: Watched, durable: bool) -> None:
         """Its state moved on: another admission took it over, or it ended (its Done was
@@ -984,9 +1006,9 @@ class Admission:
             # Compare-and-set first: of two admissions that both took it for lost, one hands
             # it on; and one that ended meanwhile (its Done lost) is not run again.
             try:
-                revision = await self.states.write(RequestState(
+                revision = await asyncio.wait_for(self.states.write(RequestState(
                     key.tenant, key.request_id, self.owner, item.attempt, item.durable,
-                    held.item), held.revision)
+                    item.arrival_time, held.item), held.revision), STATE_WRITE_S)
             except Exception as exc:  # LLM_STATE away: handed on all the same, unkept
                 self.counts["state_errors"] += 1
                 log.warning("request state not written", tenant=key.tenant,
@@ -1026,7 +1048,6 @@ class Admission:
             self.ledger.tick(tick - last_tick)
             last_tick = tick
             try:
-                await _quietly(self.nc.publish(self.subjects.admissions, self.owner.encode()))
                 await self.watch_over()
                 await self.save_checkpoints()
                 self.look_after_peers()

@@ -231,7 +231,13 @@ class PriorityService:
         """The tenant counters, to LLM_STATE (no ack: the next feedback step writes again), so
         a priority that restarts, or another replica, does not start fairness from zero."""
         counters = self.scheduler.counters
-        snapshot = FairnessSnapshot(time.time(), counters.counters, counters.highest)
+        # Less what requests still running were charged in advance: their Done, when it comes,
+        # charges a priority that loaded these counters their whole cost.
+        saved = dict(counters.counters)
+        for key, charge in self.scheduler.charges.items():
+            if key.tenant in saved:
+                saved[key.tenant] -= charge.tokens / counters.weights.get(key.tenant, 1.0)
+        snapshot = FairnessSnapshot(time.time(), saved, counters.highest)
         try:
             await self.nc.publish(fairness_subject(self.subjects), msgspec.msgpack.encode(snapshot),
                                   headers={"Nats-TTL": f"{FAIRNESS_SNAPSHOT_MAX_AGE_S:.0f}s"})

@@ -104,7 +104,7 @@ async def running_stack(directory: Path, executors: int = 1, settings: dict | No
                         nats_settings: dict | None = None, auth: bool = False,
                         tls: bool = False, http_port: int | None = None, nats_cluster: int = 1,
                         replicas: int = 1):
-    stack = Stack(state_dir=directory, nats_port=free_port(), executors=executors,
+    stack = Stack(state_dir=directory, nats_port=free_port(nats_cluster), executors=executors,
                   settings={**TINY_STACK, **(settings or {})}, log_dir=directory / "logs", env=env,
                   nats_settings=nats_settings, auth=auth, tls=tls, http_port=http_port,
                   nats_cluster=nats_cluster, replicas=replicas)

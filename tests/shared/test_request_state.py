@@ -1,6 +1,7 @@
 """LLM_STATE against a real nats-server: a request's state is taken over by compare-and-set
 (one admission of two wins), a tombstone ends it (a late write against it fails), a checkpoint
-comes back with it, and a scan names each state's owner from headers alone."""
+comes back with it (not one of an earlier request of the same id), and a scan names each
+state's owner from headers alone."""
 
 from __future__ import annotations
 
@@ -25,16 +26,19 @@ async def test_a_state_is_taken_over_once_and_ends_with_its_tombstone(tmp_path):
         second = RequestStates(nc, js, subjects, "admission-b")
         third = RequestStates(nc, js, subjects, "admission-c")
 
-        revision = await first.create(KEY, b"item", 0, durable=False)
+        revision = await first.create(KEY, b"item", 0, False, arrival_time=1.0)
         assert revision is not None
-        assert await second.create(KEY, b"other", 0, durable=False) is None  # not ended
+        assert await second.create(KEY, b"other", 0, False, 2.0) is None  # not ended
+        # A durable request may have the same id: a state of its own.
+        assert await second.create(KEY, b"durable", 0, True, 3.0) is not None
 
-        await first.checkpoint(KEY, 0, [5, 6, 7])
+        await first.checkpoint(KEY, False, 1.0, 0, [5, 6, 7])
         await nc.flush()
-        assert await second.take(KEY, leave=frozenset({"admission-a"})) is None  # alive
+        assert await second.take(KEY, frozenset({"admission-a"}), durable=False) is None  # alive
         # Two take it over at once, each leaving the other's alone: one wins.
         alive = frozenset({"admission-b", "admission-c"})
-        taken = await asyncio.gather(second.take(KEY, alive), third.take(KEY, alive))
+        taken = await asyncio.gather(second.take(KEY, alive, durable=False),
+                                     third.take(KEY, alive, durable=False))
         owners = {t.state.owner for t in taken if t is not None}
         assert len(owners) == 1 and owners <= {"admission-b", "admission-c"}
         winner = next(t for t in taken if t is not None)
@@ -42,17 +46,23 @@ async def test_a_state_is_taken_over_once_and_ends_with_its_tombstone(tmp_path):
                                                                                [5, 6, 7])
         # The first owner's write against its old revision fails: it lets the request go.
         assert await first.write(RequestState(KEY.tenant, KEY.request_id, "admission-a", 1,
-                                              False, b"item"), revision) is None
+                                              False, 1.0, b"item"), revision) is None
 
-        assert [owner for _, owner in await first.owners()] == [winner.state.owner]
+        assert sorted(owner for _, owner in await first.owners()) == sorted(
+            [winner.state.owner, "admission-b"])  # the generate's, and the durable's
 
-        await tombstone(nc, subjects, KEY)
+        await tombstone(nc, subjects, KEY, durable=False)
         await nc.flush()
-        assert await first.read(KEY) is None
-        assert await first.take(KEY) is None
+        assert await first.read(KEY, durable=False) is None
+        assert await first.take(KEY, durable=False) is None
         assert await first.write(winner.state, winner.revision) is None  # ended: no resurrection
-        assert await first.owners() == []
-        # The same id again (a generate's ids may be reused once it ended): a new state.
-        assert await first.create(KEY, b"again", 0, durable=False) is not None
+        assert [owner for _, owner in await first.owners()] == ["admission-b"]
+        # The same id again (a generate's ids may be reused once it ended): a new state, and
+        # the checkpoint left by the earlier request is not taken for this one's.
+        await first.checkpoint(KEY, False, 1.0, 0, [5, 6, 7])
+        await nc.flush()
+        assert await first.create(KEY, b"again", 0, False, 9.0) is not None
+        again = await first.read(KEY, durable=False)
+        assert (again.state.item, again.token_ids) == (b"again", [])
         info = await js.stream_info(STATE_STREAM)
     assert info.config.allow_msg_ttl and info.config.max_msgs_per_subject == 1
