@@ -77,6 +77,69 @@ def test_compose_file_follows_the_compose_specification():
     assert jobs["jetserve-executor"]["dns_sd_configs"][0]["names"] == ["executor", "executor-gpu"]
 
 
+CLUSTER_NODES = ("nats", "nats-2", "nats-3")
+
+
+@pytest.mark.asyncio
+async def test_the_cluster_override_runs_three_nodes_of_one_cluster(tmp_path):
+    """deploy/compose.cluster.yaml: every jetserve service gets the three nodes and R3, each
+    node its own name and store; its nats-server configuration, run as three host processes
+    (compose's host names made local), forms one cluster that keeps a stream three ways."""
+
+    from nats.js.api import StreamConfig
+    from nats.js.errors import ServiceUnavailableError
+
+    services = yaml.safe_load((ROOT / "deploy" / "compose.cluster.yaml").read_text())["services"]
+    for name in (*JETSERVE, "executor-gpu"):
+        environment = services[name]["environment"]
+        assert environment["NATS_URL"].split(",") == [f"nats://{n}:4222" for n in CLUSTER_NODES]
+        assert environment["JETSERVE_NATS__REPLICAS"] == "3"
+    commands = [services[n]["command"] for n in CLUSTER_NODES]
+    assert len({c[c.index("--name") + 1] for c in commands}) == 3
+    assert len({services[n]["volumes"][0] for n in CLUSTER_NODES}) == 3  # a store each
+    for node in CLUSTER_NODES:  # (paths relative to the first compose file's folder)
+        assert all((ROOT / v.split(":")[0]).exists() for v in services[node]["volumes"]
+                   if v.startswith("./"))
+    conf = (ROOT / "deploy" / "nats-cluster.conf").read_text()
+    clients, routes = [free_port() for _ in CLUSTER_NODES], [free_port() for _ in CLUSTER_NODES]
+    processes = []
+    try:
+        for i, command in enumerate(commands):
+            folder = tmp_path / f"node-{i}"
+            (folder / "state" / "auth").mkdir(parents=True)
+            (folder / "state" / "auth" / "users.conf").write_text("")  # (no users here)
+            text = conf.replace("port: 4222", f"port: {clients[i]}").replace(
+                "http_port: 8222", f"http_port: {free_port()}").replace(
+                "/data", str(folder / "data")).replace(
+                "0.0.0.0:6222", f"127.0.0.1:{routes[i]}")
+            for host, port in zip(CLUSTER_NODES, routes):
+                text = text.replace(f"nats://{host}:6222", f"nats://127.0.0.1:{port}")
+            (folder / "nats-cluster.conf").write_text(text)
+            argv = [str(folder / "nats-cluster.conf") if a == "/etc/nats/nats-cluster.conf"
+                    else a for a in command]
+            processes.append(subprocess.Popen([nats_server_binary(), *argv],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        nc = await nats.connect([f"nats://127.0.0.1:{p}" for p in clients], connect_timeout=2)
+        try:
+            js = nc.jetstream()
+            for _ in range(100):  # until the cluster has a JetStream leader
+                try:
+                    await js.add_stream(StreamConfig(name="R3", subjects=["r3.>"],
+                                                     num_replicas=3))
+                    break
+                except (ServiceUnavailableError, nats.errors.TimeoutError,
+                        nats.errors.NoRespondersError):
+                    await asyncio.sleep(0.2)
+            info = await js.stream_info("R3")
+        finally:
+            await nc.close()
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=10)
+    assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, info.cluster
+
+
 def host_env(environment: dict, hosts: dict[str, int], kind: str, metrics_port: int,
              state: Path) -> dict:
     """The service's compose environment with `name:port` of compose services made local, and
