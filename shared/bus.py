@@ -208,7 +208,14 @@ MANAGED_STREAM_FIELDS = ("subjects", "retention", "storage", "max_msgs", "discar
 FIXED_STREAM_FIELDS = ("retention", "storage")
 
 
-ENDED_LEASES = 8  # how long a service's holding reports name the requests it answered, in leases
+def ended_window_s(heartbeat_interval_s: float) -> float:
+    """How long a service's holding reports name each request it answered (Holding.ended):
+    long enough that one of them outlives a failover's lost messages; admission, having heard
+    it once, remembers it for longer (ENDED_KEPT_LEASES)."""
+    return max(3.0, 4 * heartbeat_interval_s)
+
+
+ENDED_KEPT_LEASES = 12  # how long admission remembers a request reported answered, in leases
 JETSTREAM_WAKE_S = 5.0  # how long no JetStream responder at all is taken for one starting
 
 

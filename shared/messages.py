@@ -173,7 +173,7 @@ class Holding(msgspec.Struct):
     holder: str
     requests: list[RequestKey]
     progress: list[Progress] = []
-    # Requests it gave their final answer recently (for 8 leases): their Done, or the
+    # Requests it gave their final answer lately (for a few seconds): their Done, or the
     # tombstone of their state, may have been lost in a failover, and a request taken for lost
     # would run again. Admission ends them as a Done would.
     ended: list[Ended] = []

@@ -110,12 +110,14 @@ class RequestStates:
     new revision, or None when the subject moved on (another admission took the request, or
     it ended): the caller then lets it go."""
 
-    def __init__(self, nc, js, subjects: Subjects, owner: str):
+    def __init__(self, nc, js, subjects: Subjects, owner: str, timeout_s: float = 2.0):
         self.nc, self.js, self.subjects, self.owner = nc, js, subjects, owner
+        self.timeout_s = timeout_s  # each JetStream call's
 
     async def _cas(self, subject: str, payload: bytes, last: int) -> int | None:
         try:
-            ack = await self.js.publish(subject, payload, stream=STATE_STREAM, headers={
+            ack = await self.js.publish(subject, payload, timeout=self.timeout_s,
+                                        stream=STATE_STREAM, headers={
                 OWNER_HEADER: self.owner, "Nats-Expected-Last-Subject-Sequence": str(last)})
         except APIError as exc:
             if exc.err_code == WRONG_LAST_SEQUENCE:
@@ -197,7 +199,7 @@ class RequestStates:
         subject moved on (its answerer's tombstone, or another admission's write)."""
         try:
             await self.js.publish(request_subject(self.subjects, key, durable), b"",
-                                  stream=STATE_STREAM,
+                                  timeout=self.timeout_s, stream=STATE_STREAM,
                                   headers={"Nats-TTL": TOMBSTONE_TTL,
                                            "Nats-Expected-Last-Subject-Sequence": str(last)})
         except APIError as exc:

@@ -47,7 +47,7 @@ from shared.preprocess import (
     served_model,
 )
 from shared.bus import (
-    ENDED_LEASES,
+    ENDED_KEPT_LEASES,
     ENVELOPE_BYTES,
     Outbox,
     add_micro_service,
@@ -150,7 +150,7 @@ class Admission:
         # What the ledger knows of each request is also kept in LLM_STATE, owned by this
         # instance's name (new at every start), so another admission can take it over.
         self.owner = f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.states = RequestStates(nc, js, self.subjects, self.owner)
+        self.states = RequestStates(nc, js, self.subjects, self.owner, STATE_WRITE_S)
         self.peers: dict[str, float] = {}  # other admissions' names -> when last heard (clock)
         self.scanned_at: float | None = None  # ledger clock of the last scan of LLM_STATE
         self.scan_task: asyncio.Task | None = None
@@ -382,8 +382,8 @@ class Admission:
         not watched any more by then (refused, or ended) has its state ended again. Not
         written (JetStream away): the request runs, but only this admission can hand it on."""
         try:
-            revision = await asyncio.wait_for(self.states.create(
-                item.key, encoded, item.attempt, item.durable, item.arrival_time), STATE_WRITE_S)
+            revision = await self.states.create(item.key, encoded, item.attempt, item.durable,
+                                                item.arrival_time)
         except Exception as exc:
             self.counts["state_errors"] += 1
             log.warning("request state not written", tenant=item.tenant,
@@ -842,9 +842,10 @@ class Admission:
         """A holder says it answered this request (lately): as its Done would, it ends the
         watch here if its Done was lost; and it is remembered, so a take-over does not run
         it again."""
-        key, clock = ended.key, self.ledger.clock
-        if key not in self.ended:
-            self.ended[key] = (ended.arrival_time, clock)
+        key = ended.key
+        if self.ended.get(key, (None,))[0] == ended.arrival_time:
+            return  # heard before (each is named in several reports)
+        self.ended[key] = (ended.arrival_time, self.ledger.clock)
         for durable in (False, True):
             held = self.ledger.get(key, durable)
             if held is None or held.arrival != ended.arrival_time:
@@ -859,7 +860,7 @@ class Admission:
 
     def forget_ended(self) -> None:
         """Requests reported answered longer ago than the reports name them (and a lease)."""
-        horizon = self.ledger.clock - (ENDED_LEASES + 1) * self.ledger.lease_s
+        horizon = self.ledger.clock - ENDED_KEPT_LEASES * self.ledger.lease_s
         for key in [k for k, (_, at) in self.ended.items() if at < horizon]:
             del self.ended[key]
 
@@ -870,7 +871,7 @@ class Admission:
         or another admission's write, ends the attempt."""
         for attempt in range(5):
             try:
-                await asyncio.wait_for(self.states.end(key, durable, revision), STATE_WRITE_S)
+                await self.states.end(key, durable, revision)
                 return
             except Exception as exc:
                 if attempt == 4:
@@ -1006,9 +1007,9 @@ class Admission:
             # Compare-and-set first: of two admissions that both took it for lost, one hands
             # it on; and one that ended meanwhile (its Done lost) is not run again.
             try:
-                revision = await asyncio.wait_for(self.states.write(RequestState(
+                revision = await self.states.write(RequestState(
                     key.tenant, key.request_id, self.owner, item.attempt, item.durable,
-                    item.arrival_time, held.item), held.revision), STATE_WRITE_S)
+                    item.arrival_time, held.item), held.revision)
             except Exception as exc:  # LLM_STATE away: handed on all the same, unkept
                 self.counts["state_errors"] += 1
                 log.warning("request state not written", tenant=key.tenant,

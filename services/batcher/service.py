@@ -17,13 +17,13 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from services.batcher.registry import ExecutorRegistry
 from shared.keys import RequestKey
 from shared.bus import (
+    ended_window_s,
     Outbox,
     add_micro_service,
     cancel_all,
     every,
     json_encode,
     payload_budget,
-    ENDED_LEASES,
     report_holding,
     service_main,
     wait_event,
@@ -103,7 +103,7 @@ class BatcherService:
                           self.config.distributed.heartbeat_interval_s,
                           lambda: list(self.holding),
                           lambda: self.outbox.recently_ended(
-                              ENDED_LEASES * self.config.distributed.heartbeat_timeout_s)),
+                              ended_window_s(self.config.distributed.heartbeat_interval_s))),
                           name="holding")]
         if self.config.scheduler.batch_level.overtaking_dispatch:
             self.tasks.append(asyncio.create_task(self._until_stopped(self.overtake_once),

@@ -24,7 +24,7 @@ from services.executor.engine.llm_engine import Engine, Output
 from services.executor.observe import Observer, kv_pools
 from services.executor.recovery import holding_reports
 from shared.bus import (
-    ENDED_LEASES,
+    ended_window_s,
     Outbox,
     add_micro_service,
     cancel_all,
@@ -389,7 +389,7 @@ class ExecutorService:
                 if time.monotonic() - holding_at >= interval:
                     holding_at = time.monotonic()
                     ended = self.outbox.recently_ended(
-                        ENDED_LEASES * self.config.distributed.heartbeat_timeout_s)
+                        ended_window_s(self.config.distributed.heartbeat_interval_s))
                     for report in holding_reports(self.name, self.running, self.engine,
                                                   payload_budget(self.nc), ended):
                         await self.nc.publish(self.subjects.holding, encode(report))

@@ -17,6 +17,7 @@ from nats.micro import Request
 from services.priority.request_level import MISSED_MS, RequestScheduler
 from shared.keys import RequestKey
 from shared.bus import (
+    ended_window_s,
     Outbox,
     add_micro_service,
     cancel_all,
@@ -24,7 +25,6 @@ from shared.bus import (
     chunked,
     every,
     payload_budget,
-    ENDED_LEASES,
     report_holding,
     service_main,
     wait_event,
@@ -125,7 +125,7 @@ class PriorityService:
                           self.nc, self.subjects, "priority", self.heartbeat_interval_s,
                           lambda: [item.key for item in self.queue.items()],
                           lambda: self.outbox.recently_ended(
-                              ENDED_LEASES * self.distributed.heartbeat_timeout_s)),
+                              ended_window_s(self.distributed.heartbeat_interval_s))),
                           name="holding"),
                       asyncio.create_task(every(EXPIRY_CHECK_S, self.expire_and_forget),
                                           name="expiry"),
