@@ -25,11 +25,12 @@ import random
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
 from loadtest.metrics import write_result
-from services.stack import temporary_stack
+from services.stack import Stack, free_port, temporary_stack
 from shared.client import JetserveClient, _decode_output, _encode
 from shared.protocol import Completion, Delta, Error, GenerateRequest
 from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM
@@ -134,6 +135,8 @@ async def chaos(stack, client, durable: int, generate: int, victims: list[str],
         "errors": [msgspec.to_builtins(e) for e in errors[:10]], "error_count": len(errors),
         "internal_errors": sum(e.code == "internal" for e in errors),
         "elapsed_s": round(ended - started, 2),
+        "unanswered": [i for i in durable_ids if i not in durable_answers.finals]
+        + [i for i in generate_ids if i not in generate_answers.finals],
         "duplicated": [{"request_id": request_id, "at_s": [round(t - started, 2) for t in
                                                            generate_answers.at[request_id]],
                         "executors": [getattr(getattr(o, "scheduling", None), "executor", None)
@@ -192,8 +195,19 @@ def report(result: dict) -> str:
 
 async def run(args) -> dict:
     rng = random.Random(args.seed)
-    async with temporary_stack(executors=2, settings=SETTINGS, nats_cluster=args.nodes,
-                               replicas=args.replicas) as stack:
+    options = dict(executors=2, settings=SETTINGS, nats_cluster=args.nodes,
+                   replicas=args.replicas)
+    if args.log_dir:  # kept, with the stack's state
+        stack = Stack(state_dir=args.log_dir, nats_port=free_port(args.nodes),
+                      log_dir=Path(args.log_dir) / "logs", **options)
+        await stack.start()
+        try:
+            async with await JetserveClient.connect(stack.url, tenant="chaos") as client:
+                return await chaos(stack, client, args.durable, args.generate, args.victims,
+                                   args.gap_s, args.pause_s, rng)
+        finally:
+            await stack.stop()
+    async with temporary_stack(**options) as stack:
         async with await JetserveClient.connect(stack.url, tenant="chaos") as client:
             return await chaos(stack, client, args.durable, args.generate, args.victims,
                                args.gap_s, args.pause_s, rng)
@@ -210,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause-s", type=float, default=1.0, help="dead before its restart")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default="results/cluster_chaos.json")
+    parser.add_argument("--log-dir", help="run the stack here and keep its logs (default: a "
+                                          "temporary folder, removed)")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
     print(report(result))

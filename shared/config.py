@@ -237,6 +237,9 @@ class DistributedSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # A durable request whose executor died continues from the outputs its checkpoints
     # reported (false: it runs again from the start, the baseline for loadtest.migration_bench).
     resume_from_checkpoints: bool = True
+    # A streaming client whose inbox has no subscriber for this long is gone: its request is
+    # cancelled. A client failing over to another NATS node is away for a moment, not gone.
+    client_gone_after_s: Annotated[float, msgspec.Meta(ge=0.0)] = 3.0
 
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]

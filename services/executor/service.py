@@ -63,6 +63,7 @@ _revoke = decoder(Revoke)
 _cancel = decoder(CancelRequest)
 _unassign = decoder(Unassign)
 UNASSIGNED_KEPT = 10_000  # withdrawn assignments remembered in case theirs arrives later
+CLIENT_BACK_S = 1.0  # "no responders" answers further apart than this: deltas reached it between
 HEARTBEAT_MIN_GAP_S = 0.005  # load changes are reported at once, but not more often than this
 
 @dataclass
@@ -117,6 +118,8 @@ class ExecutorService:
         self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0, id_in_use=0,
                            client_gone=0, resumed=0, revoked=0, unassigned=0)
         self.probes: dict[str, RequestKey] = {}  # _Running.probe -> the request's key
+        # Streaming requests whose client's inbox had no subscriber: (first, last) such answer
+        self.unheard: dict[RequestKey, tuple[float, float]] = {}
         self.probe_ids = itertools.count()
         self.tasks: list[asyncio.Task] = []
         self.batch_size = None  # the load-aware controller, with batch_size: adaptive
@@ -300,6 +303,7 @@ class ExecutorService:
         """End a running request here without any output: another attempt owns it now. What the
         engine still sends for it finds no running entry and is discarded (`publish`)."""
         running = self.running.pop(key)
+        self.unheard.pop(key, None)
         if running.probe is not None:
             del self.probes[running.probe]
         running.span.set_attribute("revoked", True)
@@ -317,7 +321,19 @@ class ExecutorService:
         if (msg.headers or {}).get("Status") != "503":
             return
         key = self.probes.get(msg.subject.rsplit(".", 1)[-1])
-        if key is not None and self.engine.abort(key):
+        if key is None:
+            return
+        # Gone only when every delta for `client_gone_after_s` found nobody: a client that
+        # reconnects (its NATS node died) misses a few deltas, and keeps its request.
+        now = time.monotonic()
+        first, last = self.unheard.get(key, (now, now))
+        if now - last > CLIENT_BACK_S:  # deltas reached it in between: a new absence
+            first = now
+        self.unheard[key] = (first, now)
+        if now - first < self.config.distributed.client_gone_after_s:
+            return
+        del self.unheard[key]
+        if self.engine.abort(key):
             self.counts["client_gone"] += 1
             log.info("streaming client gone; request cancelled", request=str(key))
 
@@ -348,6 +364,7 @@ class ExecutorService:
                                     reply=f"{self.gone_inbox}.{probe}" if probe else None)
             return
         del self.running[item.key]
+        self.unheard.pop(item.key, None)
         if running.probe is not None:
             del self.probes[running.probe]
         if self.batch_size is not None and (tpot := running.take_tpot_ms()) is not None:

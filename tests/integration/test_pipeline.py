@@ -30,7 +30,9 @@ decode_output = msgspec.json.Decoder(Delta | Completion | Error).decode
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory):
-    async with running_stack(tmp_path_factory.mktemp("pipeline"), settings=SMALL_EXECUTOR) as s:
+    # (A client gone for 0.1 s is gone: the tiny model would finish first at the default.)
+    async with running_stack(tmp_path_factory.mktemp("pipeline"), settings={
+            **SMALL_EXECUTOR, "distributed.client_gone_after_s": 0.1}) as s:
         yield s
 
 
@@ -208,7 +210,8 @@ async def test_a_generate_reusing_a_running_request_id_is_answered_at_once(clien
 
 async def test_a_streaming_client_that_goes_away_gets_its_request_cancelled(client, stack):
     """A raw client streams a long request, reads two deltas and closes its connection without a
-    cancel: the server's "no responders" to the next delta tells the executor."""
+    cancel: the server's "no responders" to the deltas after it tells the executor (once they
+    have found nobody for `distributed.client_gone_after_s`)."""
     import nats
 
     before = await service_stats(client, "executor")
