@@ -208,11 +208,12 @@ MANAGED_STREAM_FIELDS = ("subjects", "retention", "storage", "max_msgs", "discar
 FIXED_STREAM_FIELDS = ("retention", "storage")
 
 
-def ended_window_s(heartbeat_interval_s: float) -> float:
+def ended_window_s(distributed) -> float:
     """How long a service's holding reports name each request it answered (Holding.ended):
-    long enough that one of them outlives a failover's lost messages; admission, having heard
-    it once, remembers it for longer (ENDED_KEPT_LEASES)."""
-    return max(3.0, 4 * heartbeat_interval_s)
+    a lease and two reports, so that one of them reaches an admission that missed the Done and
+    would otherwise take the request for lost; admission, having heard it once, remembers it
+    for longer (ENDED_KEPT_LEASES)."""
+    return max(3.0, distributed.heartbeat_timeout_s + 2 * distributed.heartbeat_interval_s)
 
 
 ENDED_KEPT_LEASES = 12  # how long admission remembers a request reported answered, in leases
@@ -468,7 +469,7 @@ class Outbox:
         self.nc, self.js, self.subjects = nc, js, subjects
         self.inbox_prefix, self.tenant_inboxes = inbox_prefix, tenant_inboxes
         # Requests answered here, and when (monotonic), oldest first.
-        self.ended: dict[RequestKey, tuple[Ended, float]] = {}
+        self.ended: dict[tuple[RequestKey, float], tuple[Ended, float]] = {}
 
     def recently_ended(self, window_s: float) -> list[Ended]:
         """The requests this service answered within `window_s` (what its holding reports
@@ -551,9 +552,8 @@ class Outbox:
         if done:
             # The request's state ends before the Done: if no admission hears the Done, the
             # state does not outlive the request (shared/request_state.py).
-            self.ended.pop(item.key, None)  # (ordered by when)
-            self.ended[item.key] = (Ended(item.tenant, item.request_id, item.arrival_time),
-                                    time.monotonic())
+            self.ended[(item.key, item.arrival_time)] = (
+                Ended(item.tenant, item.request_id, item.arrival_time), time.monotonic())
             await tombstone(self.nc, self.subjects, item.key, item.durable)
             await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
 

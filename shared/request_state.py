@@ -113,6 +113,7 @@ class RequestStates:
     def __init__(self, nc, js, subjects: Subjects, owner: str, timeout_s: float = 2.0):
         self.nc, self.js, self.subjects, self.owner = nc, js, subjects, owner
         self.timeout_s = timeout_s  # each JetStream call's
+        self.complete = True  # the last scan (`owners`) read every state it counted
 
     async def _cas(self, subject: str, payload: bytes, last: int) -> int | None:
         try:
@@ -224,12 +225,14 @@ class RequestStates:
                 ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                 headers_only=True, inactive_threshold=10.0, mem_storage=True))
         found = []
+        self.complete = True
         try:
             pending = (await sub.consumer_info()).num_pending
             while pending > 0:
                 try:
                     messages = await sub.fetch(min(pending, SCAN_BATCH), timeout=5.0)
-                except (NatsTimeoutError, TimeoutError):  # fewer came than counted: all there is
+                except (NatsTimeoutError, TimeoutError):  # fewer came than counted
+                    self.complete = False
                     break
                 for msg in messages:
                     owner = (msg.headers or {}).get(OWNER_HEADER)

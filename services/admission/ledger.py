@@ -120,9 +120,10 @@ class Ledger:
     def claim(self, key: RequestKey, watched: Watched, durable: bool) -> bool:
         """Watch a request taken over from another admission (its state read from LLM_STATE):
         False when it is watched here already."""
-        if self.watches(key):
+        table = self.held if durable else self.generates
+        if key in table:
             return False
-        self._put(self.held if durable else self.generates, key, watched)
+        self._put(table, key, watched)
         return True
 
     def get(self, key: RequestKey, durable: bool) -> Watched | None:
@@ -135,9 +136,9 @@ class Ledger:
         if watched is not None:
             watched.since, watched.submitting = self.clock, False
 
-    def unwatch(self, key: RequestKey, durable: bool) -> None:
+    def unwatch(self, key: RequestKey, durable: bool) -> Watched | None:
         """Priority did not take it (or handing it over failed): not watched after all."""
-        self._pop(self.held if durable else self.generates, key)
+        return self._pop(self.held if durable else self.generates, key)
 
     def redelivered(self, key: RequestKey, msg: object) -> bool:
         """JetStream delivers a durable request again. True when it is already held (still

@@ -156,8 +156,9 @@ class Admission:
         self.scan_task: asyncio.Task | None = None
         self.rescan = False  # a scan failed, or missed an admission that fell silent meanwhile
         self.state_writes: set[asyncio.Task] = set()  # writes to LLM_STATE under way
-        # Requests a holder reported answered (Holding.ended): key -> (arrival, ledger clock)
-        self.ended: dict[RequestKey, tuple[float, float]] = {}
+        # Requests a holder reported answered (Holding.ended): (key, arrival) -> ledger clock,
+        # oldest first
+        self.ended: dict[tuple[RequestKey, float], float] = {}
         self.counts = dict(admitted=0, durable_admitted=0, rejected=0, durable_acked=0,
                            redelivered_with_result=0, durable_redelivered=0,
                            durable_delayed=0, durable_adopted=0, durable_handed_on=0,
@@ -420,14 +421,21 @@ class Admission:
                           message="the priority service is not answering (TimeoutError)")
         except BaseException:
             if watched:
-                self.ledger.unwatch(item.key, durable=item.durable)
+                self.unwatch(item.key, item.durable)
             raise
         if watched:
             if error is None:
                 self.ledger.submitted(item.key, durable=item.durable)
             else:
-                self.ledger.unwatch(item.key, durable=item.durable)
+                self.unwatch(item.key, item.durable)
         return error
+
+    def unwatch(self, key: RequestKey, durable: bool) -> None:
+        """Not watched after all (priority did not take it): its state, if written, ends too
+        (if not written yet, `persist` ends it when it lands)."""
+        held = self.ledger.unwatch(key, durable)
+        if held is not None and held.revision is not None:
+            self.background(self.end_state(key, durable, held.revision))
 
     def read_metrics(self) -> list[Reading]:
         counts = self.counts
@@ -628,7 +636,7 @@ class Admission:
             error = Error(request_id=request_id, code="internal",
                           message=f"admission failed {failures} times: {exc!r}")
             await self.outbox.store_result(tenant, request_id, error)
-            self.ledger.unwatch(key, durable=True)
+            self.unwatch(key, durable=True)
             del self.failures[key]
             await msg.ack()
         except Exception:
@@ -843,9 +851,9 @@ class Admission:
         watch here if its Done was lost; and it is remembered, so a take-over does not run
         it again."""
         key = ended.key
-        if self.ended.get(key, (None,))[0] == ended.arrival_time:
+        if (key, ended.arrival_time) in self.ended:
             return  # heard before (each is named in several reports)
-        self.ended[key] = (ended.arrival_time, self.ledger.clock)
+        self.ended[(key, ended.arrival_time)] = self.ledger.clock
         for durable in (False, True):
             held = self.ledger.get(key, durable)
             if held is None or held.arrival != ended.arrival_time:
@@ -861,8 +869,8 @@ class Admission:
     def forget_ended(self) -> None:
         """Requests reported answered longer ago than the reports name them (and a lease)."""
         horizon = self.ledger.clock - ENDED_KEPT_LEASES * self.ledger.lease_s
-        for key in [k for k, (_, at) in self.ended.items() if at < horizon]:
-            del self.ended[key]
+        while self.ended and next(iter(self.ended.values())) < horizon:
+            del self.ended[next(iter(self.ended))]
 
     async def end_state(self, key: RequestKey, durable: bool, revision: int) -> None:
         """Tombstone the state of a request that ended, acked and retried: the tombstone its
@@ -901,7 +909,7 @@ class Admission:
         waits a lease for them."""
         state = taken.state
         arrival = state.arrival_time
-        if self.ended.get(key, (None,))[0] == arrival:  # answered; its end was lost
+        if (key, arrival) in self.ended:  # answered; its end was lost
             self.background(self.end_state(key, state.durable, taken.revision))
             return False
         since = self.ledger.clock if self.ledger.young else -math.inf
@@ -927,12 +935,15 @@ class Admission:
         leave = frozenset((self.owner, *self.peers))
         try:
             owners = await self.states.owners()
+            self.rescan |= not self.states.complete
         except Exception as exc:
             self.counts["state_errors"] += 1
             self.rescan = True  # at the next tick, not in 12 leases
             log.warning("request states not scanned", error=repr(exc))
             return
         for subject, owner in owners:
+            # (Peers heard since the scan began are left alone too: one just started.)
+            leave = frozenset((self.owner, *self.peers))
             if owner in leave:
                 continue
             taken = await self.take(leave=leave, subject=subject)
@@ -979,7 +990,12 @@ class Admission:
         self.counts["let_go"] += 1
         if self.ledger.get(key, durable) is held:
             self.ledger.unwatch(key, durable)
-        if held.msg is not None and await self.has_result(*key):
+        try:
+            stored = held.msg is not None and await self.has_result(*key)
+        except Exception as exc:  # JetStream away: its redelivery settles it
+            log.warning("could not look for a result", error=repr(exc))
+            stored = False
+        if stored:
             await _quietly(held.msg.ack())
 
     async def on_holding(self, msg) -> None:
@@ -1018,6 +1034,9 @@ class Admission:
             else:
                 if revision is None:
                     await self.let_go(key, held, item.durable)
+                    return False
+                if self.ledger.get(key, item.durable) is not held:  # it ended meanwhile
+                    self.background(self.end_state(key, item.durable, revision))
                     return False
             held.revision, held.checkpointed = revision, -1  # its checkpoint follows
         try:

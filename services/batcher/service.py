@@ -103,7 +103,7 @@ class BatcherService:
                           self.config.distributed.heartbeat_interval_s,
                           lambda: list(self.holding),
                           lambda: self.outbox.recently_ended(
-                              ended_window_s(self.config.distributed.heartbeat_interval_s))),
+                              ended_window_s(self.config.distributed))),
                           name="holding")]
         if self.config.scheduler.batch_level.overtaking_dispatch:
             self.tasks.append(asyncio.create_task(self._until_stopped(self.overtake_once),

@@ -406,7 +406,7 @@ class ExecutorService:
                 if time.monotonic() - holding_at >= interval:
                     holding_at = time.monotonic()
                     ended = self.outbox.recently_ended(
-                        ended_window_s(self.config.distributed.heartbeat_interval_s))
+                        ended_window_s(self.config.distributed))
                     for report in holding_reports(self.name, self.running, self.engine,
                                                   payload_budget(self.nc), ended):
                         await self.nc.publish(self.subjects.holding, encode(report))

@@ -125,7 +125,7 @@ class PriorityService:
                           self.nc, self.subjects, "priority", self.heartbeat_interval_s,
                           lambda: [item.key for item in self.queue.items()],
                           lambda: self.outbox.recently_ended(
-                              ended_window_s(self.distributed.heartbeat_interval_s))),
+                              ended_window_s(self.distributed))),
                           name="holding"),
                       asyncio.create_task(every(EXPIRY_CHECK_S, self.expire_and_forget),
                                           name="expiry"),

@@ -94,6 +94,7 @@ async def test_the_cluster_override_runs_three_nodes_of_one_cluster(tmp_path):
         environment = services[name]["environment"]
         assert environment["NATS_URL"].split(",") == [f"nats://{n}:4222" for n in CLUSTER_NODES]
         assert environment["JETSERVE_NATS__REPLICAS"] == "3"
+        assert set(services[name]["depends_on"]) == set(CLUSTER_NODES)  # all three up first
     commands = [services[n]["command"] for n in CLUSTER_NODES]
     assert len({c[c.index("--name") + 1] for c in commands}) == 3
     assert len({services[n]["volumes"][0] for n in CLUSTER_NODES}) == 3  # a store each
