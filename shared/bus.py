@@ -554,7 +554,7 @@ class Outbox:
             # state does not outlive the request (shared/request_state.py).
             self.ended[(item.key, item.arrival_time)] = (
                 Ended(item.tenant, item.request_id, item.arrival_time), time.monotonic())
-            await tombstone(self.nc, self.subjects, item.key, item.durable)
+            await tombstone(self.nc, self.subjects, item.key, item.durable, item.arrival_time)
             await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
 
     async def _deliver(self, item: WorkItem, output: Completion | Error,

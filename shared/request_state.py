@@ -33,6 +33,7 @@ from shared.subjects import Subjects
 
 STATE_STREAM = "LLM_STATE"
 OWNER_HEADER = "Jetserve-Owner"
+ARRIVAL_HEADER = "Jetserve-Arrival"  # on a tombstone: which request of the id ended
 TOMBSTONE_TTL = "60s"  # how long an ended request's empty message stays (JetStream's Nats-TTL)
 CHECKPOINT_TTL = "1h"  # a checkpoint not renewed for this long expires (its request is gone)
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the expected last sequence did not match
@@ -88,10 +89,11 @@ def fairness_subject(subjects: Subjects) -> str:
     return f"{subjects.prefix}.internal.state.fairness"
 
 
-async def tombstone(nc, subjects: Subjects, key: RequestKey, durable: bool) -> None:
+async def tombstone(nc, subjects: Subjects, key: RequestKey, durable: bool,
+                    arrival_time: float) -> None:
     """The request ended: its state and checkpoint are emptied (stored without an ack; each
-    tombstone expires after TOMBSTONE_TTL)."""
-    headers = {"Nats-TTL": TOMBSTONE_TTL}
+    tombstone expires after TOMBSTONE_TTL, and says which request of the id it ends)."""
+    headers = {"Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: repr(arrival_time)}
     await nc.publish(request_subject(subjects, key, durable), b"", headers=headers)
     await nc.publish(checkpoint_subject(subjects, key, durable), b"", headers=headers)
 
@@ -146,6 +148,17 @@ class RequestStates:
         return await self._cas(request_subject(self.subjects, state.key, state.durable),
                                _encode(state), last)
 
+    async def write_over_stale(self, state: RequestState) -> int | None:
+        """`state` again over a tombstone that ended another request of the same id (an
+        earlier one's answerer, late): the new revision, or None when the subject holds
+        anything else (this request's own end, another admission's write, or nothing)."""
+        subject = request_subject(self.subjects, state.key, state.durable)
+        last = await self._last(subject)
+        if last is None or last.data or (last.headers or {}).get(ARRIVAL_HEADER) in (
+                None, repr(state.arrival_time)):
+            return None
+        return await self.write(state, last.seq)
+
     async def _last(self, subject: str):
         try:
             return await self.js.get_last_msg(STATE_STREAM, subject, direct=True)
@@ -195,13 +208,14 @@ class RequestStates:
                 return taken
         return None
 
-    async def end(self, key: RequestKey, durable: bool, last: int) -> None:
+    async def end(self, key: RequestKey, durable: bool, last: int, arrival_time: float) -> None:
         """The ended request's tombstone, over revision `last` (acked); done already when the
         subject moved on (its answerer's tombstone, or another admission's write)."""
         try:
             await self.js.publish(request_subject(self.subjects, key, durable), b"",
                                   timeout=self.timeout_s, stream=STATE_STREAM,
                                   headers={"Nats-TTL": TOMBSTONE_TTL,
+                                           ARRIVAL_HEADER: repr(arrival_time),
                                            "Nats-Expected-Last-Subject-Sequence": str(last)})
         except APIError as exc:
             if exc.err_code != WRONG_LAST_SEQUENCE:

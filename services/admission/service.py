@@ -396,7 +396,7 @@ class Admission:
         if kept is not None and kept.item is encoded:
             kept.revision = revision
         else:  # refused by priority, or already answered: its state goes too
-            await self.end_state(item.key, item.durable, revision)
+            await self.end_state(item.key, item.durable, revision, item.arrival_time)
 
     async def _submit_watched(self, item: WorkItem, msg, watched: bool, seat: list[str] | None,
                               received: float | None) -> Error | None:
@@ -435,7 +435,7 @@ class Admission:
         (if not written yet, `persist` ends it when it lands)."""
         held = self.ledger.unwatch(key, durable)
         if held is not None and held.revision is not None:
-            self.background(self.end_state(key, durable, held.revision))
+            self.background(self.end_state(key, durable, held.revision, held.arrival))
 
     def read_metrics(self) -> list[Reading]:
         counts = self.counts
@@ -841,7 +841,8 @@ class Admission:
         if held is None:  # another admission watches it
             return
         if held.revision is not None:
-            self.background(self.end_state(done.key, done.durable, held.revision))
+            self.background(self.end_state(done.key, done.durable, held.revision,
+                                           done.arrival_time))
         if done.durable and held.msg is not None:
             await held.msg.ack()
             self.counts["durable_acked"] += 1
@@ -861,7 +862,8 @@ class Admission:
             self.ledger.done(key, durable)
             self.counts["ended_by_report"] += 1
             if held.revision is not None:
-                self.background(self.end_state(key, durable, held.revision))
+                self.background(self.end_state(key, durable, held.revision,
+                                               ended.arrival_time))
             if durable and held.msg is not None:  # its result is stored: it was answered
                 await _quietly(held.msg.ack())
                 self.counts["durable_acked"] += 1
@@ -872,14 +874,15 @@ class Admission:
         while self.ended and next(iter(self.ended.values())) < horizon:
             del self.ended[next(iter(self.ended))]
 
-    async def end_state(self, key: RequestKey, durable: bool, revision: int) -> None:
+    async def end_state(self, key: RequestKey, durable: bool, revision: int,
+                        arrival_time: float) -> None:
         """Tombstone the state of a request that ended, acked and retried: the tombstone its
         answerer published (without an ack) may have been lost in a failover, and a state
         left behind would be taken for a lost request and run again. A tombstone there already,
         or another admission's write, ends the attempt."""
         for attempt in range(5):
             try:
-                await self.states.end(key, durable, revision)
+                await self.states.end(key, durable, revision, arrival_time)
                 return
             except Exception as exc:
                 if attempt == 4:
@@ -910,7 +913,8 @@ class Admission:
         state = taken.state
         arrival = state.arrival_time
         if (key, arrival) in self.ended:  # answered; its end was lost
-            self.background(self.end_state(key, state.durable, taken.revision))
+            self.background(self.end_state(key, state.durable, taken.revision,
+                                           state.arrival_time))
             return False
         since = self.ledger.clock if self.ledger.young else -math.inf
         watched = Watched(msg, since, state.item, list(taken.token_ids), state.attempt,
@@ -984,6 +988,15 @@ class Admission:
                     await _quietly(self.states.checkpoint(key, durable, watched.arrival,
                                                           watched.attempt, watched.tokens))
 
+    async def write_over_stale(self, state: RequestState) -> int | None:
+        """`RequestStates.write_over_stale`, or None when LLM_STATE cannot be reached."""
+        try:
+            return await self.states.write_over_stale(state)
+        except Exception as exc:
+            self.counts["state_errors"] += 1
+            log.warning("request state not read", error=repr(exc))
+            return None
+
     async def let_go(self, key: RequestKey, held: Watched, durable: bool) -> None:
         """Its state moved on: another admission took it over, or it ended (its Done was
         lost). Not watched here any more; a durable one that ended is acked."""
@@ -1023,20 +1036,23 @@ class Admission:
             # Compare-and-set first: of two admissions that both took it for lost, one hands
             # it on; and one that ended meanwhile (its Done lost) is not run again.
             try:
-                revision = await self.states.write(RequestState(
-                    key.tenant, key.request_id, self.owner, item.attempt, item.durable,
-                    item.arrival_time, held.item), held.revision)
+                state = RequestState(key.tenant, key.request_id, self.owner, item.attempt,
+                                     item.durable, item.arrival_time, held.item)
+                revision = await self.states.write(state, held.revision)
             except Exception as exc:  # LLM_STATE away: handed on all the same, unkept
                 self.counts["state_errors"] += 1
                 log.warning("request state not written", tenant=key.tenant,
                             request_id=key.request_id, error=repr(exc))
                 revision = None
             else:
+                if revision is None:  # (or an earlier request of this id ended over it)
+                    revision = await self.write_over_stale(state)
                 if revision is None:
                     await self.let_go(key, held, item.durable)
                     return False
                 if self.ledger.get(key, item.durable) is not held:  # it ended meanwhile
-                    self.background(self.end_state(key, item.durable, revision))
+                    self.background(self.end_state(key, item.durable, revision,
+                                                   item.arrival_time))
                     return False
             held.revision, held.checkpointed = revision, -1  # its checkpoint follows
         try:

@@ -51,7 +51,7 @@ async def test_a_state_is_taken_over_once_and_ends_with_its_tombstone(tmp_path):
         assert sorted(owner for _, owner in await first.owners()) == sorted(
             [winner.state.owner, "admission-b"])  # the generate's, and the durable's
 
-        await tombstone(nc, subjects, KEY, durable=False)
+        await tombstone(nc, subjects, KEY, False, arrival_time=1.0)
         await nc.flush()
         assert await first.read(KEY, durable=False) is None
         assert await first.take(KEY, durable=False) is None
@@ -64,5 +64,16 @@ async def test_a_state_is_taken_over_once_and_ends_with_its_tombstone(tmp_path):
         assert await first.create(KEY, b"again", 0, False, 9.0) is not None
         again = await first.read(KEY, durable=False)
         assert (again.state.item, again.token_ids) == (b"again", [])
+        # The earlier request's tombstone, late, ends the new one's state: it is written again
+        # over it (the next compare-and-set fails, and names that tombstone) ...
+        await tombstone(nc, subjects, KEY, False, arrival_time=1.0)
+        await nc.flush()
+        assert await first.write(again.state, again.revision) is None
+        assert await first.write_over_stale(again.state) is not None
+        assert (await first.read(KEY, durable=False)).state.item == b"again"
+        # ... but not over its own end.
+        await tombstone(nc, subjects, KEY, False, arrival_time=9.0)
+        await nc.flush()
+        assert await first.write_over_stale(again.state) is None
         info = await js.stream_info(STATE_STREAM)
     assert info.config.allow_msg_ttl and info.config.max_msgs_per_subject == 1
