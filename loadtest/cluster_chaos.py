@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import signal
 import time
@@ -35,8 +36,11 @@ from shared.client import JetserveClient, _decode_output, _encode
 from shared.protocol import Completion, Delta, Error, GenerateRequest
 from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM
 
-# One process of each kind; "nats-server-client" is the node the client is connected to.
-VICTIMS = ["nats-server-client", "admission-1", "priority", "batcher-1", "executor-0"]
+# One process of each kind. "nats-server-other" is a node the client is not connected to (the
+# services on it fail over); "nats-server-client", the client's own, also tests the client's
+# failover, where a generate's answer in flight to it is lost as any core NATS message to a
+# subscriber whose server dies is (a durable request's is not: it is stored).
+VICTIMS = ["nats-server-other", "admission-1", "priority", "batcher-1", "executor-0"]
 SETTINGS = {"model.name": "sim:smollm2-cpu", "kv_cache.num_blocks": 4096,
             "distributed.heartbeat_interval_s": 0.25, "distributed.heartbeat_timeout_s": 1.5,
             "nats.ack_wait_s": 2.0, "scheduler.batch_level.max_num_seqs": 32,
@@ -98,8 +102,11 @@ async def chaos(stack, client, durable: int, generate: int, victims: list[str],
             ignore_eos=True, temperature=0.0, stream=True)), reply=f"{inbox}.{request_id}")
     kills = []
     for name in victims:
-        if name == "nats-server-client":  # the node whose loss disturbs the client most
-            name = f"nats-server-{stack.client_ports.index(client.nc.connected_url.port)}"
+        on = stack.client_ports.index(client.nc.connected_url.port)
+        if name == "nats-server-client":
+            name = f"nats-server-{on}"
+        elif name == "nats-server-other":
+            name = f"nats-server-{(on + 1) % len(stack.client_ports)}"
         await asyncio.sleep(gap_s)
         stack.processes[name].send_signal(signal.SIGKILL)
         await stack.processes[name].wait()
@@ -107,10 +114,16 @@ async def chaos(stack, client, durable: int, generate: int, victims: list[str],
         await asyncio.sleep(pause_s)
         await stack.restart(name)
     deadline = time.monotonic() + 300
-    while (len(durable_answers.finals) < durable or len(generate_answers.finals) < generate) \
-            and time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # (durable results counted where they are stored)
+        stored = (await client.js.stream_info(RESULTS_STREAM)).state.messages
+        if stored >= durable and len(generate_answers.finals) >= generate:
+            break
         await asyncio.sleep(0.1)
     ended = time.monotonic()
+    for request_id in durable_ids:  # one a disconnected subscription missed: read it
+        if request_id not in durable_answers.finals:
+            with contextlib.suppress(Exception):
+                durable_answers.add(request_id, await client.result(request_id, timeout=5))
     await asyncio.sleep(2 * lease_s)  # a second answer would come within this
     for subscription in subscriptions:
         await subscription.unsubscribe()

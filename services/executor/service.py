@@ -118,6 +118,7 @@ class ExecutorService:
         self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0, id_in_use=0,
                            client_gone=0, resumed=0, revoked=0, unassigned=0)
         self.probes: dict[str, RequestKey] = {}  # _Running.probe -> the request's key
+        self.storing: set[asyncio.Task] = set()  # durable results being stored
         # Streaming requests whose client's inbox had no subscriber: (first, last) such answer
         self.unheard: dict[RequestKey, tuple[float, float]] = {}
         self.probe_ids = itertools.count()
@@ -165,9 +166,12 @@ class ExecutorService:
             self.engine.abort(key)
         try:
             await asyncio.wait_for(self.outputs.join(), 10)  # what the aborts produced
+            if self.storing:  # durable results being stored
+                await asyncio.wait_for(asyncio.gather(*self.storing), 10)
         except TimeoutError:
-            log.warning("outputs still unsent at shutdown", pending=self.outputs.qsize())
-        await cancel_all(self.tasks)
+            log.warning("outputs still unsent at shutdown", pending=self.outputs.qsize(),
+                        storing=len(self.storing))
+        await cancel_all([*self.tasks, *self.storing])
         await self.engine.stop()
         self.collector.unregister()
 
@@ -383,7 +387,20 @@ class ExecutorService:
         if self.draining and item.durable and isinstance(output, Completion) \
                 and output.finish_reason == "cancelled":
             return  # cut short by shutdown, not by its client: it will run again elsewhere
+        if item.durable:
+            # Stored in JetStream, which may be electing a stream leader (a NATS node died):
+            # beside the publish loop, not in front of every other request's deltas.
+            task = asyncio.create_task(self.store(item, output, carrier_of(running.span)))
+            self.storing.add(task)
+            task.add_done_callback(self.storing.discard)
+            return
         await self.outbox.final(item, output, carrier_of(running.span))
+
+    async def store(self, item: WorkItem, output, headers: dict[str, str]) -> None:
+        try:
+            await self.outbox.final(item, output, headers)
+        except Exception:  # no Done: admission's lease hands it on, and LLM_RESULTS keeps one
+            log.exception("could not store a durable result", request_id=item.request_id)
 
     async def heartbeat_loop(self) -> None:
         interval = self.config.distributed.heartbeat_interval_s
