@@ -838,13 +838,17 @@ class Admission:
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)
         held = self.ledger.done(done.key, done.durable)
-        if held is None:  # another admission watches it
-            return
+        if held is not None:  # (else another admission watches it)
+            await self.settle(done.key, done.durable, held, done.arrival_time)
+
+    async def settle(self, key: RequestKey, durable: bool, held: Watched,
+                     arrival_time: float) -> None:
+        """A request watched here was answered: its state ends, and a durable one's message
+        is acked (its result is stored)."""
         if held.revision is not None:
-            self.background(self.end_state(done.key, done.durable, held.revision,
-                                           done.arrival_time))
-        if done.durable and held.msg is not None:
-            await held.msg.ack()
+            self.background(self.end_state(key, durable, held.revision, arrival_time))
+        if durable and held.msg is not None:
+            await _quietly(held.msg.ack())
             self.counts["durable_acked"] += 1
 
     async def on_ended(self, ended: Ended) -> None:
@@ -861,15 +865,10 @@ class Admission:
                 continue
             self.ledger.done(key, durable)
             self.counts["ended_by_report"] += 1
-            if held.revision is not None:
-                self.background(self.end_state(key, durable, held.revision,
-                                               ended.arrival_time))
-            if durable and held.msg is not None:  # its result is stored: it was answered
-                await _quietly(held.msg.ack())
-                self.counts["durable_acked"] += 1
+            await self.settle(key, durable, held, ended.arrival_time)
 
     def forget_ended(self) -> None:
-        """Requests reported answered longer ago than the reports name them (and a lease)."""
+        """Forget requests reported answered more than ENDED_KEPT_LEASES leases ago."""
         horizon = self.ledger.clock - ENDED_KEPT_LEASES * self.ledger.lease_s
         while self.ended and next(iter(self.ended.values())) < horizon:
             del self.ended[next(iter(self.ended))]
