@@ -32,7 +32,7 @@ from shared.config import ConfigError, JetserveConfig, NatsSection, nats_servers
 from shared.keys import RequestKey
 from shared.messages import (Done, Ended, Holding, WorkItem, encode, ended_bytes,
                              holding_entry_bytes)
-from shared.request_state import STATE_STREAM, state_subjects, tombstone
+from shared.request_state import STATE_STREAM, claim_answer, state_subjects, tombstone
 from shared.protocol import (
     Completion,
     Delta,
@@ -54,6 +54,8 @@ from shared.subjects import (
 
 log = structlog.get_logger()
 
+SECOND_ANSWERS = counter("second_answers_withheld", "Final answers not sent: another attempt "
+                         "of the request had answered it (shared/request_state.py)")
 REPLIES_REFUSED = counter("replies_refused", "Requests given no answer: their reply subject was "
                           "not a client inbox (docs/protocol.md)", ("endpoint",))
 
@@ -537,7 +539,19 @@ class Outbox:
         store that refuses it: disk full, stream limits) is replaced by an `internal` Error
         saying why. Admission is told either way: a request whose answer cannot be delivered
         ends, rather than running again every lease. A server or JetStream that is only away
-        (a timeout, no responders) raises instead, with no Done: the lease hands it on."""
+        (a timeout, no responders) raises instead, with no Done: the lease hands it on.
+
+        A generate's answer is claimed first (`claim_answer`, one JetStream round trip): an
+        attempt whose request was answered already sends nothing, and says Done only, so that
+        whoever watches this attempt stops."""
+        claimed = done and not item.durable
+        if claimed and not await claim_answer(self.js, self.subjects, item.key,
+                                              item.arrival_time):
+            SECOND_ANSWERS.inc()
+            log.warning("a second final answer was not sent: the request was answered",
+                        tenant=item.tenant, request_id=item.request_id, attempt=item.attempt)
+            await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
+            return
         try:
             await self._deliver(item, output, headers)
         except Exception as exc:
@@ -554,7 +568,8 @@ class Outbox:
             # state does not outlive the request (shared/request_state.py).
             self.ended[(item.key, item.arrival_time)] = (
                 Ended(item.tenant, item.request_id, item.arrival_time), time.monotonic())
-            await tombstone(self.nc, self.subjects, item.key, item.durable, item.arrival_time)
+            await tombstone(self.nc, self.subjects, item.key, item.durable, item.arrival_time,
+                            state=not claimed)
             await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
 
     async def _deliver(self, item: WorkItem, output: Completion | Error,

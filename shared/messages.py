@@ -200,8 +200,8 @@ class CancelRequest(msgspec.Struct, array_like=True):
 
 
 class Revoke(msgspec.Struct, array_like=True):
-    """To every executor: drop this attempt (or an earlier one) of a durable request, without a
-    result; admission handed the request on after taking its holder for dead."""
+    """To every executor and priority: drop this attempt (or an earlier one) of a request,
+    without an answer; admission handed the request on after taking its holder for dead."""
 
     tenant: str
     request_id: str

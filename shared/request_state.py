@@ -15,13 +15,19 @@ Stream LLM_STATE (file storage, `nats.replicas` copies) keeps one message per su
 Whoever gives a request its final answer (`Outbox.final`) writes an empty message, a
 tombstone with a short TTL, on both subjects before it says Done: a request whose Done is
 lost while no admission is alive is not taken for lost and run again, and a late
-compare-and-set against an ended request fails.
+compare-and-set against an ended request fails. A generate's tombstone is written, acked,
+before its answer is sent, under a JetStream message id naming the request
+(`claim_answer`): a second attempt reaching its end (one handed on while the first ran on,
+unheard) finds the id taken and sends nothing (a durable request's result store is its
+once-only check).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import secrets
 
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -34,6 +40,7 @@ from shared.subjects import Subjects
 STATE_STREAM = "LLM_STATE"
 OWNER_HEADER = "Jetserve-Owner"
 ARRIVAL_HEADER = "Jetserve-Arrival"  # on a tombstone: which request of the id ended
+ANSWERER_HEADER = "Jetserve-Answerer"  # on a generate's answer's tombstone: which answer
 TOMBSTONE_TTL = "60s"  # how long an ended request's empty message stays (JetStream's Nats-TTL)
 CHECKPOINT_TTL = "1h"  # a checkpoint not renewed for this long expires (its request is gone)
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the expected last sequence did not match
@@ -90,12 +97,51 @@ def fairness_subject(subjects: Subjects) -> str:
 
 
 async def tombstone(nc, subjects: Subjects, key: RequestKey, durable: bool,
-                    arrival_time: float) -> None:
-    """The request ended: its state and checkpoint are emptied (stored without an ack; each
-    tombstone expires after TOMBSTONE_TTL, and says which request of the id it ends)."""
+                    arrival_time: float, state: bool = True) -> None:
+    """The request ended: its state (unless `state` is False: `claim_answer` emptied it) and
+    checkpoint are emptied (stored without an ack; each tombstone expires after TOMBSTONE_TTL,
+    and says which request of the id it ends)."""
     headers = {"Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: repr(arrival_time)}
-    await nc.publish(request_subject(subjects, key, durable), b"", headers=headers)
+    if state:
+        await nc.publish(request_subject(subjects, key, durable), b"", headers=headers)
     await nc.publish(checkpoint_subject(subjects, key, durable), b"", headers=headers)
+
+
+async def claim_answer(js, subjects: Subjects, key: RequestKey, arrival_time: float,
+                       timeout_s: float = 2.0, tries: int = 3) -> bool:
+    """A generate's final answer is about to be sent: its state's tombstone first, acked and
+    deduplicated by JetStream on a message id that names the request (not the attempt), so
+    that of two attempts that both reach their end, only the first answers. Two can: a holder
+    cut off from NATS for a lease (its node died) is taken for dead and its request handed on,
+    while it runs on unheard, or its attempt waits in a queue a revoke does not reach.
+
+    False: the request was answered already (the id was seen within the stream's duplicate
+    window). True also when LLM_STATE does not acknowledge in `tries` tries: the answer goes
+    out (a second answer is possible then; a lost one would be worse)."""
+    answerer = secrets.token_hex(8)
+    headers = {"Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: repr(arrival_time),
+               ANSWERER_HEADER: answerer,
+               "Nats-Msg-Id": f"answered.{key_token(key, False)}.{arrival_time!r}"}
+    subject = request_subject(subjects, key, False)
+    for attempt in range(tries):
+        try:
+            ack = await js.publish(subject, b"", timeout=timeout_s, stream=STATE_STREAM,
+                                   headers=headers)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a leader being elected, a node away: tried again
+            await asyncio.sleep(0.1 * (attempt + 1))
+            continue
+        if not ack.duplicate:
+            return True
+        if attempt == 0:
+            return False
+        # After a try that timed out, the duplicate may be that try's own tombstone.
+        with contextlib.suppress(Exception):
+            last = await js.get_last_msg(STATE_STREAM, subject, direct=True)
+            return (last.headers or {}).get(ANSWERER_HEADER) == answerer
+        return True
+    return True
 
 
 class Taken(msgspec.Struct):

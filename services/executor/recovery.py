@@ -10,11 +10,13 @@ from shared.messages import Holding, Progress, ended_bytes, holding_entry_bytes,
 
 
 def holding_reports(holder: str, running: dict, engine: Engine, budget: int,
-                    ended: list = ()) -> list[Holding]:
+                    ended: list = (), answering=()) -> list[Holding]:
     """`running`: the executor's requests by key, each with its WorkItem (`item`) and how many
     of its outputs a checkpoint has reported (`reported`, advanced here); `ended`: the requests
-    it answered lately (shared.bus.Outbox.recently_ended)."""
-    held, progress = [], []
+    it answered lately (shared.bus.Outbox.recently_ended); `answering`: the keys of those whose
+    final answer is being sent (held still: a store or claim waiting on JetStream is not a
+    lost request)."""
+    held, progress = list(answering), []
     for key, entry in running.items():
         item = entry.item
         held.append(key)

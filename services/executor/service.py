@@ -118,7 +118,8 @@ class ExecutorService:
         self.counts = dict(completed=0, cancelled=0, errors=0, duplicates=0, id_in_use=0,
                            client_gone=0, resumed=0, revoked=0, unassigned=0)
         self.probes: dict[str, RequestKey] = {}  # _Running.probe -> the request's key
-        self.storing: set[asyncio.Task] = set()  # durable results being stored
+        # Final answers being sent (Outbox.final), with their requests' keys: still held.
+        self.answering: dict[asyncio.Task, RequestKey] = {}
         # Streaming requests whose client's inbox had no subscriber: (first, last) such answer
         self.unheard: dict[RequestKey, tuple[float, float]] = {}
         self.probe_ids = itertools.count()
@@ -166,12 +167,12 @@ class ExecutorService:
             self.engine.abort(key)
         try:
             await asyncio.wait_for(self.outputs.join(), 10)  # what the aborts produced
-            if self.storing:  # durable results being stored
-                await asyncio.wait_for(asyncio.gather(*self.storing), 10)
+            if self.answering:  # final answers being sent (Outbox.final)
+                await asyncio.wait_for(asyncio.gather(*self.answering), 10)
         except TimeoutError:
             log.warning("outputs still unsent at shutdown", pending=self.outputs.qsize(),
-                        storing=len(self.storing))
-        await cancel_all([*self.tasks, *self.storing])
+                        answering=len(self.answering))
+        await cancel_all([*self.tasks, *self.answering])
         await self.engine.stop()
         self.collector.unregister()
 
@@ -387,20 +388,19 @@ class ExecutorService:
         if self.draining and item.durable and isinstance(output, Completion) \
                 and output.finish_reason == "cancelled":
             return  # cut short by shutdown, not by its client: it will run again elsewhere
-        if item.durable:
-            # Stored in JetStream, which may be electing a stream leader (a NATS node died):
-            # beside the publish loop, not in front of every other request's deltas.
-            task = asyncio.create_task(self.store(item, output, carrier_of(running.span)))
-            self.storing.add(task)
-            task.add_done_callback(self.storing.discard)
-            return
-        await self.outbox.final(item, output, carrier_of(running.span))
+        # A durable result is stored in JetStream, and a generate's answer claimed there
+        # first (Outbox.final), which may be electing a stream leader (a NATS node died):
+        # beside the publish loop, not in front of every other request's deltas.
+        task = asyncio.create_task(self.answer(item, output, carrier_of(running.span)))
+        self.answering[task] = item.key
+        task.add_done_callback(self.answering.pop)
 
-    async def store(self, item: WorkItem, output, headers: dict[str, str]) -> None:
+    async def answer(self, item: WorkItem, output, headers: dict[str, str]) -> None:
         try:
             await self.outbox.final(item, output, headers)
         except Exception:  # no Done: admission's lease hands it on, and LLM_RESULTS keeps one
-            log.exception("could not store a durable result", request_id=item.request_id)
+            log.exception("could not deliver a final answer", request_id=item.request_id,
+                          durable=item.durable)
 
     async def heartbeat_loop(self) -> None:
         interval = self.config.distributed.heartbeat_interval_s
@@ -425,7 +425,8 @@ class ExecutorService:
                     ended = self.outbox.recently_ended(
                         ended_window_s(self.config.distributed))
                     for report in holding_reports(self.name, self.running, self.engine,
-                                                  payload_budget(self.nc), ended):
+                                                  payload_budget(self.nc), ended,
+                                                  self.answering.values()):
                         await self.nc.publish(self.subjects.holding, encode(report))
             except Exception:  # a missed beat is survivable; a dead loop looks like a dead executor
                 log.exception("heartbeat failed")

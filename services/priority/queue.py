@@ -151,6 +151,10 @@ class WaitingQueue:
             items[row] = self._take(row)
         return [items[row] for row in rows]
 
+    def get(self, key: RequestKey) -> WorkItem | None:
+        row = self._row_of.get(key)
+        return None if row is None else self._items[row]
+
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         """Take a request out (a cancel); only its own tenant may."""
         row = self._row_of.get(RequestKey(tenant, request_id))

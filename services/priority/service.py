@@ -39,6 +39,7 @@ from shared.messages import (
     Heartbeat,
     NextReply,
     NextRequest,
+    Revoke,
     SubmitReply,
     WorkItem,
     decoder,
@@ -64,6 +65,7 @@ _next = decoder(NextRequest)
 _heartbeat = decoder(Heartbeat)
 _done = decoder(Done)
 _cancel = decoder(CancelRequest)
+_revoke = decoder(Revoke)
 EXPIRY_CHECK_S = 0.05  # how late a waiting request may learn that its deadline passed
 BACKPRESSURE_CHECK_S = 0.1  # how often a full queue's refused tenants are looked at
 # The tenant counters saved in LLM_STATE are loaded at start if no older than this (beyond, the
@@ -96,7 +98,7 @@ class PriorityService:
         self.arrived = asyncio.Event()
         self.wait_spans: dict[RequestKey, Span] = {}  # each waiting request's queue wait
         self.counts = dict(submitted=0, dispatched=0, cancelled=0, overloaded=0,
-                           deadline_exceeded=0)
+                           deadline_exceeded=0, superseded=0)
         self.distributed = config.distributed
         self.heartbeat_interval_s = config.distributed.heartbeat_interval_s
         self.executor_seen: dict[str, float] = {}  # monotonic time of each one's last heartbeat
@@ -120,6 +122,7 @@ class PriorityService:
         await self.nc.subscribe(self.subjects.cancels, cb=self.on_cancel)
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         await self.nc.subscribe(self.subjects.done, cb=self.on_done)
+        await self.nc.subscribe(self.subjects.revoke, cb=self.on_revoke)
         self.service = service
         self.tasks = [asyncio.create_task(report_holding(  # the requests waiting here
                           self.nc, self.subjects, "priority", self.heartbeat_interval_s,
@@ -198,7 +201,29 @@ class PriorityService:
         self.executor_seen[heartbeat.executor] = time.monotonic()
 
     async def on_done(self, msg) -> None:
-        self.scheduler.done(_done.decode(msg.data), time.time())
+        done = _done.decode(msg.data)
+        self.scheduler.done(done, time.time())
+        self.superseded(done.key, lambda item: item.arrival_time == done.arrival_time)
+
+    async def on_revoke(self, msg) -> None:
+        revoke = _revoke.decode(msg.data)
+        self.superseded(RequestKey(revoke.tenant, revoke.request_id),
+                        lambda item: item.attempt <= revoke.attempt)
+
+    def superseded(self, key: RequestKey, which) -> None:
+        """A waiting request another attempt answered (its Done), or whose attempt admission
+        revoked (it handed the request on, to this priority's replica perhaps, while this one
+        was taken for lost): dropped without an answer, so that it does not run a second time
+        (the answer it would give, Outbox.final withholds; this saves the work)."""
+        item = self.scheduler.queue.get(key)
+        if item is None or not which(item):
+            return
+        self.scheduler.remove(key.request_id, key.tenant)
+        self.counts["superseded"] += 1
+        span = self.wait_spans.pop(key, None)
+        if span is not None:
+            span.set_attribute("superseded", True)
+            span.end()
 
     async def expire_and_forget(self) -> None:
         """End waiting requests whose deadline passed; forget executors that stopped beating."""

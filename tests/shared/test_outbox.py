@@ -115,3 +115,34 @@ async def test_an_item_whose_reply_subject_is_no_client_inbox_gets_nothing_there
         with pytest.raises(nats.errors.TimeoutError):
             await heard.next_msg(timeout=0.3)
     assert told.request_id == "forged"  # it ended all the same
+
+
+async def test_a_generate_is_answered_once_whichever_attempts_reach_their_end(tmp_path):
+    """Two attempts of one generate both finish (the first ran on, unheard, while the request
+    was handed on): the first answers, the second sends nothing and says Done only. The same
+    id sent again later (another arrival) is another request, and is answered."""
+    async with nats_server(tmp_path) as nc:
+        js = nc.jetstream()
+        await ensure_streams(js, JetserveConfig())
+        outbox = Outbox(nc, js, Subjects("llm"), "_INBOX")
+        inbox = await nc.subscribe("_INBOX.client")
+        done = await nc.subscribe("llm.internal.done")
+        first = work_item("twice", durable=False, reply_to="_INBOX.client")
+        second = msgspec.structs.replace(first, attempt=1)
+        await outbox.final(first, completion("twice", "first"))
+        await outbox.final(second, completion("twice", "second"))
+        answers = [decode_output(msg.data) for msg in await _drain(inbox)]
+        dones = [decoder(Done).decode(msg.data) for msg in await _drain(done)]
+        assert [a.text for a in answers] == ["first"]
+        assert [d.request_id for d in dones] == ["twice", "twice"]  # (its watcher stops)
+        again = msgspec.structs.replace(first, arrival_time=5.0)
+        await outbox.final(again, completion("twice", "again"))
+        assert [decode_output(m.data).text for m in await _drain(inbox)] == ["again"]
+
+
+async def _drain(sub, wait_s: float = 0.3) -> list:
+    out = []
+    with pytest.raises(nats.errors.TimeoutError):
+        while True:
+            out.append(await sub.next_msg(timeout=wait_s))
+    return out
