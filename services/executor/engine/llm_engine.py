@@ -17,13 +17,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from services.executor.engine.attention import TorchBackend
 from services.executor.engine.block_manager import BlockManager, KvPools
-from services.executor.engine.model import LlamaModel
-from services.executor.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from shared.preprocess import admitted, check_model, prompt_token_ids
 from services.executor.engine.request_state import RequestState
 from services.executor.engine.scheduler import Scheduler
@@ -31,10 +27,15 @@ from services.executor.engine.sequence import SamplingParams, Sequence
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.executor.engine.sim import SimRunner
 from shared.sim_profiles import load_profile
-from services.executor.engine.weights import load_model_files
 from shared.model_files import load_model_config, tokenizer_dir
 from shared.config import EngineConfig
 from shared.protocol import Completion, Delta, Error, GenerateRequest, ProtocolError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and the model's modules are imported by an engine that runs a model, not by a simulated
+# one (services/executor/engine/sim.py): a simulated executor starts in half a second, not two.
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,16 @@ class _Step:
 
 
 def _pick_device(config: EngineConfig) -> torch.device:
+    import torch
+
     if config.model.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(config.model.device)
 
 
 def _pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    import torch
+
     if config.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, config.model.dtype)
@@ -88,6 +93,8 @@ def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype
         from services.executor.engine.triton_backend import TritonBackend
 
         return TritonBackend(config.kv_cache.block_size, device, dtype)
+    from services.executor.engine.attention import TorchBackend
+
     return TorchBackend(config.kv_cache.block_size, device, dtype)
 
 
@@ -100,9 +107,11 @@ class Engine:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         simulated = config.model.name.startswith("sim:")
         if simulated:  # no weights, no tensors: the host's clock stands in for the device
-            self.device, self.dtype = torch.device("cpu"), torch.float32
+            self.device, self.dtype = None, None
             model_config, model_dir = load_model_config(config.model.name)
         else:
+            from services.executor.engine.weights import load_model_files
+
             self.device = _pick_device(config)
             self.dtype = _pick_dtype(config, self.device)
             model_config, weights, model_dir = self.on_model_thread(
@@ -111,7 +120,9 @@ class Engine:
         self.tokenizer = Tokenizer(tokenizer_dir(model_dir, config.model.weights_cache_dir,
                                                  config.model.tokenizer))
         self.model_config = model_config
-        self.kv_dtype = torch.int8 if config.kv_cache.dtype == "int8" else self.dtype
+        # The KV cache's dtype, by name ("float32" for a simulated engine's accounting).
+        self.kv_dtype_name = "int8" if config.kv_cache.dtype == "int8" else (
+            "float32" if self.dtype is None else str(self.dtype).removeprefix("torch."))
         self.model_name = config.model.name
         self.max_model_len = min(config.model.max_model_len or model_config.max_position,
                                  model_config.max_position)
@@ -125,16 +136,22 @@ class Engine:
             self.pool_sizes = self._split_pools(num_blocks)
             self.runner = SimRunner(profile, model_config.vocab_size, self.eos_token_id)
         else:
+            import torch
+
+            from services.executor.engine.model import LlamaModel
+            from services.executor.engine.model_runner import ModelRunner
+
             backend = _pick_backend(config, self.device, self.dtype)
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
                                           self.max_model_len)
             self.pool_sizes = self._split_pools(config.kv_cache.num_blocks
                                                 or self._blocks_that_fit())
             self.runner = self.on_model_thread(ModelRunner, model, backend, self.pool_sizes[0],
-                                                config.kv_cache.block_size, self.kv_dtype,
+                                                config.kv_cache.block_size,
+                                                getattr(torch, self.kv_dtype_name),
                                                 self.device, sum(self.pool_sizes[1:]))
             self.on_model_thread(self.runner.warm_up)
-        self.kv_pool_dtypes = [str(self.kv_dtype).removeprefix("torch."), "int8"][
+        self.kv_pool_dtypes = [self.kv_dtype_name, "int8"][
             :len(self.pool_sizes)]
         if len(self.pool_sizes) == 1:
             self.block_manager = BlockManager(self.pool_sizes[0], config.kv_cache.block_size,
@@ -161,14 +178,25 @@ class Engine:
         forward passes) that runs torch's parallel ops."""
         def call():
             if self.config.model.num_threads:  # OpenMP's thread count is the calling thread's
+                import torch
+
                 torch.set_num_threads(self.config.model.num_threads)
             return fn(*args)
         return self._worker.submit(call).result()
 
+    def _kv_bytes_per_block(self, dtype_name: str) -> int:
+        import torch
+
+        from services.executor.engine.model_runner import kv_cache_bytes_per_block
+
+        return kv_cache_bytes_per_block(self.model_config, self.config.kv_cache.block_size,
+                                        getattr(torch, dtype_name))
+
     def _blocks_that_fit(self) -> int:
-        per_block = kv_cache_bytes_per_block(self.model_config, self.config.kv_cache.block_size,
-                                             self.kv_dtype)
-        if self.device.type == "cuda":
+        per_block = self._kv_bytes_per_block(self.kv_dtype_name)
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.kv_cache.gpu_memory_utilization) * total
         else:
@@ -186,10 +214,9 @@ class Engine:
         fraction = self.config.kv_cache.compressed_fraction
         if self.config.kv_cache.compress_below_priority is None:
             return [num_blocks]
-        bs = self.config.kv_cache.block_size
-        full = kv_cache_bytes_per_block(self.model_config, bs, self.kv_dtype)
+        full = self._kv_bytes_per_block(self.kv_dtype_name)
         budget = num_blocks * full
-        compressed = kv_cache_bytes_per_block(self.model_config, bs, torch.int8)
+        compressed = self._kv_bytes_per_block("int8")
         return [max(2, int(budget * (1 - fraction) // full)),
                 max(2, int(budget * fraction // compressed))]
 
