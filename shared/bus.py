@@ -32,7 +32,7 @@ from shared.config import ConfigError, JetserveConfig, NatsSection, nats_servers
 from shared.keys import RequestKey
 from shared.messages import (Done, Ended, Holding, WorkItem, encode, ended_bytes,
                              holding_entry_bytes)
-from shared.request_state import STATE_STREAM, claim_answer, state_subjects, tombstone
+from shared.request_state import STATE_STREAM, Claim, claim_answer, state_subjects, tombstone
 from shared.protocol import (
     Completion,
     Delta,
@@ -541,36 +541,54 @@ class Outbox:
         ends, rather than running again every lease. A server or JetStream that is only away
         (a timeout, no responders) raises instead, with no Done: the lease hands it on.
 
-        A generate's answer is claimed first (`claim_answer`, one JetStream round trip): an
-        attempt whose request was answered already sends nothing, and says Done only, so that
-        whoever watches this attempt stops."""
-        claimed = done and not item.durable
-        if claimed and not await claim_answer(self.js, self.subjects, item.key,
-                                              item.arrival_time):
-            SECOND_ANSWERS.inc()
-            log.warning("a second final answer was not sent: the request was answered",
-                        tenant=item.tenant, request_id=item.request_id, attempt=item.attempt)
-            await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
-            return
+        A handed-on attempt of a generate claims its answer first (`claim_answer`, one
+        JetStream round trip): if the request was answered already it sends nothing, and says
+        Done only, so that whoever watches this attempt stops."""
+        claim = None
+        if done and not item.durable and item.attempt > 0:
+            claim = await claim_answer(self.js, self.subjects, item.key, item.arrival_time)
+            if claim is Claim.SECOND:
+                SECOND_ANSWERS.inc()
+                log.warning("a second final answer was not sent: the request was answered",
+                            tenant=item.tenant, request_id=item.request_id,
+                            attempt=item.attempt)
+                await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
+                return
         try:
             await self._deliver(item, output, headers)
         except Exception as exc:
             if not _refused_for_good(exc):
-                raise  # a server or JetStream away for now: no Done, the lease retries it
-            log.error("output not delivered; answering with an Error", tenant=item.tenant,
-                      request_id=item.request_id, error=repr(exc))
-            error = Error(request_id=item.request_id, code="internal",
-                          message=f"the {type(output).__name__.lower()} could not be delivered: "
-                                  f"{undeliverable(exc, self.nc)}")
-            await self._deliver(item, error, headers)  # failing too: no Done, retried
+                if claim is not Claim.FIRST:
+                    raise  # a server or JetStream away for now: no Done, the lease retries it
+                # Claimed: no later attempt would answer it, so this one tries again.
+                await self._deliver_again(item, output, headers)
+            else:
+                log.error("output not delivered; answering with an Error", tenant=item.tenant,
+                          request_id=item.request_id, error=repr(exc))
+                error = Error(request_id=item.request_id, code="internal",
+                              message=f"the {type(output).__name__.lower()} could not be "
+                                      f"delivered: {undeliverable(exc, self.nc)}")
+                await self._deliver(item, error, headers)  # failing too: no Done, retried
         if done:
             # The request's state ends before the Done: if no admission hears the Done, the
             # state does not outlive the request (shared/request_state.py).
             self.ended[(item.key, item.arrival_time)] = (
                 Ended(item.tenant, item.request_id, item.arrival_time), time.monotonic())
             await tombstone(self.nc, self.subjects, item.key, item.durable, item.arrival_time,
-                            state=not claimed)
+                            state=claim is not Claim.FIRST)
             await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
+
+    async def _deliver_again(self, item: WorkItem, output: Completion | Error,
+                             headers: dict[str, str] | None) -> None:
+        """A claimed generate's answer whose publish failed (the connection's buffer full while
+        it reconnects): tried for a few seconds more, then given up (raised: no Done)."""
+        for n in range(5):
+            await asyncio.sleep(0.5 * (n + 1))
+            try:
+                return await self._deliver(item, output, headers)
+            except Exception:
+                if n == 4:
+                    raise
 
     async def _deliver(self, item: WorkItem, output: Completion | Error,
                        headers: dict[str, str] | None) -> None:

@@ -15,19 +15,18 @@ Stream LLM_STATE (file storage, `nats.replicas` copies) keeps one message per su
 Whoever gives a request its final answer (`Outbox.final`) writes an empty message, a
 tombstone with a short TTL, on both subjects before it says Done: a request whose Done is
 lost while no admission is alive is not taken for lost and run again, and a late
-compare-and-set against an ended request fails. A generate's tombstone is written, acked,
-before its answer is sent, under a JetStream message id naming the request
-(`claim_answer`): a second attempt reaching its end (one handed on while the first ran on,
-unheard) finds the id taken and sends nothing (a durable request's result store is its
-once-only check).
+compare-and-set against an ended request fails. A handed-on attempt of a generate reads its
+state before it answers (`claim_answer`): one reaching its end after the first attempt
+(which ran on, unheard) finds that attempt's tombstone and sends nothing (a durable request's
+result store is its once-only check).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import hashlib
-import secrets
 
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -40,7 +39,6 @@ from shared.subjects import Subjects
 STATE_STREAM = "LLM_STATE"
 OWNER_HEADER = "Jetserve-Owner"
 ARRIVAL_HEADER = "Jetserve-Arrival"  # on a tombstone: which request of the id ended
-ANSWERER_HEADER = "Jetserve-Answerer"  # on a generate's answer's tombstone: which answer
 TOMBSTONE_TTL = "60s"  # how long an ended request's empty message stays (JetStream's Nats-TTL)
 CHECKPOINT_TTL = "1h"  # a checkpoint not renewed for this long expires (its request is gone)
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the expected last sequence did not match
@@ -107,41 +105,50 @@ async def tombstone(nc, subjects: Subjects, key: RequestKey, durable: bool,
     await nc.publish(checkpoint_subject(subjects, key, durable), b"", headers=headers)
 
 
-async def claim_answer(js, subjects: Subjects, key: RequestKey, arrival_time: float,
-                       timeout_s: float = 2.0, tries: int = 3) -> bool:
-    """A generate's final answer is about to be sent: its state's tombstone first, acked and
-    deduplicated by JetStream on a message id that names the request (not the attempt), so
-    that of two attempts that both reach their end, only the first answers. Two can: a holder
-    cut off from NATS for a lease (its node died) is taken for dead and its request handed on,
-    while it runs on unheard, or its attempt waits in a queue a revoke does not reach.
+class Claim(enum.Enum):
+    FIRST = "first"  # this attempt answers
+    SECOND = "second"  # another attempt answered: this one sends nothing
+    UNKNOWN = "unknown"  # LLM_STATE did not say: the answer goes out (a lost one is worse)
 
-    False: the request was answered already (the id was seen within the stream's duplicate
-    window). True also when LLM_STATE does not acknowledge in `tries` tries: the answer goes
-    out (a second answer is possible then; a lost one would be worse)."""
-    answerer = secrets.token_hex(8)
-    headers = {"Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: repr(arrival_time),
-               ANSWERER_HEADER: answerer,
-               "Nats-Msg-Id": f"answered.{key_token(key, False)}.{arrival_time!r}"}
+
+async def claim_answer(js, subjects: Subjects, key: RequestKey, arrival_time: float,
+                       timeout_s: float = 1.0, tries: int = 3) -> Claim:
+    """A handed-on attempt of a generate is about to answer. Two attempts can both reach their
+    end: a holder cut off from NATS for a lease (its node died) is taken for dead and its
+    request handed on while it runs on unheard, or its attempt waits in a queue a revoke
+    missed. The request's state, read from the stream's leader, says whether the other
+    answered: a tombstone of this request (its arrival time) is there, or the subject moved on
+    to a later request of the id. If not, this attempt's own tombstone goes there first, a
+    compare-and-set on what it read, so that of two claiming at once one answers. A first
+    attempt (never handed on) does not claim: its tombstone after its answer is what a later
+    one reads. Not covered: a handed-on attempt answering before the first one, which missed
+    its revoke and answers later."""
     subject = request_subject(subjects, key, False)
-    for attempt in range(tries):
+    arrival = repr(arrival_time)
+    for _ in range(tries):
         try:
-            ack = await js.publish(subject, b"", timeout=timeout_s, stream=STATE_STREAM,
-                                   headers=headers)
+            try:
+                last = await js.get_last_msg(STATE_STREAM, subject)
+            except NotFoundError:
+                return Claim.FIRST  # no state (expired, or never written): nothing to tell
+            headers = last.headers or {}
+            if not last.data:  # a tombstone: this request's, or an earlier one's of the id
+                if headers.get(ARRIVAL_HEADER) == arrival:
+                    return Claim.SECOND
+            elif _state.decode(last.data).arrival_time != arrival_time:
+                return Claim.SECOND  # a later request of the id: this one ended
+            await js.publish(subject, b"", timeout=timeout_s, stream=STATE_STREAM, headers={
+                "Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: arrival,
+                "Nats-Expected-Last-Subject-Sequence": str(last.seq)})
+            return Claim.FIRST
+        except APIError as exc:
+            if exc.err_code != WRONG_LAST_SEQUENCE:
+                await asyncio.sleep(0.1)
         except asyncio.CancelledError:
             raise
         except Exception:  # a leader being elected, a node away: tried again
-            await asyncio.sleep(0.1 * (attempt + 1))
-            continue
-        if not ack.duplicate:
-            return True
-        if attempt == 0:
-            return False
-        # After a try that timed out, the duplicate may be that try's own tombstone.
-        with contextlib.suppress(Exception):
-            last = await js.get_last_msg(STATE_STREAM, subject, direct=True)
-            return (last.headers or {}).get(ANSWERER_HEADER) == answerer
-        return True
-    return True
+            await asyncio.sleep(0.1)
+    return Claim.UNKNOWN
 
 
 class Taken(msgspec.Struct):

@@ -155,6 +155,12 @@ class WaitingQueue:
         row = self._row_of.get(key)
         return None if row is None else self._items[row]
 
+    def replace(self, item: WorkItem) -> None:
+        """A later attempt of a waiting request takes its place (same request: same row)."""
+        row = self._row_of.get(item.key)
+        if row is not None:
+            self._items[row] = item
+
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         """Take a request out (a cancel); only its own tenant may."""
         row = self._row_of.get(RequestKey(tenant, request_id))

@@ -298,6 +298,9 @@ class PriorityService:
         error = None
         if item.key in self.queue:
             if item.durable:  # delivered again while it waits here: it is already queued
+                waiting = self.queue.get(item.key)
+                if waiting is not None and item.attempt > waiting.attempt:
+                    self.queue.replace(item)  # (the revoke of the earlier one follows)
                 await request.respond(encode(SubmitReply()))
                 return
             error = Error(request_id=item.request_id, code="invalid_request",
