@@ -32,7 +32,8 @@ from shared.config import ConfigError, JetserveConfig, NatsSection, nats_servers
 from shared.keys import RequestKey
 from shared.messages import (Done, Ended, Holding, WorkItem, encode, ended_bytes,
                              holding_entry_bytes)
-from shared.request_state import STATE_STREAM, Claim, claim_answer, state_subjects, tombstone
+from shared.request_state import (STATE_STREAM, Claim, claim_answer, end_state, state_subjects,
+                                  tombstone)
 from shared.protocol import (
     Completion,
     Delta,
@@ -472,6 +473,7 @@ class Outbox:
         self.inbox_prefix, self.tenant_inboxes = inbox_prefix, tenant_inboxes
         # Requests answered here, and when (monotonic), oldest first.
         self.ended: dict[tuple[RequestKey, float], tuple[Ended, float]] = {}
+        self.ending: set[asyncio.Task] = set()  # answered requests' states being ended
 
     def recently_ended(self, window_s: float) -> list[Ended]:
         """The requests this service answered within `window_s` (what its holding reports
@@ -570,13 +572,25 @@ class Outbox:
                                       f"delivered: {undeliverable(exc, self.nc)}")
                 await self._deliver(item, error, headers)  # failing too: no Done, retried
         if done:
-            # The request's state ends before the Done: if no admission hears the Done, the
-            # state does not outlive the request (shared/request_state.py).
+            # The request's state ends here too, acked and retried beside (a JetStream electing
+            # a leader loses an unacked write): if no admission hears the Done, the state does
+            # not outlive the request (shared/request_state.py).
             self.ended[(item.key, item.arrival_time)] = (
                 Ended(item.tenant, item.request_id, item.arrival_time), time.monotonic())
             await tombstone(self.nc, self.subjects, item.key, item.durable, item.arrival_time,
-                            state=claim is not Claim.FIRST)
+                            state=False)  # (the checkpoint's; the state's, acked, beside)
+            if claim is not Claim.FIRST:
+                task = asyncio.create_task(self._end_state(item))
+                self.ending.add(task)
+                task.add_done_callback(self.ending.discard)
             await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
+
+    async def _end_state(self, item: WorkItem) -> None:
+        try:
+            await end_state(self.js, self.subjects, item.key, item.durable, item.arrival_time)
+        except Exception as exc:  # (its owner's end, after the Done, may still land)
+            log.warning("request state not ended", tenant=item.tenant,
+                        request_id=item.request_id, error=repr(exc))
 
     async def _deliver_again(self, item: WorkItem, output: Completion | Error,
                              headers: dict[str, str] | None) -> None:

@@ -105,6 +105,26 @@ async def tombstone(nc, subjects: Subjects, key: RequestKey, durable: bool,
     await nc.publish(checkpoint_subject(subjects, key, durable), b"", headers=headers)
 
 
+async def end_state(js, subjects: Subjects, key: RequestKey, durable: bool,
+                    arrival_time: float, tries: int = 12) -> None:
+    """The request's state tombstone, acked, tried again (for about 30 s) while LLM_STATE
+    elects a leader: an unacked one published then is lost, and the state left behind would be
+    taken over, as a lost request, by an admission that starts after the holding reports
+    naming it answered stopped (`Holding.ended`), and run a second time."""
+    headers = {"Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: repr(arrival_time)}
+    for n in range(tries):
+        try:
+            await js.publish(request_subject(subjects, key, durable), b"", timeout=2.0,
+                             stream=STATE_STREAM, headers=headers)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if n == tries - 1:
+                raise
+            await asyncio.sleep(min(0.5 * (n + 1), 3.0))
+
+
 class Claim(enum.Enum):
     FIRST = "first"  # this attempt answers
     SECOND = "second"  # another attempt answered: this one sends nothing

@@ -130,6 +130,7 @@ async def test_a_generate_is_answered_once_whichever_attempts_reach_their_end(tm
         first = work_item("twice", durable=False, reply_to="_INBOX.client")
         second = msgspec.structs.replace(first, attempt=1)
         await outbox.final(first, completion("twice", "first"))
+        await asyncio.gather(*outbox.ending)  # its state ended (acked, beside its answer)
         await outbox.final(second, completion("twice", "second"))
         answers = [decode_output(msg.data) for msg in await _drain(inbox)]
         dones = [decoder(Done).decode(msg.data) for msg in await _drain(done)]
