@@ -34,13 +34,16 @@ from loadtest.metrics import write_result
 from services.stack import Stack, free_port, temporary_stack
 from shared.client import JetserveClient, _decode_output, _encode
 from shared.protocol import Completion, Delta, Error, GenerateRequest
+from shared.request_state import STATE_STREAM
 from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM
 
-# One process of each kind. "nats-server-other" is a node the client is not connected to (the
-# services on it fail over); "nats-server-client", the client's own, also tests the client's
-# failover, where a generate's answer in flight to it is lost as any core NATS message to a
-# subscriber whose server dies is (a durable request's is not: it is stored).
-VICTIMS = ["nats-server-other", "admission-1", "priority", "batcher-1", "executor-0"]
+# One process of each kind. "nats-server-leader" is the node leading LLM_STATE (made one the
+# client is not connected to: the services on it fail over, and every stream it led elects a
+# new leader, seconds without JetStream); "nats-server-other" is any node the client is not
+# on; "nats-server-client", the client's own, also tests the client's failover, where a
+# generate's answer in flight to it is lost as any core NATS message to a subscriber whose
+# server dies is (a durable request's is not: it is stored).
+VICTIMS = ["nats-server-leader", "admission-1", "priority", "batcher-1", "executor-0"]
 SETTINGS = {"model.name": "sim:smollm2-cpu", "kv_cache.num_blocks": 4096,
             "distributed.heartbeat_interval_s": 0.25, "distributed.heartbeat_timeout_s": 1.5,
             "nats.ack_wait_s": 2.0, "scheduler.batch_level.max_num_seqs": 32,
@@ -107,6 +110,8 @@ async def chaos(stack, client, durable: int, generate: int, victims: list[str],
             name = f"nats-server-{on}"
         elif name == "nats-server-other":
             name = f"nats-server-{(on + 1) % len(stack.client_ports)}"
+        elif name == "nats-server-leader":
+            name = f"nats-server-{await state_leader(client, avoid=on)}"
         await asyncio.sleep(gap_s)
         stack.processes[name].send_signal(signal.SIGKILL)
         await stack.processes[name].wait()
@@ -159,6 +164,20 @@ async def chaos(stack, client, durable: int, generate: int, victims: list[str],
         "kills": recovery(tokens, kills, started, lease_s),
         "processes_running": all(p.returncode is None for p in stack.processes.values()),
     }
+
+
+async def state_leader(client, avoid: int) -> int:
+    """The node leading LLM_STATE, moved off node `avoid` (the client's) if it led there."""
+    for _ in range(10):
+        leader = (await client.js.stream_info(STATE_STREAM)).cluster.leader
+        node = int(leader.rsplit("-", 1)[1])
+        if node != avoid:
+            return node
+        with contextlib.suppress(Exception):
+            await client.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{STATE_STREAM}", b"",
+                                    timeout=5)
+        await asyncio.sleep(1.0)
+    raise RuntimeError(f"LLM_STATE's leader stayed on node {avoid}")
 
 
 def recovery(tokens: list[tuple[float, int]], kills: list[tuple[str, float]], started: float,

@@ -169,6 +169,8 @@ class ExecutorService:
             await asyncio.wait_for(self.outputs.join(), 10)  # what the aborts produced
             if self.answering:  # final answers being sent (Outbox.final)
                 await asyncio.wait_for(asyncio.gather(*self.answering), 10)
+            if self.outbox.ending:  # answered requests' states being ended
+                await asyncio.wait_for(asyncio.gather(*self.outbox.ending), 5)
         except TimeoutError:
             log.warning("outputs still unsent at shutdown", pending=self.outputs.qsize(),
                         answering=len(self.answering))

@@ -1,8 +1,9 @@
 """Past one machine: a three-node NATS cluster (`jetserve up --nats-cluster 3`, streams R3),
 two replicas of each control-plane service (`--replicas 2`) and two simulated executors take
 300 durable and 300 generate requests while one process of each kind is SIGKILLed in turn and
-restarted: a NATS node (one the client is not on: the services on it fail over), an
-admission, a priority, a batcher, an executor.
+restarted: a NATS node (the one leading LLM_STATE, made one the client is not on: the
+services on it fail over, and the streams it led elect new leaders), an admission, a
+priority, a batcher, an executor.
 Every durable request has exactly one result, every generate exactly one final answer (counted
 at its reply subject, two leases past the last), none an Error. The throughput around each
 kill is printed (`python -m loadtest.cluster_chaos` measures it; BENCHMARKS.md)."""

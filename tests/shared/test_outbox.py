@@ -24,6 +24,7 @@ from shared.protocol import (
     Scheduling,
     Usage,
 )
+from shared.request_state import ARRIVAL_HEADER, STATE_STREAM, request_subject
 from shared.subjects import RESULTS_STREAM, Subjects
 from tests.nats_server import nats_server
 
@@ -147,3 +148,24 @@ async def _drain(sub, wait_s: float = 0.3) -> list:
         while True:
             out.append(await sub.next_msg(timeout=wait_s))
     return out
+
+
+async def test_an_answered_requests_state_is_ended_once_jetstream_takes_it(tmp_path):
+    """The answer goes out at once; the state's tombstone, acked, is tried again while
+    LLM_STATE cannot take it (here: not there yet; in a cluster: electing a leader after a
+    node died), so the state does not outlive its request (an admission starting later would
+    take it over and run it again)."""
+    async with nats_server(tmp_path) as nc:
+        js = nc.jetstream()
+        outbox = Outbox(nc, js, Subjects("llm"), "_INBOX")
+        inbox = await nc.subscribe("_INBOX.client")
+        item = work_item("late", durable=False, reply_to="_INBOX.client")
+        await outbox.final(item, completion("late", "answered"))
+        assert decode_output((await inbox.next_msg(timeout=2)).data).text == "answered"
+        assert outbox.ending  # still trying
+        await asyncio.sleep(1.0)
+        await ensure_streams(js, JetserveConfig())
+        await asyncio.wait_for(asyncio.gather(*outbox.ending), 10)
+        last = await js.get_last_msg(STATE_STREAM, request_subject(Subjects("llm"), item.key,
+                                                                   False))
+    assert not last.data and last.headers[ARRIVAL_HEADER] == repr(item.arrival_time)
