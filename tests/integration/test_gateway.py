@@ -275,7 +275,8 @@ async def test_sigterm_ends_an_open_stream_with_an_error_event_and_cancels_it(st
             assert events[-1] == b"[DONE]", events[-3:]
             error = msgspec.json.decode(events[-2])["error"]
             assert error["code"] == "overloaded" and "shutting down" in error["message"], error
-            assert all(b'"error"' not in e for e in events[:-2])  # tokens until then
+            assert all(b'"error"' not in e for e in events[:-2]), [  # tokens until then
+                e for e in events if b'"error"' in e]
             assert len(events) < 1900
             await one_more_cancelled(nats_client, before)
     finally:
