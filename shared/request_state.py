@@ -27,6 +27,8 @@ import asyncio
 import contextlib
 import enum
 import hashlib
+import math
+import secrets
 
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -39,6 +41,7 @@ from shared.subjects import Subjects
 STATE_STREAM = "LLM_STATE"
 OWNER_HEADER = "Jetserve-Owner"
 ARRIVAL_HEADER = "Jetserve-Arrival"  # on a tombstone: which request of the id ended
+CLAIM_HEADER = "Jetserve-Claim"  # on a handed-on attempt's tombstone: which claim wrote it
 TOMBSTONE_TTL = "60s"  # how long an ended request's empty message stays (JetStream's Nats-TTL)
 CHECKPOINT_TTL = "1h"  # a checkpoint not renewed for this long expires (its request is gone)
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the expected last sequence did not match
@@ -110,19 +113,44 @@ async def end_state(js, subjects: Subjects, key: RequestKey, durable: bool,
     """The request's state tombstone, acked, tried again (for about 30 s) while LLM_STATE
     elects a leader: an unacked one published then is lost, and the state left behind would be
     taken over, as a lost request, by an admission that starts after the holding reports
-    naming it answered stopped (`Holding.ended`), and run a second time."""
+    naming it answered stopped (`Holding.ended`), and run a second time. A try after the first
+    reads the subject first (from the stream's leader) and writes only over this request's
+    own state: by then a later request of the id may have written its own."""
+    subject = request_subject(subjects, key, durable)
     headers = {"Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: repr(arrival_time)}
     for n in range(tries):
         try:
-            await js.publish(request_subject(subjects, key, durable), b"", timeout=2.0,
-                             stream=STATE_STREAM, headers=headers)
+            if n > 0:
+                last = await _leaders_last(js, subject)
+                if last is None or not last.data \
+                        or _state.decode(last.data).arrival_time != arrival_time:
+                    return  # ended already, or another request's now
+                headers["Nats-Expected-Last-Subject-Sequence"] = str(last.seq)
+            await js.publish(subject, b"", timeout=2.0, stream=STATE_STREAM, headers=headers)
             return
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
             if n == tries - 1:
                 raise
-            await asyncio.sleep(min(0.5 * (n + 1), 3.0))
+            if not (isinstance(exc, APIError) and exc.err_code == WRONG_LAST_SEQUENCE):
+                await asyncio.sleep(min(0.5 * (n + 1), 3.0))
+
+
+async def _leaders_last(js, subject: str, timeout_s: float = 2.0):
+    """The subject's last message, read from the stream's leader (a replica answering a direct
+    get may not have the latest write yet); None when it has none."""
+    try:
+        return await asyncio.wait_for(js.get_last_msg(STATE_STREAM, subject), timeout_s)
+    except NotFoundError:
+        return None
+
+
+def _arrival(headers: dict) -> float:
+    try:
+        return float(headers.get(ARRIVAL_HEADER, "-inf"))
+    except ValueError:
+        return -math.inf
 
 
 class Claim(enum.Enum):
@@ -132,34 +160,35 @@ class Claim(enum.Enum):
 
 
 async def claim_answer(js, subjects: Subjects, key: RequestKey, arrival_time: float,
-                       timeout_s: float = 1.0, tries: int = 3) -> Claim:
+                       timeout_s: float = 1.0, tries: int = 2) -> Claim:
     """A handed-on attempt of a generate is about to answer. Two attempts can both reach their
     end: a holder cut off from NATS for a lease (its node died) is taken for dead and its
     request handed on while it runs on unheard, or its attempt waits in a queue a revoke
     missed. The request's state, read from the stream's leader, says whether the other
     answered: a tombstone of this request (its arrival time) is there, or the subject moved on
-    to a later request of the id. If not, this attempt's own tombstone goes there first, a
-    compare-and-set on what it read, so that of two claiming at once one answers. A first
-    attempt (never handed on) does not claim: its tombstone after its answer is what a later
-    one reads. Not covered: a handed-on attempt answering before the first one, which missed
-    its revoke and answers later."""
+    to a later request of the id. If not, this attempt's own tombstone goes there first
+    (marked as its own: a try whose ack was lost finds it on the next), a compare-and-set on
+    what it read, so that of two claiming at once one answers. A first attempt (never handed
+    on) does not claim: its tombstone after its answer is what a later one reads. Not covered:
+    a handed-on attempt answering before the first one, which missed its revoke and answers
+    later; and one answering after the first's tombstone expired (TOMBSTONE_TTL)."""
     subject = request_subject(subjects, key, False)
-    arrival = repr(arrival_time)
+    arrival, mine = repr(arrival_time), secrets.token_hex(8)  # (mine: this call's mark)
     for _ in range(tries):
         try:
-            try:
-                last = await js.get_last_msg(STATE_STREAM, subject)
-            except NotFoundError:
-                return Claim.FIRST  # no state (expired, or never written): nothing to tell
-            headers = last.headers or {}
-            if not last.data:  # a tombstone: this request's, or an earlier one's of the id
-                if headers.get(ARRIVAL_HEADER) == arrival:
-                    return Claim.SECOND
-            elif _state.decode(last.data).arrival_time != arrival_time:
-                return Claim.SECOND  # a later request of the id: this one ended
+            last = await _leaders_last(js, subject, timeout_s)
+            if last is not None:
+                headers = last.headers or {}
+                if not last.data:  # a tombstone: which request's it ends says
+                    if headers.get(CLAIM_HEADER) == mine:
+                        return Claim.FIRST  # this call's own, its ack lost
+                    if _arrival(headers) >= arrival_time:
+                        return Claim.SECOND  # this request's end, or a later one's of the id
+                elif _state.decode(last.data).arrival_time > arrival_time:
+                    return Claim.SECOND  # a later request of the id: this one ended
             await js.publish(subject, b"", timeout=timeout_s, stream=STATE_STREAM, headers={
-                "Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: arrival,
-                "Nats-Expected-Last-Subject-Sequence": str(last.seq)})
+                "Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: arrival, CLAIM_HEADER: mine,
+                "Nats-Expected-Last-Subject-Sequence": str(0 if last is None else last.seq)})
             return Claim.FIRST
         except APIError as exc:
             if exc.err_code != WRONG_LAST_SEQUENCE:

@@ -837,6 +837,9 @@ class Admission:
 
     async def on_done(self, msg) -> None:
         done = _done.decode(msg.data)
+        watched = None if done.durable else self.ledger.get(done.key, False)
+        if watched is not None and watched.arrival not in (None, done.arrival_time):
+            return  # an earlier generate of the id (a late attempt of it): not this one's end
         held = self.ledger.done(done.key, done.durable)
         if held is not None:  # (else another admission watches it)
             await self.settle(done.key, done.durable, held, done.arrival_time)

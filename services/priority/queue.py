@@ -155,11 +155,13 @@ class WaitingQueue:
         row = self._row_of.get(key)
         return None if row is None else self._items[row]
 
-    def replace(self, item: WorkItem) -> None:
-        """A later attempt of a waiting request takes its place (same request: same row)."""
+    def replace(self, item: WorkItem, size: int) -> None:
+        """A later attempt of a waiting request (same arrival, so same deadline and order)
+        takes its place, with its encoded size (it may carry resumed outputs)."""
         row = self._row_of.get(item.key)
-        if row is not None:
+        if row is not None and self._items[row].arrival_time == item.arrival_time:
             self._items[row] = item
+            self._cols["size"][row] = size
 
     def remove(self, request_id: str, tenant: str) -> WorkItem | None:
         """Take a request out (a cancel); only its own tenant may."""

@@ -300,7 +300,8 @@ class PriorityService:
             if item.durable:  # delivered again while it waits here: it is already queued
                 waiting = self.queue.get(item.key)
                 if waiting is not None and item.attempt > waiting.attempt:
-                    self.queue.replace(item)  # (the revoke of the earlier one follows)
+                    # (the revoke of the earlier one follows)
+                    self.queue.replace(item, len(request.data))
                 await request.respond(encode(SubmitReply()))
                 return
             error = Error(request_id=item.request_id, code="invalid_request",

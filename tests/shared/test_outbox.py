@@ -24,7 +24,7 @@ from shared.protocol import (
     Scheduling,
     Usage,
 )
-from shared.request_state import ARRIVAL_HEADER, STATE_STREAM, request_subject
+from shared.request_state import ARRIVAL_HEADER, STATE_STREAM, RequestStates, request_subject
 from shared.subjects import RESULTS_STREAM, Subjects
 from tests.nats_server import nats_server
 
@@ -152,20 +152,27 @@ async def _drain(sub, wait_s: float = 0.3) -> list:
 
 async def test_an_answered_requests_state_is_ended_once_jetstream_takes_it(tmp_path):
     """The answer goes out at once; the state's tombstone, acked, is tried again while
-    LLM_STATE cannot take it (here: not there yet; in a cluster: electing a leader after a
-    node died), so the state does not outlive its request (an admission starting later would
-    take it over and run it again)."""
+    LLM_STATE refuses it (here: a message size limit, lifted a second later; in a cluster: a
+    stream electing a leader after a node died), so the state does not outlive its request (an
+    admission starting later would take it over and run it again)."""
     async with nats_server(tmp_path) as nc:
         js = nc.jetstream()
-        outbox = Outbox(nc, js, Subjects("llm"), "_INBOX")
-        inbox = await nc.subscribe("_INBOX.client")
+        await ensure_streams(js, JetserveConfig())
+        subjects = Subjects("llm")
         item = work_item("late", durable=False, reply_to="_INBOX.client")
+        states = RequestStates(nc, js, subjects, "admission-a")
+        assert await states.create(item.key, b"item", 0, False, item.arrival_time) is not None
+        config = (await js.stream_info(STATE_STREAM)).config
+        config.max_msg_size = 8
+        await js.update_stream(config)
+        outbox = Outbox(nc, js, subjects, "_INBOX")
+        inbox = await nc.subscribe("_INBOX.client")
         await outbox.final(item, completion("late", "answered"))
         assert decode_output((await inbox.next_msg(timeout=2)).data).text == "answered"
-        assert outbox.ending  # still trying
         await asyncio.sleep(1.0)
-        await ensure_streams(js, JetserveConfig())
+        assert outbox.ending and await states.read(item.key, durable=False) is not None
+        config.max_msg_size = -1
+        await js.update_stream(config)
         await asyncio.wait_for(asyncio.gather(*outbox.ending), 10)
-        last = await js.get_last_msg(STATE_STREAM, request_subject(Subjects("llm"), item.key,
-                                                                   False))
+        last = await js.get_last_msg(STATE_STREAM, request_subject(subjects, item.key, False))
     assert not last.data and last.headers[ARRIVAL_HEADER] == repr(item.arrival_time)

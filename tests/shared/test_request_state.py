@@ -10,7 +10,8 @@ import asyncio
 from shared.bus import ensure_streams
 from shared.config import load_config
 from shared.keys import RequestKey
-from shared.request_state import STATE_STREAM, RequestState, RequestStates, tombstone
+from shared.request_state import (STATE_STREAM, Claim, RequestState, RequestStates, claim_answer,
+                                  tombstone)
 from shared.subjects import Subjects
 from tests.nats_server import nats_server
 
@@ -77,3 +78,27 @@ async def test_a_state_is_taken_over_once_and_ends_with_its_tombstone(tmp_path):
         assert await first.write_over_stale(again.state) is None
         info = await js.stream_info(STATE_STREAM)
     assert info.config.allow_msg_ttl and info.config.max_msgs_per_subject == 1
+
+
+async def test_a_handed_on_attempt_answers_only_if_no_other_did(tmp_path):
+    """`claim_answer`: a handed-on attempt of a generate finds its request's state live (it
+    answers, and ends it first), or an earlier attempt's tombstone (it does not), or a later
+    request of the id there (this one ended: it does not); a state left by an earlier request
+    of the id is no answer of this one's."""
+    async with nats_server(tmp_path) as nc:
+        js = nc.jetstream()
+        await ensure_streams(js, load_config(None, {}))
+        subjects = Subjects("llm")
+        states = RequestStates(nc, js, subjects, "admission-a")
+        assert await states.create(KEY, b"item", 1, False, 5.0) is not None
+        assert await claim_answer(js, subjects, KEY, 5.0) is Claim.FIRST
+        assert await claim_answer(js, subjects, KEY, 5.0) is Claim.SECOND  # answered above
+        assert await claim_answer(js, subjects, KEY, 1.0) is Claim.SECOND  # a later one there
+        other = RequestKey("acme", "other")
+        await tombstone(nc, subjects, other, False, arrival_time=5.0)  # attempt 0 answered
+        await nc.flush()
+        assert await claim_answer(js, subjects, other, 5.0) is Claim.SECOND
+        left = RequestKey("acme", "left")  # an earlier request's state, never ended
+        assert await states.create(left, b"old", 0, False, 1.0) is not None
+        assert await claim_answer(js, subjects, left, 7.0) is Claim.FIRST
+        assert await states.read(left, durable=False) is None  # ended by the claim
