@@ -233,15 +233,19 @@ class RequestStates:
     async def create(self, key: RequestKey, item: bytes, attempt: int, durable: bool,
                      arrival_time: float) -> int | None:
         """The state of a request just admitted; None when one that has not ended is there
-        (a generate reusing a running one's id: not this admission's to keep)."""
-        payload = _encode(RequestState(key.tenant, key.request_id, self.owner, attempt,
-                                       durable, arrival_time, item))
+        (a generate reusing a running one's id: not this admission's to keep). Written once
+        only: a try whose ack was lost left it there, and the next finds it."""
+        state = RequestState(key.tenant, key.request_id, self.owner, attempt, durable,
+                             arrival_time, item)
+        payload = _encode(state)
         subject = request_subject(self.subjects, key, durable)
         revision = await self._cas(subject, payload, 0)
-        if revision is None:  # an ended request's tombstone is in the way
+        if revision is None:  # an ended request's tombstone is in the way, or this one
             last = await self._last(subject)
             if last is not None and not last.data:
                 revision = await self._cas(subject, payload, last.seq)
+            elif last is not None and last.data == payload:
+                revision = last.seq
         return revision
 
     async def write(self, state: RequestState, last: int) -> int | None:

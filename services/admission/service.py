@@ -113,7 +113,8 @@ INTAKE_CAPACITY = 4096  # generate requests waiting to be admitted (services/adm
 TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
 # A result's bytes besides its tokens' text and ids: ids, usage, metrics, scheduling, model.
 RESULT_BYTES = 2048
-STATE_WRITE_S = 2.0  # a request's state not written within this is not kept (it still runs)
+STATE_WRITE_S = 2.0  # each LLM_STATE write's time limit
+STATE_WRITE_TRIES = 10  # a new request's state: tries (about 15 s) before it is not kept
 # Besides when another admission falls silent, LLM_STATE is scanned for requests nobody watches
 # over this often (a take-over that failed, an owner that died unheard).
 SCAN_EVERY_LEASES = 12
@@ -380,16 +381,23 @@ class Admission:
 
     async def persist(self, item: WorkItem, encoded: bytes) -> None:
         """Write a request's state to LLM_STATE and note its revision in the ledger; a request
-        not watched any more by then (refused, or ended) has its state ended again. Not
-        written (JetStream away): the request runs, but only this admission can hand it on."""
-        try:
-            revision = await self.states.create(item.key, encoded, item.attempt, item.durable,
-                                                item.arrival_time)
-        except Exception as exc:
-            self.counts["state_errors"] += 1
-            log.warning("request state not written", tenant=item.tenant,
-                        request_id=item.request_id, error=repr(exc))
-            return
+        not watched any more by then (refused, or ended) has its state ended again. Tried
+        again for STATE_WRITE_TRIES while JetStream does not answer (a stream electing a
+        leader: a cluster starting, a node dead) and the request is still watched here. Not
+        written: the request runs, but only this admission can hand it on."""
+        for attempt in range(STATE_WRITE_TRIES):
+            try:
+                revision = await self.states.create(item.key, encoded, item.attempt,
+                                                    item.durable, item.arrival_time)
+                break
+            except Exception as exc:
+                kept = self.ledger.get(item.key, item.durable)
+                if attempt == STATE_WRITE_TRIES - 1 or kept is None or kept.item is not encoded:
+                    self.counts["state_errors"] += 1
+                    log.warning("request state not written", tenant=item.tenant,
+                                request_id=item.request_id, error=repr(exc))
+                    return
+                await asyncio.sleep(min(0.25 * (attempt + 1), 1.0))
         if revision is None:
             return
         kept = self.ledger.get(item.key, item.durable)
