@@ -13,9 +13,9 @@ Stream LLM_STATE (file storage, `nats.replicas` copies) keeps one message per su
   recomputation, not correctness) and with a TTL, so one left behind expires.
 
 Whoever gives a request its final answer (`Outbox.final`) writes an empty message, a
-tombstone with a short TTL, on both subjects before it says Done: a request whose Done is
-lost while no admission is alive is not taken for lost and run again, and a late
-compare-and-set against an ended request fails. A handed-on attempt of a generate reads its
+tombstone with a short TTL, on both subjects as it says Done (the state's acked and retried,
+`end_state`): a request whose Done is lost while no admission is alive is not taken for lost
+and run again, and a late compare-and-set against an ended request fails. A handed-on attempt of a generate reads its
 state before it answers (`claim_answer`): one reaching its end after the first attempt
 (which ran on, unheard) finds that attempt's tombstone and sends nothing (a durable request's
 result store is its once-only check).
@@ -99,8 +99,8 @@ def fairness_subject(subjects: Subjects) -> str:
 
 async def tombstone(nc, subjects: Subjects, key: RequestKey, durable: bool,
                     arrival_time: float, state: bool = True) -> None:
-    """The request ended: its state (unless `state` is False: `claim_answer` emptied it) and
-    checkpoint are emptied (stored without an ack; each tombstone expires after TOMBSTONE_TTL,
+    """The request ended: its state (unless `state` is False: the caller ends it acked,
+    `end_state`) and checkpoint are emptied (stored without an ack; each tombstone expires after TOMBSTONE_TTL,
     and says which request of the id it ends)."""
     headers = {"Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: repr(arrival_time)}
     if state:
