@@ -8,8 +8,10 @@ each), every generate's final answers at its own reply subject (exactly one each
 two leases after the last), and `internal` Errors (none). And the throughput around each kill:
 every request streams, and the output tokens reaching the client per second (each position
 once: a stream that restarts on another executor restates what came before) over the 3 s
-before the kill are set against each 1 s window after it: how long until a window is back to
-80 % of before.
+before the kill are set against each 1 s window after it, up to the next kill (the last: four
+leases on): how long until
+it is back to 80 % of before and stays there, and the lowest window (a stall that starts a
+second or two after a kill, once the batches then running end, counts).
 
     python -m loadtest.cluster_chaos --result-json results/cluster_chaos.json
 
@@ -161,7 +163,7 @@ async def chaos(stack, client, durable: int, generate: int, victims: list[str],
                                       for o in seen]}
                        for request_id, seen in generate_answers.finals.items() if len(seen) > 1],
         "output_tokens": sum(n for _, n in tokens),
-        "kills": recovery(tokens, kills, started, lease_s),
+        "kills": recovery(tokens, kills, started, lease_s, gap_s),
         "processes_running": all(p.returncode is None for p in stack.processes.values()),
     }
 
@@ -181,29 +183,34 @@ async def state_leader(client, avoid: int) -> int:
 
 
 def recovery(tokens: list[tuple[float, int]], kills: list[tuple[str, float]], started: float,
-             lease_s: float, before_s: float = 3.0, window_s: float = 1.0,
+             lease_s: float, gap_s: float, before_s: float = 3.0, window_s: float = 1.0,
              back: float = 0.8) -> list[dict]:
-    """Per kill: output tokens/s reaching the client in the `before_s` before it, in each
-    `window_s` after it (sliding by a tenth of a second), and how long after the kill a window
-    first reached `back` of before (None: not within the run)."""
+    """Per kill: output tokens/s reaching the client in the `before_s` before it; each
+    `window_s` after it (sliding by a tenth of a second) up to the next kill (four leases, or
+    `gap_s`, after the last one); how long after the kill the windows reached `back` of before and stayed
+    there (the end of the first such window; None: not by the next kill), and the lowest."""
     def rate(start: float, end: float) -> float:
         return sum(n for at, n in tokens if start <= at < end) / (end - start)
 
     last = tokens[-1][0] if tokens else started
     out = []
-    for name, at in kills:
+    for i, (name, at) in enumerate(kills):
+        horizon = min(kills[i + 1][1] if i + 1 < len(kills) else at + max(gap_s, 4 * lease_s),
+                      last)
         before = rate(at - before_s, at)
+        windows = [(t + window_s - at, rate(t, t + window_s))  # (its end after the kill, rate)
+                   for t in (at + k / 10 for k in range(int((horizon - at - window_s) * 10) + 1))]
         back_after = None
-        t = at
-        while t + window_s <= last:
-            if rate(t, t + window_s) >= back * before:
-                back_after = t + window_s - at  # the window's end: when that rate was seen
+        for end, seen in reversed(windows):
+            if seen < back * before:
                 break
-            t += 0.1
+            back_after = end
+        lowest = min((seen for _, seen in windows), default=None)
         out.append({"victim": name, "at_s": round(at - started, 2),
                     "before_tok_s": round(before, 1),
                     "after_2_leases_tok_s": round(rate(at + 2 * lease_s - window_s,
                                                        at + 2 * lease_s), 1),
+                    "lowest_tok_s": None if lowest is None else round(lowest, 1),
                     "back_to_80pct_after_s": None if back_after is None else round(back_after, 2),
                     "leases": None if back_after is None else round(back_after / lease_s, 2)})
     return out
@@ -215,13 +222,13 @@ def report(result: dict) -> str:
              f"(LLM_RESULTS holds {result['results_stored']}), generates answered "
              f"{result['generate_answered']}, duplicates {result['duplicates']}, errors "
              f"{result['error_count']} ({result['internal_errors']} internal)",
-             f"{'killed':<16}{'at s':>8}{'before tok/s':>14}{'2 leases on':>13}"
-             f"  back to 80 %"]
+             f"{'killed':<16}{'at s':>8}{'before tok/s':>14}{'lowest':>9}{'2 leases on':>13}"
+             f"  back to 80 % (and staying)"]
     for kill in result["kills"]:
         back = kill["back_to_80pct_after_s"]
         back = "-" if back is None else f"{back} s ({kill['leases']} leases)"
         lines.append(f"{kill['victim']:<16}{kill['at_s']:>8}{kill['before_tok_s']:>14}"
-                     f"{kill['after_2_leases_tok_s']:>13}  {back}")
+                     f"{kill['lowest_tok_s']!s:>9}{kill['after_2_leases_tok_s']:>13}  {back}")
     return "\n".join(lines)
 
 

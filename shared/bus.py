@@ -474,17 +474,23 @@ class Outbox:
         # Requests answered here, and when (monotonic), oldest first.
         self.ended: dict[tuple[RequestKey, float], tuple[Ended, float]] = {}
         self.ending: set[asyncio.Task] = set()  # answered requests' states being ended
+        # Answered requests whose state's end is not yet acked (JetStream electing a leader):
+        # named answered in the holding reports until it is.
+        self.unended: dict[tuple[RequestKey, float], Ended] = {}
 
     def recently_ended(self, window_s: float) -> list[Ended]:
-        """The requests this service answered within `window_s` (what its holding reports
-        carry in `ended`); older ones are forgotten."""
+        """The requests this service answered within `window_s`, and those whose state's end
+        JetStream has not taken yet (what its holding reports carry in `ended`: an admission
+        that takes such a state over, finding no holder, would run the request again); older
+        ones are forgotten."""
         horizon = time.monotonic() - window_s
         while self.ended:
             key, (_, at) = next(iter(self.ended.items()))
             if at >= horizon:
                 break
             del self.ended[key]
-        return [ended for ended, _ in self.ended.values()]
+        return [ended for ended, _ in self.ended.values()] + [
+            ended for key, ended in self.unended.items() if key not in self.ended]
 
     def reply_to(self, item: WorkItem) -> str | None:
         """A generate's reply subject when it is a client inbox. Admission answers no other,
@@ -560,9 +566,12 @@ class Outbox:
             await self._deliver(item, output, headers)
         except Exception as exc:
             if not _refused_for_good(exc):
-                if claim is not Claim.FIRST:
-                    raise  # a server or JetStream away for now: no Done, the lease retries it
-                # Claimed: no later attempt would answer it, so this one tries again.
+                if claim is not Claim.FIRST and not item.durable:
+                    raise  # a server away for now: no Done, the lease hands it on
+                # Claimed: no later attempt would answer it. A durable result: stored once
+                # whoever stores it, and in hand here, where a second run would take a lease
+                # and the time to compute it again (LLM_RESULTS electing a leader after a NATS
+                # node died takes seconds). Either way this one tries again, held meanwhile.
                 await self._deliver_again(item, output, headers)
             else:
                 log.error("output not delivered; answering with an Error", tenant=item.tenant,
@@ -575,11 +584,12 @@ class Outbox:
             # The request's state ends here too, acked and retried beside (a JetStream electing
             # a leader loses an unacked write): if no admission hears the Done, the state does
             # not outlive the request (shared/request_state.py).
-            self.ended[(item.key, item.arrival_time)] = (
-                Ended(item.tenant, item.request_id, item.arrival_time), time.monotonic())
+            ended = Ended(item.tenant, item.request_id, item.arrival_time)
+            self.ended[(item.key, item.arrival_time)] = (ended, time.monotonic())
             await tombstone(self.nc, self.subjects, item.key, item.durable, item.arrival_time,
                             state=False)  # (the checkpoint's; the state's, acked, beside)
             if claim is not Claim.FIRST:
+                self.unended[(item.key, item.arrival_time)] = ended
                 task = asyncio.create_task(self._end_state(item))
                 self.ending.add(task)
                 task.add_done_callback(self.ending.discard)
@@ -591,11 +601,15 @@ class Outbox:
         except Exception as exc:  # (its owner's end, after the Done, may still land)
             log.warning("request state not ended", tenant=item.tenant,
                         request_id=item.request_id, error=repr(exc))
+        finally:
+            self.unended.pop((item.key, item.arrival_time), None)
 
     async def _deliver_again(self, item: WorkItem, output: Completion | Error,
                              headers: dict[str, str] | None) -> None:
         """A claimed generate's answer whose publish failed (the connection's buffer full while
-        it reconnects): tried for a few seconds more, then given up (raised: no Done)."""
+        it reconnects), or a durable result JetStream did not take (a stream electing its
+        leader): tried for a few seconds more, then given up (raised: no Done, the lease hands
+        the request on)."""
         for n in range(5):
             await asyncio.sleep(0.5 * (n + 1))
             try:

@@ -12,7 +12,6 @@ import time
 import msgspec
 import structlog
 from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.batcher.registry import ExecutorRegistry
 from shared.keys import RequestKey
@@ -58,6 +57,11 @@ _kv_event = decoder(KvEvent)
 _kv_dump = decoder(KvDump)
 
 PULL_WAIT_MS = 500  # how long one pull waits at priority for a request to arrive
+# A pull's reply this long past its wait is taken for lost (a NATS node died with it, or the
+# priority replica that took it is stuck): the next pull goes out. The late reply's requests,
+# should it come, are still sent on.
+PULL_LATE_S = 1.0
+PULLS_KEPT_S = 60.0  # how long a pull past its wait is remembered, for its late reply
 SUSPEND_S = 1.0  # an executor that failed an assignment gets none for this long
 
 
@@ -76,12 +80,17 @@ class BatcherService:
         self.dumps: set[asyncio.Task] = set()  # KvDump requests in flight
         self.room = asyncio.Event()  # set when an executor may have free slots
         self.beat = asyncio.Event()  # set on every heartbeat
-        self.counts = dict(pulled=0, assigned=0, overtaking=0, requeued=0, executors_lost=0,
-                           unassigned=0)
+        self.counts = dict(pulled=0, pulled_late=0, assigned=0, overtaking=0, requeued=0,
+                           executors_lost=0, unassigned=0)
         # Requests pulled from priority and not yet taken by an executor or back in the queue:
         # reported as held, so admission never takes a slow assignment for a lost request.
         self.holding: dict[RequestKey, WorkItem] = {}
+        self.sending: set[asyncio.Task] = set()  # assignments awaiting an executor's answer
         self.assignments = itertools.count()
+        # Pulls awaiting priority's reply: id -> (its future, when sent, overtaking)
+        self.pulls: dict[str, tuple[asyncio.Future, float, bool]] = {}
+        self.pull_ids = itertools.count()
+        self.pull_inbox = ""
         self.instance = secrets.token_hex(4)
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
@@ -93,6 +102,8 @@ class BatcherService:
         await self.service.add_endpoint(name="executors", subject=self.subjects.batcher_executors,
                                         handler=self.on_executors)
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
+        self.pull_inbox = self.nc.new_inbox()
+        await self.nc.subscribe(f"{self.pull_inbox}.*", cb=self.on_pulled)
         await self.nc.subscribe(self.subjects.kv_events, cb=self.on_kv_event)
         self.tasks = [asyncio.create_task(self._until_stopped(self.dispatch_once), name="dispatch"),
                       asyncio.create_task(every(self.config.distributed.heartbeat_interval_s,
@@ -114,7 +125,7 @@ class BatcherService:
         # inside a loop times out can be lost, and the loop would go on (a SIGTERMed batcher
         # hung here).
         self.stopping = True
-        await cancel_all([*self.tasks, *self.dumps])
+        await cancel_all([*self.tasks, *self.dumps, *self.sending])
         await while_connected(self.nc, self.service.stop(), 5.0)
         self.collector.unregister()
 
@@ -217,21 +228,52 @@ class BatcherService:
 
     async def pull(self, max_items: int, min_standing: float | None = None) -> list[WorkItem]:
         """Up to `max_items` requests from priority's queue (only those whose standing reaches
-        `min_standing`, if given); none when priority does not answer."""
+        `min_standing`, if given); none when priority does not answer within PULL_LATE_S past
+        the pull's wait. A reply that comes later still has its requests sent (`on_pulled`):
+        they left priority's queue for this batcher."""
+        now = time.monotonic()
+        for pull_id, (_, sent, _) in list(self.pulls.items()):  # (ordered by when sent)
+            if now - sent < PULLS_KEPT_S:
+                break
+            del self.pulls[pull_id]
+        pull_id = str(next(self.pull_ids))
+        reply = asyncio.get_running_loop().create_future()
+        self.pulls[pull_id] = (reply, now, min_standing is not None)
         try:
-            reply = await self.nc.request(
+            await self.nc.publish(
                 self.subjects.priority_next,
                 encode(NextRequest(max_items=max_items, wait_ms=PULL_WAIT_MS,
                                    min_standing=min_standing, max_bytes=payload_budget(self.nc))),
-                timeout=PULL_WAIT_MS / 1e3 + self.timeout)
-        except (NatsTimeoutError, NoRespondersError) as exc:
+                reply=f"{self.pull_inbox}.{pull_id}")
+            items = await asyncio.wait_for(asyncio.shield(reply), PULL_WAIT_MS / 1e3 + PULL_LATE_S)
+        except (asyncio.TimeoutError, NoRespondersError, OSError) as exc:
+            if not isinstance(exc, asyncio.TimeoutError):
+                self.pulls.pop(pull_id, None)
             log.warning("priority did not answer a pull", overtaking=min_standing is not None,
                         error=repr(exc))
             await asyncio.sleep(0.2)
             return []
-        items = _next_reply.decode(reply.data).items
         self.counts["pulled"] += len(items)
         return items
+
+    async def on_pulled(self, msg) -> None:
+        """Priority's reply to a pull: to the pull still waiting for it, or, late, sent on
+        here."""
+        pulled = self.pulls.pop(msg.subject.rsplit(".", 1)[-1], None)
+        if not msg.data:  # the server's "no responders"
+            if pulled is not None and not pulled[0].done():
+                pulled[0].set_exception(NoRespondersError())
+            return
+        items = _next_reply.decode(msg.data).items
+        if pulled is not None and not pulled[0].done():
+            pulled[0].set_result(items)
+            return
+        self.counts["pulled_late"] += len(items)
+        if items:
+            log.info("a late pull's requests sent on", requests=len(items))
+        overtaking = pulled is not None and pulled[2]
+        for item in items:
+            self.send_beside(item, overtaking)
 
     async def dispatch_once(self) -> None:
         """Pull only as many requests as executors have room for: the rest keep waiting at
@@ -240,7 +282,18 @@ class BatcherService:
         if free == 0:
             await wait_event(self.room, SUSPEND_S, fresh=True)
             return
-        await asyncio.gather(*(self.hold_and_assign(item) for item in await self.pull(free)))
+        for item in await self.pull(free):
+            self.send_beside(item)
+
+    def send_beside(self, item: WorkItem, overtaking: bool = False) -> None:
+        """Route `item` now (charged against its executor's room before the next pull) and
+        send it beside the dispatch loop: an executor that does not answer (stopped, or its
+        answer lost with a NATS node: a request's timeout) holds up no other assignment."""
+        routed = self.route(item, overtaking)
+        self.holding[item.key] = item
+        task = asyncio.create_task(self.send_held(item, *routed))
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
 
     async def overtake_once(self) -> None:
         """With no room anywhere, pull one request at a time that would start at once at some
@@ -258,18 +311,27 @@ class BatcherService:
                 await wait_event(self.beat, SUSPEND_S, fresh=True)
 
     async def hold_and_assign(self, item: WorkItem, overtaking: bool = False) -> bool:
-        """`assign`, reporting the request as held here until an executor or priority has it."""
-        key = item.key
-        self.holding[key] = item
-        try:
-            return await self.assign(item, overtaking)
-        finally:
-            if self.holding.get(key) is item:
-                del self.holding[key]
+        """Route and send `item` (beyond an executor's room, if `overtaking` and it outranks
+        what is there), reporting it as held here until an executor or priority has it.
+        Whether an executor took it."""
+        routed = self.route(item, overtaking)
+        self.holding[item.key] = item
+        return await self.send_held(item, *routed)
 
-    async def assign(self, item: WorkItem, overtaking: bool = False) -> bool:
-        """Send `item` to an executor (beyond its room, if `overtaking` and it outranks what is
-        there); back to priority's queue if none takes it. Whether one took it."""
+    async def send_held(self, item: WorkItem, executor: str | None, overtakes: bool,
+                        route: dict) -> bool:
+        try:
+            return await self.send(item, executor, overtakes, route)
+        except Exception:  # a bug must not leave the request held here for good
+            log.exception("assignment failed", request_id=item.request_id)
+            return False
+        finally:
+            if self.holding.get(item.key) is item:
+                del self.holding[item.key]
+
+    def route(self, item: WorkItem, overtaking: bool = False) -> tuple[str | None, bool, dict]:
+        """The executor for `item`, charged against its room at once (None: none has room);
+        whether it goes beyond that room to overtake; each candidate's cached prefix."""
         now = time.monotonic()
         executor = self.registry.pick(item.request.model, now, item.block_hashes,
                                       prompt_tokens=item.num_prompt_tokens
@@ -281,6 +343,12 @@ class BatcherService:
             executor = self.registry.pick_overtake(item.request.model, item.standing, now)
             overtakes = executor is not None
             self.counts["overtaking"] += overtakes
+        return executor, overtakes, route
+
+    async def send(self, item: WorkItem, executor: str | None, overtakes: bool,
+                   route: dict) -> bool:
+        """`item` to `executor`; back to priority's queue if it does not take it, or if there
+        is no executor. Whether it took it."""
         if executor is None:  # room vanished (an executor died): back to the queue
             await self.requeue(item)
             return False

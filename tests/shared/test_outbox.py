@@ -171,8 +171,36 @@ async def test_an_answered_requests_state_is_ended_once_jetstream_takes_it(tmp_p
         assert decode_output((await inbox.next_msg(timeout=2)).data).text == "answered"
         await asyncio.sleep(1.0)
         assert outbox.ending and await states.read(item.key, durable=False) is not None
+        # Named answered in the holding reports until then, past their window.
+        assert [e.request_id for e in outbox.recently_ended(window_s=0.0)] == ["late"]
         config.max_msg_size = -1
         await js.update_stream(config)
         await asyncio.wait_for(asyncio.gather(*outbox.ending), 10)
         last = await js.get_last_msg(STATE_STREAM, request_subject(subjects, item.key, False))
+        assert outbox.recently_ended(window_s=0.0) == []
     assert not last.data and last.headers[ARRIVAL_HEADER] == repr(item.arrival_time)
+
+
+async def test_a_durable_result_is_stored_once_jetstream_takes_it(tmp_path):
+    """LLM_RESULTS is away for a second (here deleted and made again; in a cluster, electing a
+    leader after a node died): the result in hand is stored when it is back, not dropped for
+    the request to run a second time, and admission is told once it is stored."""
+    async with nats_server(tmp_path) as nc:
+        js = nc.jetstream()
+        config = JetserveConfig()
+        await ensure_streams(js, config)
+        await js.delete_stream(RESULTS_STREAM)
+        done = await nc.subscribe("llm.internal.done")
+        outbox = Outbox(nc, js, Subjects("llm"), "_INBOX")
+        answering = asyncio.create_task(outbox.final(work_item("kept", durable=True),
+                                                     completion("kept", "stored late")))
+        await asyncio.sleep(1.0)
+        assert not answering.done()
+        assert await _drain(done, wait_s=0.1) == []  # not Done while it is not stored
+        await ensure_streams(js, config)
+        await asyncio.wait_for(answering, 10)
+        stored = decode_output((await js.get_last_msg(RESULTS_STREAM,
+                                                      "llm.results.acme.kept")).data)
+        told = [decoder(Done).decode(msg.data) for msg in await _drain(done)]
+    assert isinstance(stored, Completion) and stored.text == "stored late", stored
+    assert [(d.request_id, d.durable) for d in told] == [("kept", True)]
