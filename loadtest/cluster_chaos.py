@@ -173,7 +173,7 @@ async def chaos(stack, client, durable: int, generate: int, victims: list[str],
                                       for o in seen]}
                        for request_id, seen in generate_answers.finals.items() if len(seen) > 1],
         "output_tokens": sum(n for _, n in tokens),
-        "window_s": window_s,
+        "window_s": window_s, "lease_s": lease_s,
         "kills": recovery(tokens, kills, started, lease_s, gap_s, window_s=window_s),
         "processes_running": all(p.returncode is None for p in stack.processes.values()),
     }
@@ -199,7 +199,8 @@ def recovery(tokens: list[tuple[float, int]], kills: list[tuple[str, float]], st
     """Per kill: output tokens/s reaching the client in the `before_s` before it; each
     `window_s` after it (sliding by a tenth of a second) up to the next kill (four leases, or
     `gap_s`, after the last one); how long after the kill the windows reached `back` of before and stayed
-    there (the end of the first such window; None: not by the next kill), and the lowest."""
+    there (the end of the first such window; None: not by the next kill), when a window first
+    reached it, and the lowest."""
     def rate(start: float, end: float) -> float:
         return sum(n for at, n in tokens if start <= at < end) / (end - start)
 
@@ -211,6 +212,7 @@ def recovery(tokens: list[tuple[float, int]], kills: list[tuple[str, float]], st
         before = rate(at - before_s, at)
         windows = [(t + window_s - at, rate(t, t + window_s))  # (its end after the kill, rate)
                    for t in (at + k / 10 for k in range(int((horizon - at - window_s) * 10) + 1))]
+        first_back = next((end for end, seen in windows if seen >= back * before), None)
         back_after = None
         for end, seen in reversed(windows):
             if seen < back * before:
@@ -222,6 +224,7 @@ def recovery(tokens: list[tuple[float, int]], kills: list[tuple[str, float]], st
                     "after_2_leases_tok_s": round(rate(at + 2 * lease_s - window_s,
                                                        at + 2 * lease_s), 1),
                     "lowest_tok_s": None if lowest is None else round(lowest, 1),
+                    "first_back_after_s": None if first_back is None else round(first_back, 2),
                     "back_to_80pct_after_s": None if back_after is None else round(back_after, 2),
                     "leases": None if back_after is None else round(back_after / lease_s, 2)})
     return out
@@ -234,12 +237,15 @@ def report(result: dict) -> str:
              f"{result['generate_answered']}, duplicates {result['duplicates']}, errors "
              f"{result['error_count']} ({result['internal_errors']} internal)",
              f"{'killed':<16}{'at s':>8}{'before tok/s':>14}{'lowest':>9}{'2 leases on':>13}"
-             f"  back to 80 % (and staying; {result['window_s']:g} s windows)"]
+             f"  {'first >= 80 %':<22}>= 80 % from then on ({result['window_s']:g} s windows)"]
+    lease_s = result["lease_s"]
     for kill in result["kills"]:
-        back = kill["back_to_80pct_after_s"]
+        first, back = kill["first_back_after_s"], kill["back_to_80pct_after_s"]
+        first = "-" if first is None else f"{first} s ({round(first / lease_s, 2)} leases)"
         back = "-" if back is None else f"{back} s ({kill['leases']} leases)"
         lines.append(f"{kill['victim']:<16}{kill['at_s']:>8}{kill['before_tok_s']:>14}"
-                     f"{kill['lowest_tok_s']!s:>9}{kill['after_2_leases_tok_s']:>13}  {back}")
+                     f"{kill['lowest_tok_s']!s:>9}{kill['after_2_leases_tok_s']:>13}  "
+                     f"{first:<22}{back}")
     return "\n".join(lines)
 
 
