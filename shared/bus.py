@@ -4,6 +4,7 @@ and delivering a request's outputs to wherever its client listens."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import contextlib
 import dataclasses
 import importlib.util
@@ -462,6 +463,11 @@ def cancelled_completion(item: WorkItem, executor: str = "") -> Completion:
                               queue_wait_ms=item.queue_wait_ms or waited_ms))
 
 
+ANSWER_AGAIN_S = 7.5  # a claimed generate's answer is tried again this long
+STORE_AGAIN_S = 30.0  # a held durable result, this long (longer than a stream's election)
+UNENDED_KEPT_S = 600.0  # an answered request's state end is tried again this long
+
+
 class Outbox:
     """Sends a request's Deltas and its final Completion or Error where its client listens:
     the reply inbox (request/reply; Error headers; empty sentinel after a stream) or, for a
@@ -539,9 +545,14 @@ class Outbox:
         raise RuntimeError(f"the result subject {subject} kept changing; not stored")
 
     async def final(self, item: WorkItem, output: Completion | Error,
-                    headers: dict[str, str] | None = None, done: bool = True) -> None:
+                    headers: dict[str, str] | None = None, done: bool = True,
+                    held: bool = False) -> None:
         """`done`: tell admission the request has its answer (False for an Error to a second
-        request that reused a running one's id: admission watches over the first).
+        request that reused a running one's id: admission watches over the first). `held`:
+        the caller reports the request as held while this runs (an executor's answering
+        task), so a durable result JetStream does not take is tried again for up to
+        STORE_AGAIN_S rather than dropped for the request to run a second time (a caller in
+        a message handler must not wait that long).
 
         An output that cannot be delivered (larger than the server's max_payload; a result
         store that refuses it: disk full, stream limits) is replaced by an `internal` Error
@@ -565,20 +576,23 @@ class Outbox:
         try:
             await self._deliver(item, output, headers)
         except Exception as exc:
-            if not _refused_for_good(exc):
-                if claim is not Claim.FIRST and not item.durable:
-                    raise  # a server away for now: no Done, the lease hands it on
-                # Claimed: no later attempt would answer it. A durable result: stored once
-                # whoever stores it, and in hand here, where a second run would take a lease
-                # and the time to compute it again (LLM_RESULTS electing a leader after a NATS
-                # node died takes seconds). Either way this one tries again, held meanwhile.
-                await self._deliver_again(item, output, headers)
-            else:
+            refused = exc if _refused_for_good(exc) else None
+            if refused is None:
+                # Claimed: no later attempt would answer it. A durable result, held: stored
+                # once whoever stores it, and in hand here, where a second run would take a
+                # lease and the time to compute it again (LLM_RESULTS electing a leader after
+                # a NATS node died takes seconds). Else: no Done, the lease hands it on.
+                again_s = ANSWER_AGAIN_S if claim is Claim.FIRST \
+                    else STORE_AGAIN_S if item.durable and held else 0.0
+                if not again_s:
+                    raise
+                refused = await self._deliver_again(item, output, headers, again_s)
+            if refused is not None:
                 log.error("output not delivered; answering with an Error", tenant=item.tenant,
-                          request_id=item.request_id, error=repr(exc))
+                          request_id=item.request_id, error=repr(refused))
                 error = Error(request_id=item.request_id, code="internal",
                               message=f"the {type(output).__name__.lower()} could not be "
-                                      f"delivered: {undeliverable(exc, self.nc)}")
+                                      f"delivered: {undeliverable(refused, self.nc)}")
                 await self._deliver(item, error, headers)  # failing too: no Done, retried
         if done:
             # The request's state ends here too, acked and retried beside (a JetStream electing
@@ -596,26 +610,39 @@ class Outbox:
             await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
 
     async def _end_state(self, item: WorkItem) -> None:
+        """`end_state`, tried again until JetStream takes it (for up to UNENDED_KEPT_S, while
+        the request is named answered in the holding reports)."""
+        give_up = time.monotonic() + UNENDED_KEPT_S
         try:
-            await end_state(self.js, self.subjects, item.key, item.durable, item.arrival_time)
-        except Exception as exc:  # (its owner's end, after the Done, may still land)
-            log.warning("request state not ended", tenant=item.tenant,
-                        request_id=item.request_id, error=repr(exc))
+            while True:
+                try:
+                    return await end_state(self.js, self.subjects, item.key, item.durable,
+                                           item.arrival_time)
+                except Exception as exc:
+                    if time.monotonic() >= give_up:  # (its owner's end may still land)
+                        log.warning("request state not ended", tenant=item.tenant,
+                                    request_id=item.request_id, error=repr(exc))
+                        return
+                    await asyncio.sleep(5.0)
         finally:
             self.unended.pop((item.key, item.arrival_time), None)
 
     async def _deliver_again(self, item: WorkItem, output: Completion | Error,
-                             headers: dict[str, str] | None) -> None:
+                             headers: dict[str, str] | None, for_s: float) -> Exception | None:
         """A claimed generate's answer whose publish failed (the connection's buffer full while
         it reconnects), or a durable result JetStream did not take (a stream electing its
-        leader): tried for a few seconds more, then given up (raised: no Done, the lease hands
-        the request on)."""
-        for n in range(5):
-            await asyncio.sleep(0.5 * (n + 1))
+        leader): tried again for up to `for_s`, then given up (raised: no Done, the lease hands
+        the request on). None once delivered; the exception if it is now refused for good."""
+        deadline = time.monotonic() + for_s
+        for n in itertools.count():
+            await asyncio.sleep(min(0.5 * (n + 1), 2.0))
             try:
-                return await self._deliver(item, output, headers)
-            except Exception:
-                if n == 4:
+                await self._deliver(item, output, headers)
+                return None
+            except Exception as exc:
+                if _refused_for_good(exc):
+                    return exc
+                if time.monotonic() >= deadline:
                     raise
 
     async def _deliver(self, item: WorkItem, output: Completion | Error,

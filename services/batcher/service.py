@@ -5,6 +5,7 @@ there at once (overtaking dispatch)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 import time
@@ -59,9 +60,8 @@ _kv_dump = decoder(KvDump)
 PULL_WAIT_MS = 500  # how long one pull waits at priority for a request to arrive
 # A pull's reply this long past its wait is taken for lost (a NATS node died with it, or the
 # priority replica that took it is stuck): the next pull goes out. The late reply's requests,
-# should it come, are still sent on.
+# should it come while nobody can have handed them on yet, are still sent on (`late_limit_s`).
 PULL_LATE_S = 1.0
-PULLS_KEPT_S = 60.0  # how long a pull past its wait is remembered, for its late reply
 SUSPEND_S = 1.0  # an executor that failed an assignment gets none for this long
 
 
@@ -80,17 +80,24 @@ class BatcherService:
         self.dumps: set[asyncio.Task] = set()  # KvDump requests in flight
         self.room = asyncio.Event()  # set when an executor may have free slots
         self.beat = asyncio.Event()  # set on every heartbeat
-        self.counts = dict(pulled=0, pulled_late=0, assigned=0, overtaking=0, requeued=0,
-                           executors_lost=0, unassigned=0)
+        self.counts = dict(pulled=0, pulled_late=0, pulled_too_late=0, assigned=0,
+                           overtaking=0, requeued=0, executors_lost=0, unassigned=0)
         # Requests pulled from priority and not yet taken by an executor or back in the queue:
         # reported as held, so admission never takes a slow assignment for a lost request.
         self.holding: dict[RequestKey, WorkItem] = {}
         self.sending: set[asyncio.Task] = set()  # assignments awaiting an executor's answer
         self.assignments = itertools.count()
-        # Pulls awaiting priority's reply: id -> (its future, when sent, overtaking)
+        # Pulls awaiting priority's reply: id -> (its future, when sent, overtaking); the
+        # future of one given up on is cancelled, and a reply to it is late.
         self.pulls: dict[str, tuple[asyncio.Future, float, bool]] = {}
         self.pull_ids = itertools.count()
-        self.pull_inbox = ""
+        self.pull_inbox, self.pull_replies = "", None
+        # A late reply's requests are sent on only this soon after the pull: priority last
+        # reported them at most a heartbeat interval before it popped them, admission hands
+        # them on a lease after that, and this batcher's next report naming them as held goes
+        # out within an interval of their arrival. Later, they are left to that hand-on.
+        distributed = config.distributed
+        self.late_limit_s = distributed.heartbeat_timeout_s - 2 * distributed.heartbeat_interval_s
         self.instance = secrets.token_hex(4)
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
@@ -103,7 +110,7 @@ class BatcherService:
                                         handler=self.on_executors)
         await self.nc.subscribe(self.subjects.heartbeat, cb=self.on_heartbeat)
         self.pull_inbox = self.nc.new_inbox()
-        await self.nc.subscribe(f"{self.pull_inbox}.*", cb=self.on_pulled)
+        self.pull_replies = await self.nc.subscribe(f"{self.pull_inbox}.*", cb=self.on_pulled)
         await self.nc.subscribe(self.subjects.kv_events, cb=self.on_kv_event)
         self.tasks = [asyncio.create_task(self._until_stopped(self.dispatch_once), name="dispatch"),
                       asyncio.create_task(every(self.config.distributed.heartbeat_interval_s,
@@ -125,6 +132,9 @@ class BatcherService:
         # inside a loop times out can be lost, and the loop would go on (a SIGTERMed batcher
         # hung here).
         self.stopping = True
+        if self.pull_replies is not None:  # a late reply's requests are left to the lease
+            with contextlib.suppress(Exception):
+                await self.pull_replies.unsubscribe()
         await cancel_all([*self.tasks, *self.dumps, *self.sending])
         await while_connected(self.nc, self.service.stop(), 5.0)
         self.collector.unregister()
@@ -143,6 +153,10 @@ class BatcherService:
                 "assigned": "Assignments an executor accepted",
                 "overtaking": "Requests sent beyond an executor's room to overtake",
                 "requeued": "Requests sent back to priority (assignment failed)",
+                "pulled_late": "Requests of a pull answered after the batcher gave it up, "
+                               "sent on",
+                "pulled_too_late": "Requests of a pull answered too late to send on (admission "
+                                   "hands them on)",
                 "unassigned": "Assignments withdrawn after their executor did not answer in time",
                 "executors_lost": "Executors forgotten after their heartbeats stopped"}
         return [Reading("gauge", "executors_alive", "Executors heard from within the heartbeat "
@@ -229,11 +243,11 @@ class BatcherService:
     async def pull(self, max_items: int, min_standing: float | None = None) -> list[WorkItem]:
         """Up to `max_items` requests from priority's queue (only those whose standing reaches
         `min_standing`, if given); none when priority does not answer within PULL_LATE_S past
-        the pull's wait. A reply that comes later still has its requests sent (`on_pulled`):
-        they left priority's queue for this batcher."""
+        the pull's wait. A reply that comes later has its requests sent on if it is not too
+        late (`on_pulled`): they left priority's queue for this batcher."""
         now = time.monotonic()
         for pull_id, (_, sent, _) in list(self.pulls.items()):  # (ordered by when sent)
-            if now - sent < PULLS_KEPT_S:
+            if now - sent <= max(self.late_limit_s, PULL_WAIT_MS / 1e3 + PULL_LATE_S):
                 break
             del self.pulls[pull_id]
         pull_id = str(next(self.pull_ids))
@@ -247,18 +261,22 @@ class BatcherService:
                 reply=f"{self.pull_inbox}.{pull_id}")
             items = await asyncio.wait_for(asyncio.shield(reply), PULL_WAIT_MS / 1e3 + PULL_LATE_S)
         except (asyncio.TimeoutError, NoRespondersError, OSError) as exc:
-            if not isinstance(exc, asyncio.TimeoutError):
-                self.pulls.pop(pull_id, None)
-            log.warning("priority did not answer a pull", overtaking=min_standing is not None,
-                        error=repr(exc))
-            await asyncio.sleep(0.2)
-            return []
+            if reply.done() and not reply.cancelled() and reply.exception() is None:
+                items = reply.result()  # (it came as the wait ended)
+            else:
+                reply.cancel()  # given up: a reply now is late
+                log.warning("priority did not answer a pull", overtaking=min_standing is not None,
+                            error=repr(exc))
+                await asyncio.sleep(0.2)
+                return []
+        finally:
+            reply.cancel()  # (cancelled here too, as the batcher stops: a reply then is late)
         self.counts["pulled"] += len(items)
         return items
 
     async def on_pulled(self, msg) -> None:
-        """Priority's reply to a pull: to the pull still waiting for it, or, late, sent on
-        here."""
+        """Priority's reply to a pull: to the pull still waiting for it; or, late, sent on
+        while nobody can have handed its requests on yet, else left to admission's hand-on."""
         pulled = self.pulls.pop(msg.subject.rsplit(".", 1)[-1], None)
         if not msg.data:  # the server's "no responders"
             if pulled is not None and not pulled[0].done():
@@ -268,12 +286,18 @@ class BatcherService:
         if pulled is not None and not pulled[0].done():
             pulled[0].set_result(items)
             return
+        if not items:
+            return
+        if pulled is None or self.stopping \
+                or time.monotonic() - pulled[1] > self.late_limit_s:
+            self.counts["pulled_too_late"] += len(items)
+            log.warning("a pull's reply came too late; its requests are left to admission's "
+                        "hand-on", requests=len(items))
+            return
         self.counts["pulled_late"] += len(items)
-        if items:
-            log.info("a late pull's requests sent on", requests=len(items))
-        overtaking = pulled is not None and pulled[2]
+        log.info("a late pull's requests sent on", requests=len(items))
         for item in items:
-            self.send_beside(item, overtaking)
+            self.send_beside(item, overtaking=pulled[2])
 
     async def dispatch_once(self) -> None:
         """Pull only as many requests as executors have room for: the rest keep waiting at
@@ -285,15 +309,21 @@ class BatcherService:
         for item in await self.pull(free):
             self.send_beside(item)
 
-    def send_beside(self, item: WorkItem, overtaking: bool = False) -> None:
+    def send_beside(self, item: WorkItem, overtaking: bool = False) -> str | None:
         """Route `item` now (charged against its executor's room before the next pull) and
         send it beside the dispatch loop: an executor that does not answer (stopped, or its
-        answer lost with a NATS node: a request's timeout) holds up no other assignment."""
-        routed = self.route(item, overtaking)
+        answer lost with a NATS node: a request's timeout) holds up no other assignment. The
+        executor it goes to (None: back to priority's queue)."""
+        try:
+            routed = self.route(item, overtaking)
+        except Exception:  # a bug: this request goes back to the queue, the others on
+            log.exception("routing failed", request_id=item.request_id)
+            routed = (None, False, {})
         self.holding[item.key] = item
         task = asyncio.create_task(self.send_held(item, *routed))
         self.sending.add(task)
         task.add_done_callback(self.sending.discard)
+        return routed[0]
 
     async def overtake_once(self) -> None:
         """With no room anywhere, pull one request at a time that would start at once at some
@@ -305,18 +335,12 @@ class BatcherService:
             await wait_event(self.beat, SUSPEND_S, fresh=True)  # until the next heartbeat
             return
         for item in await self.pull(1, threshold):
-            if not await self.hold_and_assign(item, overtaking=True):
+            # Sent beside, like every assignment; its executor, with it in transit, is no
+            # candidate to overtake at again until its next heartbeat counts it.
+            if self.send_beside(item, overtaking=True) is None:
                 # Its executor's threshold moved, or it serves another model: until the next
                 # heartbeat, pulling again would hand out the same request again.
                 await wait_event(self.beat, SUSPEND_S, fresh=True)
-
-    async def hold_and_assign(self, item: WorkItem, overtaking: bool = False) -> bool:
-        """Route and send `item` (beyond an executor's room, if `overtaking` and it outranks
-        what is there), reporting it as held here until an executor or priority has it.
-        Whether an executor took it."""
-        routed = self.route(item, overtaking)
-        self.holding[item.key] = item
-        return await self.send_held(item, *routed)
 
     async def send_held(self, item: WorkItem, executor: str | None, overtakes: bool,
                         route: dict) -> bool:

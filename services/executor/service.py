@@ -399,7 +399,7 @@ class ExecutorService:
 
     async def answer(self, item: WorkItem, output, headers: dict[str, str]) -> None:
         try:
-            await self.outbox.final(item, output, headers)
+            await self.outbox.final(item, output, headers, held=True)  # (in self.answering)
         except Exception:  # no Done: admission's lease hands it on, and LLM_RESULTS keeps one
             log.exception("could not deliver a final answer", request_id=item.request_id,
                           durable=item.durable)

@@ -43,7 +43,7 @@ async def test_a_stopped_executor_holds_up_no_other_executors_assignments(tmp_pa
             await asyncio.gather(*requests)
     # Two go to the stopped executor (its room); the running one, two at a time, takes the
     # other eight as its room frees (about 0.3 s a pair here). Holding the loop until the
-    # stopped one's two timed out, it finished two in those 4 s.
+    # stopped one's two timed out, it finished one or two in those 4 s.
     assert len(early) >= 6, early
     assert len(answered) == 10
     assert all(isinstance(answer, Completion) and answer.finish_reason == "length"

@@ -193,7 +193,8 @@ async def test_a_durable_result_is_stored_once_jetstream_takes_it(tmp_path):
         done = await nc.subscribe("llm.internal.done")
         outbox = Outbox(nc, js, Subjects("llm"), "_INBOX")
         answering = asyncio.create_task(outbox.final(work_item("kept", durable=True),
-                                                     completion("kept", "stored late")))
+                                                     completion("kept", "stored late"),
+                                                     held=True))
         await asyncio.sleep(1.0)
         assert not answering.done()
         assert await _drain(done, wait_s=0.1) == []  # not Done while it is not stored
