@@ -14,9 +14,10 @@ import msgspec
 import nats
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import PubAck
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from shared.config import nats_servers
 from shared.protocol import Cancel, Completion, Delta, Error, GenerateRequest
@@ -31,6 +32,10 @@ from shared.subjects import (
 
 Output = Delta | Completion | Error
 SUBMITTED_KEPT = 100_000  # durable ids whose earlier result a client keeps (see `result`)
+# JetStream away for now: a stream electing its leader (a NATS node died: seconds), or the
+# connection reconnecting. A durable submission is tried again this long.
+AWAY = (NoStreamResponseError, NoRespondersError, NatsTimeoutError, asyncio.TimeoutError)
+SUBMIT_AGAIN_S = 15.0
 _decode_output = msgspec.json.Decoder(Output).decode
 _encode = msgspec.json.Encoder().encode
 
@@ -155,10 +160,26 @@ class JetserveClient:
         stored: when the request has its result (`stream` LLM_RESULTS, `seq` the result's), or
         is still waiting or running (`stream` LLM_REQUESTS, `seq` 0: JetStream keeps one message
         per subject and refused this one). A repeat that races its request's end is accepted,
-        and admission answers it with the stored result instead of running it again."""
+        and admission answers it with the stored result instead of running it again.
+
+        While JetStream does not answer (a stream electing its leader after a NATS node died,
+        the connection reconnecting) it is tried again for up to SUBMIT_AGAIN_S; a try whose
+        ack was lost makes the next one a repeat (`duplicate`, `seq` 0: it is stored)."""
         if not request.request_id or not DURABLE_ID_PATTERN.fullmatch(request.request_id):
             raise ValueError("a durable submission needs a request_id matching "
                              "[A-Za-z0-9_-]{1,128} (it is a subject token)")
+        deadline = asyncio.get_running_loop().time() + SUBMIT_AGAIN_S
+        tries = 0
+        while True:
+            try:
+                return await self._submit(request)
+            except AWAY:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                tries += 1
+                await asyncio.sleep(min(0.25 * tries, 2.0))
+
+    async def _submit(self, request: GenerateRequest) -> PubAck:
         earlier = 0  # the sequence of a retryable refusal of an earlier try, if one is stored
         try:
             stored = await self.js.get_last_msg(
@@ -195,7 +216,7 @@ class JetserveClient:
                 # Only what the stream stored: a subscriber can see a result before it is
                 # stored (or one the stream refused), and one published just before the
                 # subscription, before it was stored, is found by the next look (each second).
-                with contextlib.suppress(NotFoundError):
+                with contextlib.suppress(NotFoundError, *AWAY):  # (away: looked again)
                     stored = await self.js.get_last_msg(RESULTS_STREAM, subject, direct=True)
                     # A retryable refusal answers this try only if stored after its submission
                     # (a later sequence than the one its subject held then), however soon.
