@@ -613,17 +613,19 @@ class Outbox:
         """`end_state`, tried again until JetStream takes it (for up to UNENDED_KEPT_S, while
         the request is named answered in the holding reports)."""
         give_up = time.monotonic() + UNENDED_KEPT_S
+        again = False
         try:
             while True:
                 try:
                     return await end_state(self.js, self.subjects, item.key, item.durable,
-                                           item.arrival_time)
+                                           item.arrival_time, again=again)
                 except Exception as exc:
                     if time.monotonic() >= give_up:  # (its owner's end may still land)
                         log.warning("request state not ended", tenant=item.tenant,
                                     request_id=item.request_id, error=repr(exc))
                         return
                     await asyncio.sleep(5.0)
+                    again = True
         finally:
             self.unended.pop((item.key, item.arrival_time), None)
 

@@ -17,7 +17,12 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import PubAck
-from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+from nats.js.errors import (
+    APIError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from shared.config import nats_servers
 from shared.protocol import Cancel, Completion, Delta, Error, GenerateRequest
@@ -34,7 +39,8 @@ Output = Delta | Completion | Error
 SUBMITTED_KEPT = 100_000  # durable ids whose earlier result a client keeps (see `result`)
 # JetStream away for now: a stream electing its leader (a NATS node died: seconds), or the
 # connection reconnecting. A durable submission is tried again this long.
-AWAY = (NoStreamResponseError, NoRespondersError, NatsTimeoutError, asyncio.TimeoutError)
+AWAY = (NoStreamResponseError, NoRespondersError, NatsTimeoutError, asyncio.TimeoutError,
+        ServiceUnavailableError)
 SUBMIT_AGAIN_S = 15.0
 _decode_output = msgspec.json.Decoder(Output).decode
 _encode = msgspec.json.Encoder().encode

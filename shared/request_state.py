@@ -109,18 +109,19 @@ async def tombstone(nc, subjects: Subjects, key: RequestKey, durable: bool,
 
 
 async def end_state(js, subjects: Subjects, key: RequestKey, durable: bool,
-                    arrival_time: float, tries: int = 12) -> None:
+                    arrival_time: float, tries: int = 12, again: bool = False) -> None:
     """The request's state tombstone, acked, tried again (for about 30 s) while LLM_STATE
     elects a leader: an unacked one published then is lost, and the state left behind would be
     taken over, as a lost request, by an admission that starts after the holding reports
     naming it answered stopped (`Holding.ended`), and run a second time. A try after the first
     reads the subject first (from the stream's leader) and writes only over this request's
-    own state: by then a later request of the id may have written its own."""
+    own state: by then a later request of the id may have written its own; so does the first
+    try when this is called `again` (after a call that gave up)."""
     subject = request_subject(subjects, key, durable)
     headers = {"Nats-TTL": TOMBSTONE_TTL, ARRIVAL_HEADER: repr(arrival_time)}
     for n in range(tries):
         try:
-            if n > 0:
+            if n > 0 or again:
                 last = await _leaders_last(js, subject)
                 if last is None or not last.data \
                         or _state.decode(last.data).arrival_time != arrival_time:

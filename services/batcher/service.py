@@ -93,11 +93,13 @@ class BatcherService:
         self.pull_ids = itertools.count()
         self.pull_inbox, self.pull_replies = "", None
         # A late reply's requests are sent on only this soon after the pull: priority last
-        # reported them at most a heartbeat interval before it popped them, admission hands
-        # them on a lease after that, and this batcher's next report naming them as held goes
-        # out within an interval of their arrival. Later, they are left to that hand-on.
+        # reported them at most a heartbeat interval before it popped them, admission (whose
+        # clock moves once an interval) may hand them on from a lease less an interval after
+        # that report, and this batcher's next report naming them as held goes out within an
+        # interval of their arrival. Later, they are left to that hand-on.
         distributed = config.distributed
-        self.late_limit_s = distributed.heartbeat_timeout_s - 2 * distributed.heartbeat_interval_s
+        self.late_limit_s = distributed.heartbeat_timeout_s \
+            - 3 * distributed.heartbeat_interval_s - 0.1
         self.instance = secrets.token_hex(4)
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
@@ -246,10 +248,11 @@ class BatcherService:
         the pull's wait. A reply that comes later has its requests sent on if it is not too
         late (`on_pulled`): they left priority's queue for this batcher."""
         now = time.monotonic()
-        for pull_id, (_, sent, _) in list(self.pulls.items()):  # (ordered by when sent)
+        for pull_id, (future, sent, _) in list(self.pulls.items()):  # (ordered by when sent)
             if now - sent <= max(self.late_limit_s, PULL_WAIT_MS / 1e3 + PULL_LATE_S):
                 break
-            del self.pulls[pull_id]
+            if future.done():  # (given up; one still awaited is not forgotten under it)
+                del self.pulls[pull_id]
         pull_id = str(next(self.pull_ids))
         reply = asyncio.get_running_loop().create_future()
         self.pulls[pull_id] = (reply, now, min_standing is not None)

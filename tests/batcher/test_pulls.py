@@ -79,14 +79,14 @@ async def late_pull(tmp_path, lease_s: float, answer_after_s: float) -> tuple[li
 
 
 async def test_a_pull_answered_after_it_was_given_up_still_has_its_requests_sent(tmp_path):
-    # lease 5 s, heartbeats every 0.25 s: sent on until 4.5 s after the pull
+    # lease 5 s, heartbeats every 0.25 s: sent on until 4.15 s after the pull
     assigned, counts = await late_pull(tmp_path, lease_s=5.0, answer_after_s=GIVEN_UP_S + 1.0)
     assert assigned == ["late"], (assigned, counts)
     assert (counts["pulled_late"], counts["pulled_too_late"]) == (1, 0), counts
 
 
 async def test_a_pull_answered_past_the_hand_on_leaves_its_requests_to_admission(tmp_path):
-    # lease 2 s: admission may hand the request on from 1.5 s after priority popped it
+    # lease 2 s: admission may hand the request on from 1.5 s after priority's last report
     assigned, counts = await late_pull(tmp_path, lease_s=2.0, answer_after_s=GIVEN_UP_S + 1.0)
     assert assigned == [], (assigned, counts)
     assert (counts["pulled_late"], counts["pulled_too_late"]) == (0, 1), counts
