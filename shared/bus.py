@@ -295,6 +295,21 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
                 f"expire by them), which nats-server 2.11 and later keep: upgrade the server")
 
 
+async def while_electing(call: Callable[[], Awaitable], wait_s: float):
+    """`call()`, tried again while a cluster's JetStream does not answer (503, or no answer:
+    a stream or the cluster electing a leader, seconds after a node died) for up to `wait_s`;
+    a service starting then would otherwise exit."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while True:
+        try:
+            return await call()
+        except (NoRespondersError, ServiceUnavailableError, nats.errors.TimeoutError):
+            if loop.time() - start >= wait_s:
+                raise
+            await asyncio.sleep(0.5)
+
+
 async def _reconcile(js: JetStreamContext, current: StreamConfig, wanted: StreamConfig) -> None:
     def value(config: StreamConfig, name: str):
         v = getattr(config, name)

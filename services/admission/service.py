@@ -57,6 +57,7 @@ from shared.bus import (
     payload_budget,
     service_main,
     while_connected,
+    while_electing,
 )
 from shared.cancels import RecentCancels
 from shared.request_state import RequestState, RequestStates, Taken
@@ -201,14 +202,17 @@ class Admission:
         await self.nc.subscribe(self.subjects.done, cb=self.on_done)
         await self.nc.subscribe(self.subjects.holding, cb=self.on_holding)
         await self.nc.subscribe(self.subjects.backpressure, cb=self.on_backpressure)
-        # Created, or brought up to this config (its limits are editable) if it exists.
-        consumer = await self.js.add_consumer(REQUESTS_STREAM, ConsumerConfig(
-            name=ADMISSION_CONSUMER, durable_name=ADMISSION_CONSUMER,
-            filter_subject=self.subjects.all_requests, ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self.config.nats.ack_wait_s, max_deliver=-1,
-            max_ack_pending=self.config.nats.max_ack_pending))
-        self.consumer = await self.js.pull_subscribe_bind(durable=ADMISSION_CONSUMER,
-                                                          stream=REQUESTS_STREAM)
+        # Created, or brought up to this config (its limits are editable) if it exists; while
+        # a cluster elects its leaders (a node just died), tried again.
+        wait_s = self.config.nats.connect_wait_s
+        consumer = await while_electing(lambda: self.js.add_consumer(
+            REQUESTS_STREAM, ConsumerConfig(
+                name=ADMISSION_CONSUMER, durable_name=ADMISSION_CONSUMER,
+                filter_subject=self.subjects.all_requests, ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self.config.nats.ack_wait_s, max_deliver=-1,
+                max_ack_pending=self.config.nats.max_ack_pending)), wait_s)
+        self.consumer = await while_electing(lambda: self.js.pull_subscribe_bind(
+            durable=ADMISSION_CONSUMER, stream=REQUESTS_STREAM), wait_s)
         # Requests delivered to an earlier admission and not acked may still run: hear the
         # holding reports before they come again, so they are adopted, not run twice.
         hear_first = 2 * self.config.distributed.heartbeat_interval_s if consumer.num_ack_pending \

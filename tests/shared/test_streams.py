@@ -4,10 +4,14 @@ configuration when they differ where JetStream allows it, and a clear error wher
 
 from __future__ import annotations
 
+import time
+
+import nats.errors
 import pytest
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import ServiceUnavailableError
 
-from shared.bus import StreamMismatch, ensure_streams
+from shared.bus import StreamMismatch, ensure_streams, while_electing
 from shared.config import load_config
 from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM
 from tests.nats_server import nats_server
@@ -45,3 +49,21 @@ async def test_jetstream_off_is_named(tmp_path):
     async with nats_server(tmp_path, jetstream=False) as nc:
         with pytest.raises(StreamMismatch, match="JetStream is not enabled on the NATS server"):
             await ensure_streams(nc.jetstream(), load_config(None, {}))
+
+
+async def test_a_call_jetstream_does_not_answer_is_tried_again_for_its_wait(tmp_path):
+    """`while_electing` (a service starting while a cluster elects its leaders): a call that
+    finds no JetStream is tried again until its wait has passed, then its error is raised."""
+    async with nats_server(tmp_path, jetstream=False) as nc:
+        js = nc.jetstream()
+        tries = 0
+
+        async def call():
+            nonlocal tries
+            tries += 1
+            return await js.stream_info(REQUESTS_STREAM)
+
+        started = time.monotonic()
+        with pytest.raises((nats.errors.NoRespondersError, ServiceUnavailableError)):
+            await while_electing(call, wait_s=1.2)
+    assert time.monotonic() - started >= 1.2 and tries >= 3, tries
