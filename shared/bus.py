@@ -4,10 +4,10 @@ and delivering a request's outputs to wherever its client listens."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import contextlib
 import dataclasses
 import importlib.util
+import itertools
 import os
 import re
 import signal

@@ -267,13 +267,13 @@ class BatcherService:
             if reply.done() and not reply.cancelled() and reply.exception() is None:
                 items = reply.result()  # (it came as the wait ended)
             else:
-                reply.cancel()  # given up: a reply now is late
+                reply.cancel()  # given up (before the pause below): a reply now is late
                 log.warning("priority did not answer a pull", overtaking=min_standing is not None,
                             error=repr(exc))
                 await asyncio.sleep(0.2)
                 return []
         finally:
-            reply.cancel()  # (cancelled here too, as the batcher stops: a reply then is late)
+            reply.cancel()  # (given up, or the batcher stopping: a reply now is late)
         self.counts["pulled"] += len(items)
         return items
 
