@@ -29,11 +29,14 @@ KEY_TILE = 64  # keys per inner-loop step (at least one cache block)
 
 @triton.jit
 def _dequantize_rows(values, cache_ptr, rows, in_seq, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
-    """int8 rows' values times their fp32 scale, stored in the 4 bytes after each row
-    (jetserve_kernels/kv_int8.py), as `dtype`."""
-    scale = tl.load((cache_ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=in_seq,
-                    other=0.0)
-    return (values.to(tl.float32) * scale[:, None]).to(dtype)
+    """int8 rows' codes times their group's fp16 scale plus its fp16 offset, stored after the
+    row's codes, 4 bytes a group of 32 (jetserve_kernels/kv_int8.py), as `dtype`."""
+    group = tl.arange(0, HEAD_DIM) // 32  # all 0 where head_dim is under 32: one group
+    params = cache_ptr + rows[:, None] + HEAD_DIM + group[None, :] * 4
+    scale = tl.load(params.to(tl.pointer_type(tl.float16)), mask=in_seq[:, None], other=0.0)
+    offset = tl.load((params + 2).to(tl.pointer_type(tl.float16)), mask=in_seq[:, None],
+                     other=0.0)
+    return (values.to(tl.float32) * scale.to(tl.float32) + offset.to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -225,7 +228,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, row = k_cache.shape
     int8 = kv_int8.is_int8(k_cache)
-    assert row == head_dim + (kv_int8.SCALE_BYTES if int8 else 0)
+    assert row == (kv_int8.row_bytes(head_dim) if int8 else head_dim)
     assert num_heads % num_kv_heads == 0 and k_cache.shape == v_cache.shape
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16

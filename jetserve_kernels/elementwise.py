@@ -108,7 +108,7 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
                               stride_kt, stride_kh, stride_vt, stride_vh, stride_block,
                               stride_offset, stride_head, block_size, num_kv_heads, head_dim,
                               BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
-                              INT8: tl.constexpr):
+                              INT8: tl.constexpr, GROUP: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # a padding token: nothing to write
@@ -122,24 +122,40 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
     if INT8:
-        _store_int8_rows(k_cache_ptr, rows, dims, key, mask, head_ids < num_kv_heads, head_dim)
-        _store_int8_rows(v_cache_ptr, rows, dims, value, mask, head_ids < num_kv_heads, head_dim)
+        _store_int8_rows(k_cache_ptr, rows, dims, key, mask, head_ids < num_kv_heads, head_dim,
+                         BLOCK_HEADS, BLOCK_D, GROUP)
+        _store_int8_rows(v_cache_ptr, rows, dims, value, mask, head_ids < num_kv_heads, head_dim,
+                         BLOCK_HEADS, BLOCK_D, GROUP)
     else:
         tl.store(k_cache_ptr + rows[:, None] + dims, key, mask=mask)
         tl.store(v_cache_ptr + rows[:, None] + dims, value, mask=mask)
 
 
 @triton.jit
-def _store_int8_rows(cache_ptr, rows, dims, x, mask, head_mask, head_dim):
-    """Each head's values as int8 with their fp32 scale (max |x| / 127) in the 4 bytes after
-    them, rounded to nearest (jetserve_kernels/kv_int8.py rounds ties to even, this away from zero:
-    the interpreter has no rint)."""
+def _store_int8_rows(cache_ptr, rows, dims, x, mask, head_mask, head_dim,
+                     BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
+    """Each head's values as an int8 row (jetserve_kernels/kv_int8.py): per group of GROUP, an
+    fp16 offset (the range's midpoint) and scale (reach / 127), the codes rounded to nearest
+    (kv_int8.py rounds ties to even, this away from zero: the interpreter has no rint), then the
+    groups' scales and offsets after the codes."""
+    groups: tl.constexpr = BLOCK_D // GROUP
     x = x.to(tl.float32)
-    scale = tl.max(tl.abs(x), 1) / 127
-    scaled = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    lo = tl.min(tl.reshape(tl.where(mask, x, float("inf")), (BLOCK_HEADS, groups, GROUP)), 2)
+    hi = tl.max(tl.reshape(tl.where(mask, x, float("-inf")), (BLOCK_HEADS, groups, GROUP)), 2)
+    live = (tl.arange(0, groups) * GROUP < head_dim)[None, :] & head_mask[:, None]
+    lo, hi = tl.where(live, lo, 0.0), tl.where(live, hi, 0.0)
+    offset = ((lo + hi) / 2).to(tl.float16)
+    mid = offset.to(tl.float32)
+    scale = (tl.maximum(hi - mid, mid - lo) / 127).to(tl.float16)
+    step = scale.to(tl.float32)
+    inv = tl.where(step > 0, 1 / tl.where(step > 0, step, 1.0), 0.0)
+    scaled = (tl.reshape(x, (BLOCK_HEADS, groups, GROUP)) - mid[:, :, None]) * inv[:, :, None]
     q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(0.5 - scaled))
+    q = tl.reshape(tl.minimum(tl.maximum(q, -127.0), 127.0), (BLOCK_HEADS, BLOCK_D))
     tl.store(cache_ptr + rows[:, None] + dims, q.to(tl.int8), mask=mask)
-    tl.store((cache_ptr + rows + head_dim).to(tl.pointer_type(tl.float32)), scale, mask=head_mask)
+    params = cache_ptr + rows[:, None] + head_dim + tl.arange(0, groups)[None, :] * 4
+    tl.store(params.to(tl.pointer_type(tl.float16)), scale, mask=live)
+    tl.store((params + 2).to(tl.pointer_type(tl.float16)), offset, mask=live)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -149,7 +165,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     assert k_cache.stride() == v_cache.stride() and key.stride(-1) == 1 and value.stride(-1) == 1
     num_tokens, num_kv_heads, head_dim = key.shape
     int8 = kv_int8.is_int8(k_cache)
-    assert k_cache.shape[3] == head_dim + (kv_int8.SCALE_BYTES if int8 else 0)
+    assert k_cache.shape[3] == (kv_int8.row_bytes(head_dim) if int8 else head_dim)
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
@@ -157,4 +173,4 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         value.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], num_kv_heads, head_dim,
         BLOCK_HEADS=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        INT8=int8)
+        INT8=int8, GROUP=min(kv_int8.GROUP, triton.next_power_of_2(head_dim)))

@@ -1,11 +1,40 @@
-// What the paged attention kernels share: their argument checks, and (AVX-512 builds) vector
-// helpers: a fast e^x for softmax, a 16-way horizontal sum, and reads of fp32 or int8 cache rows
-// through a block table.
+// What the paged attention kernels share: their argument checks, the int8 row layout, and
+// (AVX-512 builds) vector helpers: a fast e^x for softmax, a 16-way horizontal sum, and reads of
+// fp32 or int8 cache rows through a block table.
 #pragma once
 
+#include <c10/util/Half.h>
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <cstring>
+
 namespace paged {
+
+// An int8 cache row (jetserve_kernels/kv_int8.py): head_dim int8 codes, then for each group of
+// kInt8Group of them (the whole row under that) an fp16 scale and an fp16 offset;
+// value = scale * code + offset.
+constexpr int64_t kInt8Group = 32;
+inline int64_t int8_group(int64_t head_dim) { return head_dim < kInt8Group ? head_dim : kInt8Group; }
+inline int64_t int8_row_bytes(int64_t head_dim) {
+  return head_dim + head_dim / int8_group(head_dim) * 4;
+}
+inline int64_t int8_head_dim(int64_t row_bytes) {
+  return row_bytes < kInt8Group + 4 ? row_bytes - 4 : row_bytes * kInt8Group / (kInt8Group + 4);
+}
+
+inline float half_at(const char* p) {
+  c10::Half h;
+  std::memcpy(&h.x, p, sizeof h.x);
+  return static_cast<float>(h);
+}
+// Group g's scale and offset in a row of head_dim codes.
+inline float group_scale(const char* row, int64_t head_dim, int64_t g) {
+  return half_at(row + head_dim + 4 * g);
+}
+inline float group_offset(const char* row, int64_t head_dim, int64_t g) {
+  return half_at(row + head_dim + 4 * g + 2);
+}
 
 // The checks both kernels make of their tensors; whether the cache is int8 (else fp32).
 inline bool check_attention_args(const char* op, const torch::Tensor& q,
@@ -19,7 +48,8 @@ inline bool check_attention_args(const char* op, const torch::Tensor& q,
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), op, ": q's heads must be packed");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
               block_table.is_contiguous(), op, ": cache, out and block tables must be contiguous");
-  TORCH_CHECK(k_cache.size(3) == (int8 ? q.size(2) + 4 : q.size(2)), op, ": cache rows of ",
+  TORCH_CHECK(k_cache.size(3) == (int8 ? int8_row_bytes(q.size(2)) : q.size(2)) &&
+              (!int8 || q.size(2) % int8_group(q.size(2)) == 0), op, ": cache rows of ",
               k_cache.size(3), " for head_dim ", q.size(2));
   return int8;
 }
@@ -86,24 +116,22 @@ struct RowCursor {
   }
 };
 
-// A cache row's 16 values at [16 d, 16 d + 16), unscaled, and the row's scale.
-template <typename T>
-inline __m512 load16(const char* row, int d) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * d);
-  } else {
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * d))));
-  }
-}
+// A cache row's 16 * DV values as fp32 into v: an fp32 row as it is, an int8 row's codes
+// times their group's scale plus its offset (two vectors of 16 to a group).
 template <typename T, int DV>
-inline float row_scale(const char* row) {
+inline void load_row(const char* row, __m512* v) {
   if constexpr (std::is_same_v<T, float>) {
-    return 1.0f;
+    for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * d);
   } else {
-    float scale;
-    std::memcpy(&scale, row + 16 * DV, sizeof scale);
-    return scale;
+    constexpr int kHeadDim = 16 * DV;
+    for (int g = 0; g < DV / 2; ++g) {
+      const __m512 scale = _mm512_set1_ps(group_scale(row, kHeadDim, g));
+      const __m512 offset = _mm512_set1_ps(group_offset(row, kHeadDim, g));
+      for (int d = 2 * g; d < 2 * g + 2; ++d)
+        v[d] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                   reinterpret_cast<const __m128i*>(row + 16 * d)))),
+                               scale, offset);
+    }
   }
 }
 
@@ -111,7 +139,7 @@ inline float row_scale(const char* row) {
 // the hardware prefetcher alone leaves the loads waiting on memory.
 template <typename T, int DV>
 inline void prefetch_row(const char* row) {
-  constexpr int bytes = std::is_same_v<T, float> ? 64 * DV : 16 * DV + 4;
+  constexpr int bytes = std::is_same_v<T, float> ? 64 * DV : 16 * DV + 2 * DV;
   for (int c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
   if constexpr (bytes % 64 != 0) _mm_prefetch(row + bytes - 1, _MM_HINT_T1);
 }

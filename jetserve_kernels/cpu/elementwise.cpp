@@ -3,6 +3,7 @@
 // those ops costs more than their arithmetic. Semantics are those of jetserve_kernels/reference.py.
 
 #include "ops.h"
+#include "attention_simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -17,17 +18,28 @@ void check_rows(const torch::Tensor& t, const char* name) {
               ": fp32 [T, C] with contiguous rows expected");
 }
 
-// Each head's head_dim floats of x as int8 with one fp32 scale (absmax / 127, round to nearest),
-// rows of head_dim + 4 bytes from out.
+// Each head's head_dim floats of x as an int8 cache row (jetserve_kernels/kv_int8.py): for each
+// group of 32, offset = fp16((min + max) / 2), scale = fp16(reach / 127) with reach the larger
+// distance from the rounded offset to min or max, codes round((x - offset) / scale) clamped to
+// [-127, 127]; the codes, then each group's scale and offset.
 void quantize_heads(const float* x, int64_t heads, int64_t head_dim, char* out) {
-  for (int64_t h = 0; h < heads; ++h, x += head_dim, out += head_dim + 4) {
-    float peak = 0.0f;
-    for (int64_t d = 0; d < head_dim; ++d) peak = std::max(peak, std::fabs(x[d]));
-    const float scale = peak / 127.0f;
-    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    for (int64_t d = 0; d < head_dim; ++d)
-      out[d] = static_cast<int8_t>(std::nearbyint(x[d] * inv));
-    std::memcpy(out + head_dim, &scale, sizeof scale);
+  const int64_t row = paged::int8_row_bytes(head_dim), size = paged::int8_group(head_dim);
+  for (int64_t h = 0; h < heads; ++h, x += head_dim, out += row) {
+    for (int64_t g = 0; g < head_dim / size; ++g) {
+      const float* v = x + g * size;
+      float lo = v[0], hi = v[0];
+      for (int64_t d = 1; d < size; ++d) lo = std::min(lo, v[d]), hi = std::max(hi, v[d]);
+      const c10::Half offset((lo + hi) / 2.0f);
+      const float mid = static_cast<float>(offset);
+      const c10::Half scale(std::max(hi - mid, mid - lo) / 127.0f);
+      const float step = static_cast<float>(scale);
+      const float inv = step > 0.0f ? 1.0f / step : 0.0f;
+      int8_t* codes = reinterpret_cast<int8_t*>(out) + g * size;
+      for (int64_t d = 0; d < size; ++d)
+        codes[d] = static_cast<int8_t>(std::clamp(std::nearbyint((v[d] - mid) * inv), -127.0f, 127.0f));
+      std::memcpy(out + head_dim + 4 * g, &scale.x, 2);
+      std::memcpy(out + head_dim + 4 * g + 2, &offset.x, 2);
+    }
   }
 }
 
@@ -73,9 +85,15 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
                       const torch::Tensor& cos_sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
                       const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   check_rows(qkv, "rotary_and_cache qkv");
-  // An int8 cache row is head_dim int8 values and their fp32 scale (jetserve_kernels/kv_int8.py).
+  // An int8 cache row is head_dim int8 codes and their groups' fp16 scales and offsets
+  // (jetserve_kernels/kv_int8.py).
   const bool int8 = k_cache.scalar_type() == torch::kInt8;
-  const int64_t head_dim = k_cache.size(3) - (int8 ? 4 : 0), half = head_dim / 2;
+  const int64_t head_dim = int8 ? paged::int8_head_dim(k_cache.size(3)) : k_cache.size(3);
+  const int64_t half = head_dim / 2;
+  TORCH_CHECK(!int8 || (head_dim % paged::int8_group(head_dim) == 0 &&
+                        k_cache.size(3) == paged::int8_row_bytes(head_dim)),
+              "rotary_and_cache: an int8 cache needs head_dim under ", paged::kInt8Group,
+              " or a multiple of it");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "rotary_and_cache: width");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
               (int8 || k_cache.scalar_type() == torch::kFloat32) &&

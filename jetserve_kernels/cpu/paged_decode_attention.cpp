@@ -1,6 +1,6 @@
 // Decode attention straight from the paged KV cache, for the CPU: an fp32 cache, or an int8 one
-// whose every (token, KV head) row is head_dim int8 values followed by their fp32 scale
-// (value = scale * q; jetserve_kernels/kv_int8.py).
+// whose every (token, KV head) row is head_dim int8 codes followed by an fp16 scale and offset
+// for each 32 of them (value = scale * code + offset; jetserve_kernels/kv_int8.py).
 //
 // The query heads of one KV head are scored together against every cached key, then the softmax
 // weights accumulate the values. With AVX-512 (head_dim 64 or 128), 16 positions' scores are
@@ -44,7 +44,6 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
                  float* scores, int64_t stride, float* peak) {
   std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
   const char* rows[16];
-  alignas(64) float row_scales[16];
   RowCursor ahead = keys;  // kAhead positions in front of `keys`
   int64_t ahead_pos = std::min<int64_t>(kAhead, len);
   prefetch_rows<T, DV>(ahead, ahead_pos);
@@ -55,8 +54,8 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
     prefetch_rows<T, DV>(ahead, more);
     ahead_pos += more;
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    if constexpr (!std::is_same_v<T, float>)
-      for (int i = 0; i < 16; ++i) row_scales[i] = i < n ? row_scale<T, DV>(rows[i]) : 0.0f;
+    __m512 key[16][DV];  // the 16 rows as fp32, read once for the G heads
+    for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
     for (int64_t h = 0; h < group; ++h) {
       __m512 qv[DV];
       for (int d = 0; d < DV; ++d)
@@ -66,10 +65,9 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
         partial[i] = _mm512_setzero_ps();
         if (i < n)
           for (int d = 0; d < DV; ++d)
-            partial[i] = _mm512_fmadd_ps(qv[d], load16<T>(rows[i], d), partial[i]);
+            partial[i] = _mm512_fmadd_ps(qv[d], key[i][d], partial[i]);
       }
-      __m512 s = sum16(partial);
-      if constexpr (!std::is_same_v<T, float>) s = _mm512_mul_ps(s, _mm512_load_ps(row_scales));
+      const __m512 s = sum16(partial);
       _mm512_mask_storeu_ps(scores + h * stride + p0, valid, s);
       peaks[h] = _mm512_mask_max_ps(peaks[h], valid, peaks[h], s);
     }
@@ -104,11 +102,10 @@ void accumulate_values(const float* weights, int64_t stride, const float* totals
   for (int64_t pos = 0; pos < len; ++pos) {
     const char* row = values.next();
     if (pos + kAhead < len) prefetch_row<T, DV>(ahead.next());
-    const float row_weight = row_scale<T, DV>(row);  // an int8 row's scale joins the weight
     __m512 v[DV];
-    for (int d = 0; d < DV; ++d) v[d] = load16<T>(row, d);
+    load_row<T, DV>(row, v);
     for (int h = 0; h < HB; ++h) {
-      const __m512 w = _mm512_set1_ps(weights[h * stride + pos] * row_weight);
+      const __m512 w = _mm512_set1_ps(weights[h * stride + pos]);
       for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_fmadd_ps(w, v[d], acc[h][d]);
     }
   }
@@ -151,19 +148,23 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
 
 namespace {
 
-// Row r's value d and scale, for the portable path.
+// A row's values as fp32 into dst, for the portable path.
 struct Rows {
   bool int8;
   int64_t head_dim;
-  float value(const char* row, int64_t d) const {
-    return int8 ? static_cast<float>(reinterpret_cast<const int8_t*>(row)[d])
-                : reinterpret_cast<const float*>(row)[d];
-  }
-  float scale(const char* row) const {
-    if (!int8) return 1.0f;
-    float s;
-    std::memcpy(&s, row + head_dim, sizeof s);
-    return s;
+  void load(const char* row, float* dst) const {
+    if (!int8) {
+      std::memcpy(dst, row, head_dim * sizeof(float));
+      return;
+    }
+    const int8_t* codes = reinterpret_cast<const int8_t*>(row);
+    const int64_t size = paged::int8_group(head_dim);
+    for (int64_t g = 0; g < head_dim / size; ++g) {
+      const float scale = paged::group_scale(row, head_dim, g);
+      const float offset = paged::group_offset(row, head_dim, g);
+      for (int64_t d = g * size; d < (g + 1) * size; ++d)
+        dst[d] = scale * codes[d] + offset;
+    }
   }
 };
 
@@ -172,7 +173,7 @@ struct Rows {
 void paged_decode_attention(
     const torch::Tensor& q,             // [num_tokens, num_heads, head_dim], rows may be strided
     const torch::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, row]: row is
-                                        // head_dim fp32, or head_dim int8 + a 4-byte fp32 scale
+                                        // head_dim fp32, or int8 codes + scales, offsets
     const torch::Tensor& v_cache,       // same
     const torch::Tensor& block_tables,  // int32 [num_seqs, max_blocks]
     const torch::Tensor& seq_lens,      // int32 [num_seqs], keys to attend, the new one included
@@ -238,6 +239,7 @@ void paged_decode_attention(
     std::vector<float> scores;
     std::vector<float> query(num_heads * head_dim);
     std::vector<float> acc(num_heads * head_dim);
+    std::vector<float> row(num_kv_heads * head_dim);  // one position's rows, as fp32
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = lens[seq];
       const int32_t* table = tables + seq * max_blocks;
@@ -251,12 +253,14 @@ void paged_decode_attention(
 
       for (int64_t pos = 0; pos < len; ++pos) {
         const char* keys = position(k_ptr, pos);
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv)
+          cache.load(keys + kv * row_bytes, row.data() + kv * head_dim);
         for (int64_t h = 0; h < num_heads; ++h) {
-          const char* key = keys + (h / group) * row_bytes;
+          const float* key = row.data() + (h / group) * head_dim;
           const float* qh = query.data() + h * head_dim;
           float dot = 0.0f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * cache.value(key, d);
-          scores[h * len + pos] = dot * cache.scale(key);
+          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
+          scores[h * len + pos] = dot;
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {
@@ -273,11 +277,13 @@ void paged_decode_attention(
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t pos = 0; pos < len; ++pos) {
         const char* values = position(v_ptr, pos);
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv)
+          cache.load(values + kv * row_bytes, row.data() + kv * head_dim);
         for (int64_t h = 0; h < num_heads; ++h) {
-          const char* value = values + (h / group) * row_bytes;
-          const float w = scores[h * len + pos] * cache.scale(value);
+          const float* value = row.data() + (h / group) * head_dim;
+          const float w = scores[h * len + pos];
           float* a = acc.data() + h * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * cache.value(value, d);
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * value[d];
         }
       }
       float* o = out_ptr + rows[seq] * num_heads * head_dim;

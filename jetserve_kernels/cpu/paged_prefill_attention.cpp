@@ -20,13 +20,13 @@ namespace {
 
 using namespace paged;
 
-// The next n rows of a cursor as fp32 (an int8 row times its scale) into dst, zeros past them.
+// The next n rows of a cursor as fp32 (an int8 row dequantized) into dst, zeros past them.
 template <typename T, int DV>
 inline void load_chunk_rows(RowCursor& cursor, int n, float (*dst)[16 * DV]) {
   for (int i = 0; i < n; ++i) {
-    const char* row = cursor.next();
-    const __m512 w = _mm512_set1_ps(row_scale<T, DV>(row));
-    for (int d = 0; d < DV; ++d) _mm512_store_ps(dst[i] + 16 * d, _mm512_mul_ps(load16<T>(row, d), w));
+    __m512 v[DV];
+    load_row<T, DV>(cursor.next(), v);
+    for (int d = 0; d < DV; ++d) _mm512_store_ps(dst[i] + 16 * d, v[d]);
   }
   for (int i = n; i < 16; ++i)
     for (int d = 0; d < DV; ++d) _mm512_store_ps(dst[i] + 16 * d, _mm512_setzero_ps());

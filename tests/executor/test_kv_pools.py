@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from jetserve_kernels import kv_int8
+
 from services.executor.engine.block_manager import KvPools
 from services.executor.engine.llm_engine import Engine
 from services.executor.engine.scheduler import Scheduler
@@ -111,7 +113,7 @@ def test_the_engine_splits_the_memory_and_picks_the_pool_by_priority():
                               "kv_cache.compressed_fraction": 0.25}))
     try:
         head_dim = one.model_config.head_dim
-        int8_per_fp32 = 4 * head_dim / (head_dim + 4)
+        int8_per_fp32 = 4 * head_dim / kv_int8.row_bytes(head_dim)
         assert two.pool_sizes == [150, int(50 * int8_per_fp32)]
         assert [two.kv_pool_of(p) for p in (0, 4, 5, 10)] == [1, 1, 0, 0]
         assert [one.kv_pool_of(p) for p in (0, 10)] == [0, 0]

@@ -32,8 +32,9 @@ class StepInputs:
 
 
 def kv_cache_row(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Elements of one (token, KV head) row of the cache: an int8 row carries its scale."""
-    return config.head_dim + (kv_int8.SCALE_BYTES if dtype == torch.int8 else 0)
+    """Elements of one (token, KV head) row of the cache: an int8 row carries its scales and
+    offsets (jetserve_kernels/kv_int8.py)."""
+    return kv_int8.row_bytes(config.head_dim) if dtype == torch.int8 else config.head_dim
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
