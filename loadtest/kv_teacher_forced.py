@@ -1,0 +1,136 @@
+"""What an int8 KV cache costs in quality, token by token: teacher forcing on a held-out text.
+
+The text is Python's Language Reference as every CPython install ships it (the topics of
+`pydoc_data.topics`, in name order), a text no KV setting was chosen on. It is cut into
+`--windows` windows of `--window` tokens. Each window's first `--prefix` tokens are prefilled;
+every later token is then fed as a decode step (all windows in one batch, as the engine runs
+them), so every scored position reads its whole context back from the cache through the decode
+kernel, the path generation takes. The same steps run over an fp32 cache and an int8 one
+(jetserve_kernels/kv_int8.py), and each position's logits are compared:
+
+- **top-1 agreement**: the share of positions where both caches' most likely next token is the
+  same (the text's own next token is fed either way: one difference does not derail the rest,
+  as it does when whole greedy continuations are compared);
+- **perplexity** of the text under each, and the int8 one's relative difference;
+- **KL divergence** from the fp32 cache's next-token distribution, the mean over positions.
+
+    python -m loadtest.kv_teacher_forced --result-json results/kv_teacher_forced.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from loadtest.metrics import write_result
+from services.executor.engine.attention import SeqSlice, TorchBackend
+from services.executor.engine.model import KvSegment, LlamaModel
+from services.executor.engine.model_runner import kv_cache_row
+from services.executor.engine.weights import load_model_files
+
+BLOCK = 16
+
+
+def held_out_text() -> str:
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+class Forced:
+    """One model, stepping every window through a cache of the given dtype."""
+
+    def __init__(self, model_name: str):
+        from shared.model_files import tokenizer_dir
+        from shared.tokenizer import Tokenizer
+
+        device = torch.device("cpu")
+        self.config, weights, directory = load_model_files(model_name, device, torch.float32)
+        self.tokenizer = Tokenizer(tokenizer_dir(directory))
+        self.backend = TorchBackend(BLOCK, device, torch.float32)
+        self.model = LlamaModel(self.config, weights, self.backend,
+                                max_position=self.config.max_position)
+
+    def steps(self, windows: list[list[int]], prefix: int, cache_dtype: torch.dtype):
+        """Yields, step by step, the log-probabilities [windows, vocab] of each window's next
+        token: first of token `prefix` (after the prefill), then of each later one."""
+        cfg, n, length = self.config, len(windows), len(windows[0])
+        per_seq = -(-length // BLOCK)
+        shape = (n * per_seq, BLOCK, cfg.num_kv_heads, kv_cache_row(cfg, cache_dtype))
+        caches = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
+                  for _ in range(cfg.num_layers)]
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
+
+        def step(start: int, count: int) -> torch.Tensor:
+            seqs, slots, ids, positions = [], [], [], []
+            for i, window in enumerate(windows):
+                seqs.append(SeqSlice(i * count, count, start + count, tables[i]))
+                for pos in range(start, start + count):
+                    slots.append(tables[i][pos // BLOCK] * BLOCK + pos % BLOCK)
+                    ids.append(window[pos])
+                    positions.append(pos)
+            meta = self.backend.prepare(seqs, slots)
+            last = torch.arange(n) * count + count - 1
+            with torch.inference_mode():
+                logits = self.model.forward(torch.tensor(ids), torch.tensor(positions),
+                                            [KvSegment(meta, caches)], last)
+                return torch.log_softmax(logits, -1)
+
+        yield step(0, prefix)
+        for pos in range(prefix, length - 1):
+            yield step(pos, 1)
+
+
+def compare(forced: Forced, windows: list[list[int]], prefix: int) -> dict:
+    """Both caches stepped side by side; top-1 agreement, perplexities and mean KL over every
+    scored position, computed in fp32 as each step comes."""
+    agree = total_kl = nll_ref = nll = 0.0
+    count = 0
+    steps = zip(forced.steps(windows, prefix, torch.float32),
+                forced.steps(windows, prefix, torch.int8))
+    for offset, (ref, other) in enumerate(steps):
+        target = torch.tensor([w[prefix + offset] for w in windows])[:, None]
+        agree += (ref.argmax(-1) == other.argmax(-1)).sum().item()
+        total_kl += (ref.exp() * (ref - other)).sum().item()
+        nll_ref -= ref.gather(1, target).sum().item()
+        nll -= other.gather(1, target).sum().item()
+        count += target.shape[0]
+    return {"tokens": count, "top1_agreement": agree / count,
+            "perplexity_fp32_kv": math.exp(nll_ref / count), "perplexity": math.exp(nll / count),
+            "perplexity_relative": math.exp((nll - nll_ref) / count) - 1,
+            "mean_kl": total_kl / count}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--windows", type=int, default=20)
+    parser.add_argument("--window", type=int, default=1024, help="tokens a window")
+    parser.add_argument("--prefix", type=int, default=16, help="tokens prefilled, not scored")
+    parser.add_argument("--result-json", default="results/kv_teacher_forced.json")
+    args = parser.parse_args(argv)
+
+    forced = Forced(args.model)
+    ids = forced.tokenizer.encode(held_out_text())
+    if len(ids) < args.windows * args.window:
+        parser.error(f"the text has {len(ids)} tokens, fewer than {args.windows} x {args.window}")
+    windows = [ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
+    started = time.perf_counter()
+    result = compare(forced, windows, args.prefix)
+    result["seconds"] = time.perf_counter() - started
+    print(f"{result['tokens']} tokens scored, {args.windows} windows of {args.window} "
+          f"({args.prefix} prefilled, the rest decoded one by one)")
+    print(f"top-1 agreement, int8 KV against fp32 KV: {100 * result['top1_agreement']:.2f} %")
+    print(f"perplexity: fp32 KV {result['perplexity_fp32_kv']:.4f}, int8 KV "
+          f"{result['perplexity']:.4f} ({100 * result['perplexity_relative']:+.3f} %)")
+    print(f"mean KL(fp32 KV || int8 KV): {result['mean_kl']:.2e} nats")
+    write_result(args.result_json, "kv_teacher_forced", params=vars(args), results=result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
