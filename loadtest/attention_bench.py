@@ -1,5 +1,5 @@
-"""The CPU attention kernels on their own: decode batches and prefill chunks over a paged fp32 KV
-cache for every layer of a model (a cache per layer, blocks scattered, so it streams from memory
+"""The CPU attention kernels on their own: decode batches and prefill chunks over a paged KV
+cache (fp32, or int8 with `--kv-dtype int8`: jetserve_kernels/kv_int8.py) for every layer of a model (a cache per layer, blocks scattered, so it streams from memory
 as in the engine), against SDPA over the gathered blocks, as the torch backend runs without the
 kernels. The median of `--repeats` runs, in ms for all the layers.
 
@@ -18,7 +18,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from jetserve_kernels import cpu_ops
+from jetserve_kernels import cpu_ops, kv_int8
 from loadtest.linear_bench import times_ms
 from loadtest.metrics import write_result
 from shared.model_files import DUMMY_SHAPES
@@ -38,15 +38,18 @@ def pair(text: str) -> tuple[int, int]:
 class Caches:
     """Per-layer K and V caches with `seqs` sequences of `length` tokens, blocks scattered."""
 
-    def __init__(self, layers: int, seqs: int, length: int, kv_heads: int, head_dim: int):
+    def __init__(self, layers: int, seqs: int, length: int, kv_heads: int, head_dim: int,
+                 kv_dtype: str = "fp32"):
         per_seq = -(-length // BLOCK_SIZE)
         blocks = seqs * per_seq + 1
         shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)
-        self.k = [torch.randn(shape) for _ in range(layers)]
-        self.v = [torch.randn(shape) for _ in range(layers)]
+        store = kv_int8.quantize if kv_dtype == "int8" else (lambda x: x)
+        self.k = [store(torch.randn(shape)) for _ in range(layers)]
+        self.v = [store(torch.randn(shape)) for _ in range(layers)]
         order = torch.randperm(blocks - 1) + 1
         self.tables = order[:seqs * per_seq].view(seqs, per_seq).to(torch.int32).contiguous()
-        self.bytes = 2 * layers * seqs * length * kv_heads * head_dim * 4
+        row_bytes = self.k[0].shape[-1] * self.k[0].element_size()
+        self.bytes = 2 * layers * seqs * length * kv_heads * row_bytes
 
     def gathered(self, layer: int, seq: int, length: int):
         """One sequence's keys and values, contiguous: [length, KVH, D] each."""
@@ -54,13 +57,16 @@ class Caches:
         k, v = self.k[layer], self.v[layer]
         keys = k.view(k.shape[0], -1).index_select(0, ids).view(-1, *k.shape[2:])[:length]
         values = v.view(v.shape[0], -1).index_select(0, ids).view(-1, *v.shape[2:])[:length]
+        if kv_int8.is_int8(keys):  # as the torch backend gathers an int8 cache
+            keys, values = kv_int8.dequantize(keys), kv_int8.dequantize(values)
         return keys, values
 
 
-def decode_point(kernels, shape: dict, seqs: int, length: int, repeats: int) -> dict:
+def decode_point(kernels, shape: dict, seqs: int, length: int, repeats: int,
+                 kv_dtype: str = "fp32") -> dict:
     layers, heads, kv_heads, dim = (shape["num_layers"], shape["num_heads"],
                                     shape["num_kv_heads"], shape["head_dim"])
-    caches = Caches(layers, seqs, length, kv_heads, dim)
+    caches = Caches(layers, seqs, length, kv_heads, dim, kv_dtype)
     # q as the engine has it: a view into the fused QKV output.
     q = torch.randn(seqs, (heads + 2 * kv_heads) * dim)[:, :heads * dim].unflatten(1, (heads, dim))
     out = torch.empty(seqs, heads, dim)
@@ -87,11 +93,12 @@ def decode_point(kernels, shape: dict, seqs: int, length: int, repeats: int) -> 
     return row
 
 
-def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int) -> dict:
+def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int,
+                  kv_dtype: str = "fp32") -> dict:
     layers, heads, kv_heads, dim = (shape["num_layers"], shape["num_heads"],
                                     shape["num_kv_heads"], shape["head_dim"])
     length = cached + tokens
-    caches = Caches(layers, 1, length, kv_heads, dim)
+    caches = Caches(layers, 1, length, kv_heads, dim, kv_dtype)
     q = torch.randn(tokens, (heads + 2 * kv_heads) * dim)[:, :heads * dim].unflatten(1, (heads, dim))
     out = torch.empty(tokens, heads, dim)
     table = caches.tables[0].contiguous()
@@ -124,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=pair, nargs="*",
                         default=[(1, 300), (8, 256), (64, 256), (128, 300)])
     parser.add_argument("--prefill", type=pair, nargs="*", default=[(40, 0), (384, 0), (200, 300)])
+    parser.add_argument("--kv-dtype", choices=["fp32", "int8"], default="fp32")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--result-json", default="results/attention_bench.json")
     args = parser.parse_args(argv)
@@ -132,20 +140,20 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the CPU attention kernels need a build with AVX-512")
     shape = DUMMY_SHAPES[args.shape]
     torch.manual_seed(0)
-    print(f"{args.shape}: {shape['num_layers']} layers, ms for all of them, "
+    print(f"{args.shape}, {args.kv_dtype} KV: {shape['num_layers']} layers, ms for all of them, "
           f"median of {args.repeats}")
     decodes, prefills = [], []
     for seqs, length in args.decode:
-        row = decode_point(kernels, shape, seqs, length, args.repeats)
+        row = decode_point(kernels, shape, seqs, length, args.repeats, args.kv_dtype)
         decodes.append(row)
         print(f"  decode {seqs:4d} x {length:5d}: kernel {row['kernel_ms']:8.1f} "
               f"({row['kernel_gb_per_s']:.1f} GB/s)  SDPA {row['sdpa_ms']:8.1f}", flush=True)
     for tokens, cached in args.prefill:
-        row = prefill_point(kernels, shape, tokens, cached, args.repeats)
+        row = prefill_point(kernels, shape, tokens, cached, args.repeats, args.kv_dtype)
         prefills.append(row)
         print(f"  prefill {tokens:4d} after {cached:5d}: kernel {row['kernel_ms']:8.1f} "
               f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  SDPA {row['sdpa_ms']:8.1f}", flush=True)
-    write_result(args.result_json, "attention_bench", shape=args.shape,
+    write_result(args.result_json, "attention_bench", shape=args.shape, kv_dtype=args.kv_dtype,
                  threads=torch.get_num_threads(), decode=decodes, prefill=prefills)
     return 0
 
