@@ -46,7 +46,7 @@ def _attend(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head
             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
             INT8: tl.constexpr):
     """Online softmax of rows `q` (at absolute `positions`) over key tiles [first_tile, end_tile).
-    An int8 cache's rows are dequantized as they load (their scale follows the values)."""
+    An int8 cache's rows are dequantized as they load (their scales and offsets follow them)."""
     dims = tl.arange(0, HEAD_DIM)
     offsets = tl.arange(0, BLOCK_N)
     for tile in range(first_tile, end_tile):

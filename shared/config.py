@@ -85,8 +85,8 @@ class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     cpu_cache_gib: Annotated[float, msgspec.Meta(gt=0.0)] = 4.0
     enable_prefix_caching: bool = True
-    # auto: the model's dtype; int8: each (token, head) row as int8 with an fp32 scale
-    # (jetserve_kernels/kv_int8.py), ~3.8x the tokens of fp32 in the same memory.
+    # auto: the model's dtype; int8: each (token, head) row as int8 codes with an fp16 scale and
+    # offset per 32 (jetserve_kernels/kv_int8.py), ~3.56x the tokens of fp32 in the same memory.
     dtype: Literal["auto", "int8"] = "auto"
     # Requests of a priority under this keep their KV in int8 blocks of a second pool, which
     # takes `compressed_fraction` of the KV memory; the rest stays in `dtype` (None: one pool).
