@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     parser.add_argument("--also-backend", choices=["torch", "triton"],
                         help="also run the first variant on this backend and compare (GPU: torch)")
+    parser.add_argument("--also-dtype", choices=["bfloat16", "float16"],
+                        help="also run the first variant in this model dtype (model.dtype)")
     parser.add_argument("--result-json", default="results/engine_bench.json")
     args = parser.parse_args(argv)
 
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.also_backend:
         variants[f"engine_{args.also_backend}"] = {**first,
                                                    "model.attention_backend": args.also_backend}
+    if args.also_dtype:
+        variants[f"engine_{args.also_dtype}"] = {**first, "model.dtype": args.also_dtype}
     if args.no_pipeline:
         variants["engine_no_pipeline"] = {**first, "scheduler.token_level.pipeline": False}
     variants = {name: engine_config(settings) for name, settings in variants.items()}

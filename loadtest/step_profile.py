@@ -8,6 +8,7 @@ the run (here, not in the engine), so the parts are the model's own calls; what 
 cover is Python and dispatch between ops.
 
     python -m loadtest.step_profile --quantization none int4 --result-json results/step_profile.json
+    python -m loadtest.step_profile --dtype float32 bfloat16
 """
 
 from __future__ import annotations
@@ -143,17 +144,21 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct's GGUF")
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "int8", "int4", "auto"])
+    parser.add_argument("--dtype", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "bfloat16"], help="model.dtype, one run each")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--result-json", type=Path, default=None)
     args = parser.parse_args()
     model = args.model or str(default_gguf_path())
     results = {}
-    for quantization in args.quantization:
+    for dtype, quantization in [(d, q) for d in args.dtype for q in args.quantization]:
         engine = Engine(engine_config({"model.name": model, "model.quantization": quantization,
+                                       "model.dtype": dtype,
                                        "scheduler.batch_level.max_num_seqs": 128,
                                        "kv_cache.enable_prefix_caching": False}))
         rows = []
-        print(f"\n{quantization} (threads: {torch.get_num_threads()})")
+        name = quantization if dtype == "auto" else f"{dtype} {quantization}"
+        print(f"\n{name} (threads: {torch.get_num_threads()})")
         for name, decodes, context, prefill in CASES:
             # On the engine's model thread, as the engine runs steps: one OpenMP team.
             row = engine.on_model_thread(run_case, engine, decodes, context, prefill, args.repeats)
@@ -162,7 +167,7 @@ def main() -> None:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in row["parts_ms"].items())
             print(f"  {name:32s} {row['step_ms']:7.1f} ms (profiled {row['profiled_step_ms']:.1f}: "
                   f"{parts})", flush=True)
-        results[quantization] = rows
+        results[name] = rows
         del engine
     if args.result_json:
         write_result(args.result_json, "step_profile",
