@@ -72,7 +72,7 @@ def specs() -> list[tuple[str, object, str, dict]]:
                           dict(HALF=head_dim // 2, BLOCK_HEADS=1 << (heads - 1).bit_length())))
             cases.append((f"reshape_and_cache {shape}", elementwise._reshape_and_cache_kernel,
                           dtype, dict(BLOCK_HEADS=1 << (kv_heads - 1).bit_length(),
-                                      BLOCK_D=head_dim)))
+                                      BLOCK_D=head_dim, GROUP=min(32, head_dim))))
         cases.append(("silu_and_mul", elementwise._silu_and_mul_kernel, dtype, dict(BLOCK=1024)))
     return cases
 

@@ -135,7 +135,8 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
 def _store_int8_rows(cache_ptr, rows, dims, x, mask, head_mask, head_dim,
                      BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
     """Each head's values as an int8 row (jetserve_kernels/kv_int8.py): per group of GROUP, an
-    fp16 offset (the range's midpoint) and scale (reach / 127), the codes rounded to nearest
+    fp16 offset (the range's midpoint) and scale (reach / 127), both clamped to fp16's range,
+    the codes rounded to nearest
     (kv_int8.py rounds ties to even, this away from zero: the interpreter has no rint), then the
     groups' scales and offsets after the codes."""
     groups: tl.constexpr = BLOCK_D // GROUP
@@ -144,9 +145,9 @@ def _store_int8_rows(cache_ptr, rows, dims, x, mask, head_mask, head_dim,
     hi = tl.max(tl.reshape(tl.where(mask, x, float("-inf")), (BLOCK_HEADS, groups, GROUP)), 2)
     live = (tl.arange(0, groups) * GROUP < head_dim)[None, :] & head_mask[:, None]
     lo, hi = tl.where(live, lo, 0.0), tl.where(live, hi, 0.0)
-    offset = ((lo + hi) / 2).to(tl.float16)
+    offset = tl.minimum(tl.maximum((lo + hi) / 2, -65504.0), 65504.0).to(tl.float16)
     mid = offset.to(tl.float32)
-    scale = (tl.maximum(hi - mid, mid - lo) / 127).to(tl.float16)
+    scale = tl.minimum(tl.maximum(hi - mid, mid - lo) / 127, 65504.0).to(tl.float16)
     step = scale.to(tl.float32)
     inv = tl.where(step > 0, 1 / tl.where(step > 0, step, 1.0), 0.0)
     scaled = (tl.reshape(x, (BLOCK_HEADS, groups, GROUP)) - mid[:, :, None]) * inv[:, :, None]

@@ -14,9 +14,10 @@ once, when its token is computed, and never touched again. Values use the same l
 kernel reads one kind of row.
 
 Quantizing a group: offset = fp16((min + max) / 2); reach = max(max - offset, offset - min) (with
-the rounded offset); scale = fp16(reach / 127); code = round((x - offset) / scale) to nearest,
-clamped to [-127, 127] (0 where scale is 0). Values past fp16's range (65,504) do not fit. The CPU
-kernels (jetserve_kernels/cpu/) and the Triton ones read and write the same layout.
+the rounded offset); scale = fp16(reach / 127); code = (x - offset) * (1 / scale) rounded to
+nearest, clamped to [-127, 127] (0 where scale is 0). The offset and scale are clamped to fp16's
+range (65,504), so a group far past it comes back rounded coarsely or clamped, never inf or NaN. The CPU kernels
+(jetserve_kernels/cpu/) and the Triton ones read and write the same layout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 GROUP = 32  # codes per (scale, offset) pair
 PARAM_BYTES = 4  # an fp16 scale and an fp16 offset
+FP16_MAX = 65504.0
 
 
 def is_int8(cache: torch.Tensor) -> bool:
@@ -56,9 +58,9 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], row_bytes(d), dtype=torch.int8, device=x.device)
     groups = x.float().unflatten(-1, (d // g, g))
     lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    offset = ((lo + hi) / 2).half()
+    offset = ((lo + hi) / 2).clamp(-FP16_MAX, FP16_MAX).half()
     reach = torch.maximum(hi - offset.float(), offset.float() - lo)
-    scale = (reach / 127).half()
+    scale = (reach / 127).clamp(max=FP16_MAX).half()
     inv = torch.where(scale > 0, 1 / scale.float(), torch.zeros_like(reach))
     codes = torch.round((groups - offset.float()) * inv).clamp_(-127, 127)
     out[..., :d] = codes.flatten(-2).to(torch.int8)

@@ -42,12 +42,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Token t's K/V go to slot slot_mapping[t] = block * block_size + offset; -1 skips it. An
-    int8 cache gets them quantized (jetserve_kernels/kv_int8.py)."""
+    int8 cache gets them quantized (jetserve_kernels/kv_int8.py), another in its own dtype."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     key, value = key[keep], value[keep]
     if kv_int8.is_int8(k_cache):
         key, value = kv_int8.quantize(key), kv_int8.quantize(value)
+    else:  # a bf16 cache under an fp32 model: rounded to nearest
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     num_kv_heads, row = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, row)[slots] = key
     v_cache.view(-1, num_kv_heads, row)[slots] = value

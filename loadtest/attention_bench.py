@@ -1,7 +1,7 @@
 """The CPU attention kernels on their own: decode batches and prefill chunks over a paged KV
-cache (fp32, or int8 with `--kv-dtype int8`: jetserve_kernels/kv_int8.py) for every layer of a model (a cache per layer, blocks scattered, so it streams from memory
-as in the engine), against SDPA over the gathered blocks, as the torch backend runs without the
-kernels. The median of `--repeats` runs, in ms for all the layers.
+cache (fp32, or `--kv-dtype` bf16 or int8: jetserve_kernels/kv_int8.py) for every layer of a
+model (a cache per layer, blocks scattered, so it streams from memory as in the engine), against
+SDPA over the gathered blocks, as the torch backend runs without the kernels. The median of `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.attention_bench --decode 1:300 8:256 64:256 128:300 \
         --prefill 40:0 384:0 200:300 --result-json results/attention_bench.json
@@ -43,7 +43,7 @@ class Caches:
         per_seq = -(-length // BLOCK_SIZE)
         blocks = seqs * per_seq + 1
         shape = (blocks, BLOCK_SIZE, kv_heads, head_dim)
-        store = kv_int8.quantize if kv_dtype == "int8" else (lambda x: x)
+        store = {"int8": kv_int8.quantize, "bf16": torch.Tensor.bfloat16}.get(kv_dtype, lambda x: x)
         self.k = [store(torch.randn(shape)) for _ in range(layers)]
         self.v = [store(torch.randn(shape)) for _ in range(layers)]
         order = torch.randperm(blocks - 1) + 1
@@ -59,7 +59,7 @@ class Caches:
         values = v.view(v.shape[0], -1).index_select(0, ids).view(-1, *v.shape[2:])[:length]
         if kv_int8.is_int8(keys):  # as the torch backend gathers an int8 cache
             keys, values = kv_int8.dequantize(keys), kv_int8.dequantize(values)
-        return keys, values
+        return keys.float(), values.float()
 
 
 def decode_point(kernels, shape: dict, seqs: int, length: int, repeats: int,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=pair, nargs="*",
                         default=[(1, 300), (8, 256), (64, 256), (128, 300)])
     parser.add_argument("--prefill", type=pair, nargs="*", default=[(40, 0), (384, 0), (200, 300)])
-    parser.add_argument("--kv-dtype", choices=["fp32", "int8"], default="fp32")
+    parser.add_argument("--kv-dtype", choices=["fp32", "bf16", "int8"], default="fp32")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--result-json", default="results/attention_bench.json")
     args = parser.parse_args(argv)

@@ -1,18 +1,21 @@
-"""What an int8 KV cache costs in quality, token by token: teacher forcing on a held-out text.
+"""What a compressed KV cache costs in quality, token by token: teacher forcing on a held-out text.
 
 The text is Python's Language Reference as every CPython install ships it (the topics of
 `pydoc_data.topics`, in name order), a text no KV setting was chosen on. It is cut into
 `--windows` windows of `--window` tokens. Each window's first `--prefix` tokens are prefilled;
 every later token is then fed as a decode step (all windows in one batch, as the engine runs
-them), so every scored position reads its whole context back from the cache through the decode
-kernel, the path generation takes. The same steps run over an fp32 cache and an int8 one
-(jetserve_kernels/kv_int8.py), and each position's logits are compared:
+them), so every scored position but each window's first (scored by the prefill kernel) reads its
+whole context back from the cache through the decode kernel, the path generation takes. The same
+steps run over an fp32 cache and a compressed one (`--kv-dtype`: int8, jetserve_kernels/kv_int8.py,
+or bf16), and each position's logits are compared:
 
 - **top-1 agreement**: the share of positions where both caches' most likely next token is the
   same (the text's own next token is fed either way: one difference does not derail the rest,
   as it does when whole greedy continuations are compared);
 - **perplexity** of the text under each, and the int8 one's relative difference;
 - **KL divergence** from the fp32 cache's next-token distribution, the mean over positions.
+
+It needs the CPU kernels (they read an int8 or bf16 cache in place); without them it stops.
 
     python -m loadtest.kv_teacher_forced --result-json results/kv_teacher_forced.json
 """
@@ -52,6 +55,9 @@ class Forced:
         self.config, weights, directory = load_model_files(model_name, device, torch.float32)
         self.tokenizer = Tokenizer(tokenizer_dir(directory))
         self.backend = TorchBackend(BLOCK, device, torch.float32)
+        if not self.backend.prefill_kernel:
+            raise SystemExit("the CPU attention kernels did not build (or lack AVX-512): this "
+                             "benchmark measures them")
         self.model = LlamaModel(self.config, weights, self.backend,
                                 max_position=self.config.max_position)
 
@@ -85,13 +91,14 @@ class Forced:
             yield step(pos, 1)
 
 
-def compare(forced: Forced, windows: list[list[int]], prefix: int) -> dict:
+def compare(forced: Forced, windows: list[list[int]], prefix: int,
+            kv_dtype: torch.dtype = torch.int8) -> dict:
     """Both caches stepped side by side; top-1 agreement, perplexities and mean KL over every
     scored position, computed in fp32 as each step comes."""
     agree = total_kl = nll_ref = nll = 0.0
     count = 0
     steps = zip(forced.steps(windows, prefix, torch.float32),
-                forced.steps(windows, prefix, torch.int8))
+                forced.steps(windows, prefix, kv_dtype))
     for offset, (ref, other) in enumerate(steps):
         target = torch.tensor([w[prefix + offset] for w in windows])[:, None]
         agree += (ref.argmax(-1) == other.argmax(-1)).sum().item()
@@ -111,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=20)
     parser.add_argument("--window", type=int, default=1024, help="tokens a window")
     parser.add_argument("--prefix", type=int, default=16, help="tokens prefilled, not scored")
+    parser.add_argument("--kv-dtype", choices=["int8", "bfloat16"], default="int8",
+                        help="the cache compared with fp32")
     parser.add_argument("--result-json", default="results/kv_teacher_forced.json")
     args = parser.parse_args(argv)
 
@@ -120,14 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the text has {len(ids)} tokens, fewer than {args.windows} x {args.window}")
     windows = [ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
     started = time.perf_counter()
-    result = compare(forced, windows, args.prefix)
+    result = compare(forced, windows, args.prefix, getattr(torch, args.kv_dtype))
     result["seconds"] = time.perf_counter() - started
     print(f"{result['tokens']} tokens scored, {args.windows} windows of {args.window} "
           f"({args.prefix} prefilled, the rest decoded one by one)")
-    print(f"top-1 agreement, int8 KV against fp32 KV: {100 * result['top1_agreement']:.2f} %")
-    print(f"perplexity: fp32 KV {result['perplexity_fp32_kv']:.4f}, int8 KV "
+    kv = args.kv_dtype
+    print(f"top-1 agreement, {kv} KV against fp32 KV: {100 * result['top1_agreement']:.2f} %")
+    print(f"perplexity: fp32 KV {result['perplexity_fp32_kv']:.4f}, {kv} KV "
           f"{result['perplexity']:.4f} ({100 * result['perplexity_relative']:+.3f} %)")
-    print(f"mean KL(fp32 KV || int8 KV): {result['mean_kl']:.2e} nats")
+    print(f"mean KL(fp32 KV || {kv} KV): {result['mean_kl']:.2e} nats")
     write_result(args.result_json, "kv_teacher_forced", params=vars(args), results=result)
     return 0
 

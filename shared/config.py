@@ -86,8 +86,9 @@ class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cpu_cache_gib: Annotated[float, msgspec.Meta(gt=0.0)] = 4.0
     enable_prefix_caching: bool = True
     # auto: the model's dtype; int8: each (token, head) row as int8 codes with an fp16 scale and
-    # offset per 32 (jetserve_kernels/kv_int8.py), ~3.56x the tokens of fp32 in the same memory.
-    dtype: Literal["auto", "int8"] = "auto"
+    # offset per 32 (jetserve_kernels/kv_int8.py), ~3.56x the tokens of fp32 in the same memory;
+    # bfloat16: bf16 rows under an fp32 model (the CPU kernels widen them as they read), 2x.
+    dtype: Literal["auto", "int8", "bfloat16"] = "auto"
     # Requests of a priority under this keep their KV in int8 blocks of a second pool, which
     # takes `compressed_fraction` of the KV memory; the rest stays in `dtype` (None: one pool).
     compress_below_priority: Annotated[int, msgspec.Meta(ge=1, le=10)] | None = None

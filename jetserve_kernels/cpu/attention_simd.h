@@ -3,6 +3,7 @@
 // fp32 or int8 cache rows through a block table.
 #pragma once
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/extension.h>
 
@@ -36,22 +37,35 @@ inline float group_offset(const char* row, int64_t head_dim, int64_t g) {
   return half_at(row + head_dim + 4 * g + 2);
 }
 
-// The checks both kernels make of their tensors; whether the cache is int8 (else fp32).
-inline bool check_attention_args(const char* op, const torch::Tensor& q,
+// A cache's kind of row: fp32, bf16 (head_dim values each) or int8 (codes, scales, offsets).
+enum class Rows { F32, BF16, Int8 };
+
+// The checks both kernels make of their tensors; the cache's kind of row.
+inline Rows check_attention_args(const char* op, const torch::Tensor& q,
                                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const torch::Tensor& out, const torch::Tensor& block_table) {
-  const bool int8 = k_cache.scalar_type() == torch::kInt8;
+  const auto type = k_cache.scalar_type();
+  const Rows kind = type == torch::kInt8 ? Rows::Int8
+                    : type == torch::kBFloat16 ? Rows::BF16 : Rows::F32;
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 &&
-              (int8 || k_cache.scalar_type() == torch::kFloat32) &&
-              v_cache.scalar_type() == k_cache.scalar_type(),
-              op, ": fp32 queries over an fp32 or int8 cache");
+              (kind != Rows::F32 || type == torch::kFloat32) &&
+              v_cache.scalar_type() == type,
+              op, ": fp32 queries over an fp32, bf16 or int8 cache");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), op, ": q's heads must be packed");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
               block_table.is_contiguous(), op, ": cache, out and block tables must be contiguous");
-  TORCH_CHECK(k_cache.size(3) == (int8 ? int8_row_bytes(q.size(2)) : q.size(2)) &&
+  const bool int8 = kind == Rows::Int8;
+  TORCH_CHECK(q.size(2) > 0 && k_cache.size(3) == (int8 ? int8_row_bytes(q.size(2)) : q.size(2)) &&
               (!int8 || q.size(2) % int8_group(q.size(2)) == 0), op, ": cache rows of ",
               k_cache.size(3), " for head_dim ", q.size(2));
-  return int8;
+  return kind;
+}
+
+// One cache value as fp32, for the portable paths.
+inline float bf16_at(const char* p) {
+  c10::BFloat16 b;
+  std::memcpy(&b.x, p, sizeof b.x);
+  return static_cast<float>(b);
 }
 
 }  // namespace paged
@@ -116,12 +130,17 @@ struct RowCursor {
   }
 };
 
-// A cache row's 16 * DV values as fp32 into v: an fp32 row as it is, an int8 row's codes
-// times their group's scale plus its offset (two vectors of 16 to a group).
+// A cache row's 16 * DV values as fp32 into v: an fp32 row as it is, a bf16 row widened, an int8
+// row's codes times their group's scale plus its offset (two vectors of 16 to a group).
 template <typename T, int DV>
 inline void load_row(const char* row, __m512* v) {
   if constexpr (std::is_same_v<T, float>) {
     for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * d);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the high half of an fp32
+    for (int d = 0; d < DV; ++d)
+      v[d] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * d))),
+          16));
   } else {
     constexpr int kHeadDim = 16 * DV;
     for (int g = 0; g < DV / 2; ++g) {
@@ -139,7 +158,8 @@ inline void load_row(const char* row, __m512* v) {
 // the hardware prefetcher alone leaves the loads waiting on memory.
 template <typename T, int DV>
 inline void prefetch_row(const char* row) {
-  constexpr int bytes = std::is_same_v<T, float> ? 64 * DV : 16 * DV + 2 * DV;
+  constexpr int bytes = std::is_same_v<T, float> ? 64 * DV
+                        : std::is_same_v<T, c10::BFloat16> ? 32 * DV : 16 * DV + 2 * DV;
   for (int c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T1);
   if constexpr (bytes % 64 != 0) _mm_prefetch(row + bytes - 1, _MM_HINT_T1);
 }

@@ -1,6 +1,6 @@
-// The per-layer element-wise ops of the CPU path (fp32; the KV cache fp32 or int8), each one pass
-// over its rows: in torch each is a chain of small ops, and at decode batch sizes the dispatch of
-// those ops costs more than their arithmetic. Semantics are those of jetserve_kernels/reference.py.
+// The per-layer element-wise ops of the CPU path (fp32; the KV cache fp32, bf16 or int8), each one
+// pass over its rows: in torch each is a chain of small ops, and at decode batch sizes the dispatch
+// of those ops costs more than their arithmetic. Semantics are those of jetserve_kernels/reference.py.
 
 #include "ops.h"
 #include "attention_simd.h"
@@ -20,8 +20,9 @@ void check_rows(const torch::Tensor& t, const char* name) {
 
 // Each head's head_dim floats of x as an int8 cache row (jetserve_kernels/kv_int8.py): for each
 // group of 32, offset = fp16((min + max) / 2), scale = fp16(reach / 127) with reach the larger
-// distance from the rounded offset to min or max, codes round((x - offset) / scale) clamped to
-// [-127, 127]; the codes, then each group's scale and offset.
+// distance from the rounded offset to min or max (both clamped to fp16's range), codes
+// round((x - offset) / scale) clamped to [-127, 127]; the codes, then each group's scale and
+// offset.
 void quantize_heads(const float* x, int64_t heads, int64_t head_dim, char* out) {
   const int64_t row = paged::int8_row_bytes(head_dim), size = paged::int8_group(head_dim);
   for (int64_t h = 0; h < heads; ++h, x += head_dim, out += row) {
@@ -29,9 +30,10 @@ void quantize_heads(const float* x, int64_t heads, int64_t head_dim, char* out) 
       const float* v = x + g * size;
       float lo = v[0], hi = v[0];
       for (int64_t d = 1; d < size; ++d) lo = std::min(lo, v[d]), hi = std::max(hi, v[d]);
-      const c10::Half offset((lo + hi) / 2.0f);
+      constexpr float kHalfMax = 65504.0f;  // clamped: past it fp16 is inf, and inf * 0 NaN
+      const c10::Half offset(std::clamp((lo + hi) / 2.0f, -kHalfMax, kHalfMax));
       const float mid = static_cast<float>(offset);
-      const c10::Half scale(std::max(hi - mid, mid - lo) / 127.0f);
+      const c10::Half scale(std::min(std::max(hi - mid, mid - lo) / 127.0f, kHalfMax));
       const float step = static_cast<float>(scale);
       const float inv = step > 0.0f ? 1.0f / step : 0.0f;
       int8_t* codes = reinterpret_cast<int8_t*>(out) + g * size;
@@ -88,15 +90,16 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
   // An int8 cache row is head_dim int8 codes and their groups' fp16 scales and offsets
   // (jetserve_kernels/kv_int8.py).
   const bool int8 = k_cache.scalar_type() == torch::kInt8;
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
   const int64_t head_dim = int8 ? paged::int8_head_dim(k_cache.size(3)) : k_cache.size(3);
   const int64_t half = head_dim / 2;
-  TORCH_CHECK(!int8 || (head_dim % paged::int8_group(head_dim) == 0 &&
+  TORCH_CHECK(!int8 || (head_dim > 0 && head_dim % paged::int8_group(head_dim) == 0 &&
                         k_cache.size(3) == paged::int8_row_bytes(head_dim)),
               "rotary_and_cache: an int8 cache needs head_dim under ", paged::kInt8Group,
               " or a multiple of it");
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "rotary_and_cache: width");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              (int8 || k_cache.scalar_type() == torch::kFloat32) &&
+              (int8 || bf16 || k_cache.scalar_type() == torch::kFloat32) &&
               v_cache.scalar_type() == k_cache.scalar_type() && cos_sin.is_contiguous() &&
               cos_sin.size(1) == head_dim, "rotary_and_cache: cache or table layout");
   TORCH_CHECK(positions.scalar_type() == torch::kLong && slot_mapping.scalar_type() == torch::kLong,
@@ -128,6 +131,10 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
       if (int8) {
         quantize_heads(k, num_kv_heads, head_dim, kc + slots[t] * slot_bytes);
         quantize_heads(k + kv_width, num_kv_heads, head_dim, vc + slots[t] * slot_bytes);
+      } else if (bf16) {  // rounded to nearest even
+        std::copy(k, k + kv_width, reinterpret_cast<c10::BFloat16*>(kc + slots[t] * slot_bytes));
+        std::copy(k + kv_width, k + 2 * kv_width,
+                  reinterpret_cast<c10::BFloat16*>(vc + slots[t] * slot_bytes));
       } else {
         std::copy(k, k + kv_width, reinterpret_cast<float*>(kc + slots[t] * slot_bytes));
         std::copy(k + kv_width, k + 2 * kv_width,

@@ -1,6 +1,6 @@
-// Decode attention straight from the paged KV cache, for the CPU: an fp32 cache, or an int8 one
-// whose every (token, KV head) row is head_dim int8 codes followed by an fp16 scale and offset
-// for each 32 of them (value = scale * code + offset; jetserve_kernels/kv_int8.py).
+// Decode attention straight from the paged KV cache, for the CPU: an fp32 or bf16 cache, or an
+// int8 one whose every (token, KV head) row is head_dim int8 codes followed by an fp16 scale and
+// offset for each 32 of them (value = scale * code + offset; jetserve_kernels/kv_int8.py).
 //
 // The query heads of one KV head are scored together against every cached key, then the softmax
 // weights accumulate the values. With AVX-512 (head_dim 64 or 128), 16 positions' scores are
@@ -149,12 +149,16 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
 namespace {
 
 // A row's values as fp32 into dst, for the portable path.
-struct Rows {
-  bool int8;
+struct RowReader {
+  paged::Rows kind;
   int64_t head_dim;
   void load(const char* row, float* dst) const {
-    if (!int8) {
+    if (kind == paged::Rows::F32) {
       std::memcpy(dst, row, head_dim * sizeof(float));
+      return;
+    }
+    if (kind == paged::Rows::BF16) {
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = paged::bf16_at(row + 2 * d);
       return;
     }
     const int8_t* codes = reinterpret_cast<const int8_t*>(row);
@@ -173,14 +177,14 @@ struct Rows {
 void paged_decode_attention(
     const torch::Tensor& q,             // [num_tokens, num_heads, head_dim], rows may be strided
     const torch::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, row]: row is
-                                        // head_dim fp32, or int8 codes + scales, offsets
+                                        // head_dim fp32 or bf16, or int8 codes + scales, offsets
     const torch::Tensor& v_cache,       // same
     const torch::Tensor& block_tables,  // int32 [num_seqs, max_blocks]
     const torch::Tensor& seq_lens,      // int32 [num_seqs], keys to attend, the new one included
     const torch::Tensor& q_rows,        // int64 [num_seqs], the row of q holding each query
     torch::Tensor& out,                 // [num_tokens, num_heads, head_dim]
     double scale) {
-  const bool int8 =
+  const paged::Rows kind =
       paged::check_attention_args("paged_decode_attention", q, k_cache, v_cache, out, block_tables);
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1);
@@ -218,14 +222,17 @@ void paged_decode_attention(
         const RowCursor keys{k_ptr + kv * row_bytes, table, block_size, token_stride};
         const RowCursor values{v_ptr + kv * row_bytes, table, block_size, token_stride};
         float* sc = scores.data();
-        if (head_dim == 64 && int8)
-          decode_group<int8_t, 4>(qh, group, fscale, keys, values, lens[seq], sc, o);
-        else if (head_dim == 64)
-          decode_group<float, 4>(qh, group, fscale, keys, values, lens[seq], sc, o);
-        else if (int8)
-          decode_group<int8_t, 8>(qh, group, fscale, keys, values, lens[seq], sc, o);
-        else
-          decode_group<float, 8>(qh, group, fscale, keys, values, lens[seq], sc, o);
+        auto run = [&](auto dv) {
+          constexpr int DV = decltype(dv)::value;
+          if (kind == paged::Rows::Int8)
+            decode_group<int8_t, DV>(qh, group, fscale, keys, values, lens[seq], sc, o);
+          else if (kind == paged::Rows::BF16)
+            decode_group<c10::BFloat16, DV>(qh, group, fscale, keys, values, lens[seq], sc, o);
+          else
+            decode_group<float, DV>(qh, group, fscale, keys, values, lens[seq], sc, o);
+        };
+        if (head_dim == 64) run(std::integral_constant<int, 4>{});
+        else run(std::integral_constant<int, 8>{});
       }
     });
     return;
@@ -234,7 +241,7 @@ void paged_decode_attention(
 
   // One task per sequence: a cached token's rows for all KV heads lie side by side, read once
   // for all query heads.
-  const Rows cache{int8, head_dim};
+  const RowReader cache{kind, head_dim};
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> query(num_heads * head_dim);

@@ -1,6 +1,6 @@
 // Prefill attention straight from the paged KV cache, for the CPU (AVX-512; without it the
 // torch backend runs SDPA over gathered blocks): each slice's new tokens against its cached
-// context and themselves, causal, over an fp32 or an int8 cache (jetserve_kernels/kv_int8.py).
+// context and themselves, causal, over an fp32, bf16 or int8 cache (jetserve_kernels/kv_int8.py).
 //
 // Flash-style tiles of 16 (token, query head) rows of one KV head, one row per vector lane, over
 // 16 keys at a time with an online softmax. Scores come out transposed, one vector of the tile's
@@ -20,7 +20,7 @@ namespace {
 
 using namespace paged;
 
-// The next n rows of a cursor as fp32 (an int8 row dequantized) into dst, zeros past them.
+// The next n rows of a cursor as fp32 (bf16 widened, int8 dequantized) into dst, zeros past them.
 template <typename T, int DV>
 inline void load_chunk_rows(RowCursor& cursor, int n, float (*dst)[16 * DV]) {
   for (int i = 0; i < n; ++i) {
@@ -121,7 +121,7 @@ void paged_prefill_attention(
     int64_t first_pos,                 // the position of its first token (cached tokens before)
     torch::Tensor& out,                // [num_tokens, num_heads, head_dim]
     double scale) {
-  const bool int8 =
+  const paged::Rows kind =
       paged::check_attention_args("paged_prefill_attention", q, k_cache, v_cache, out, block_table);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -155,10 +155,11 @@ void paged_prefill_attention(
         tile_fn(qs, q_stride, o, out_stride, tile * 16, num_rows, group, first_pos, fscale, keys,
                 values);
       };
-      if (head_dim == 64 && int8) run(prefill_tile<int8_t, 4>);
-      else if (head_dim == 64) run(prefill_tile<float, 4>);
-      else if (int8) run(prefill_tile<int8_t, 8>);
-      else run(prefill_tile<float, 8>);
+      const bool d64 = head_dim == 64;
+      if (kind == paged::Rows::Int8) run(d64 ? prefill_tile<int8_t, 4> : prefill_tile<int8_t, 8>);
+      else if (kind == paged::Rows::BF16)
+        run(d64 ? prefill_tile<c10::BFloat16, 4> : prefill_tile<c10::BFloat16, 8>);
+      else run(d64 ? prefill_tile<float, 4> : prefill_tile<float, 8>);
     }
   });
 #else

@@ -118,16 +118,17 @@ def test_silu_and_mul(k):
     torch.testing.assert_close(k.silu_and_mul(x), reference.silu_and_mul(x))
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_rotary_and_cache_matches_rotary_then_cache_write(k, int8):
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+def test_rotary_and_cache_matches_rotary_then_cache_write(k, kv):
     heads, kv_heads, dim, block = 4, 2, 16, 8
     tokens = 5
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     positions = torch.tensor([0, 3, 9, 10, 31])
     slots = torch.tensor([5, 17, 2, 30, 8])
     cos_sin = torch.randn(64, dim)
+    int8 = kv == "int8"
     shape, dtype = ((4, block, kv_heads, kv_int8.row_bytes(dim)), torch.int8) if int8 else \
-        ((4, block, kv_heads, dim), torch.float32)
+        ((4, block, kv_heads, dim), torch.bfloat16 if kv == "bf16" else torch.float32)
     caches = [torch.zeros(shape, dtype=dtype) for _ in range(4)]
     expected = qkv.clone()
     q = expected[:, :heads * dim].view(tokens, heads, dim)
@@ -137,12 +138,12 @@ def test_rotary_and_cache_matches_rotary_then_cache_write(k, int8):
     reference.reshape_and_cache(key, value, caches[0], caches[1], slots)
     k.rotary_and_cache(qkv, positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads)
     torch.testing.assert_close(qkv, expected)
-    if not int8:
+    if not int8:  # bf16: both round to nearest, from fp32 that may differ in the last bit
         torch.testing.assert_close(caches[2], caches[0])
         torch.testing.assert_close(caches[3], caches[1])
         return
-    # The kernel may multiply by reciprocals where torch divides: a scale may round to the
-    # neighbouring fp16, and a value on a rounding boundary land one step apart.
+    # Compiled with -ffast-math, the kernel's arithmetic may differ in the last bit: a scale may
+    # round to the neighbouring fp16, and a value on a rounding boundary land one step apart.
     for ours, theirs in ((caches[2], caches[0]), (caches[3], caches[1])):
         torch.testing.assert_close(ours[..., dim:].contiguous().view(torch.float16).float(),
                                    theirs[..., dim:].contiguous().view(torch.float16).float(),
@@ -194,14 +195,16 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch):
         cpu_ops.build("tiny", [source], tmp_path / "cache")
 
 
-def scattered_cache(lens: list[int], block: int, kv_heads: int, head_dim: int, int8: bool, gen):
-    """Random K and V caches holding sequences of `lens` tokens in scattered blocks (none is
-    block 0, the padding), and their block tables padded with 0."""
+def scattered_cache(lens: list[int], block: int, kv_heads: int, head_dim: int, kv: str, gen):
+    """Random K and V caches (`kv`: fp32, bf16 or int8) holding sequences of `lens` tokens in
+    scattered blocks (none is block 0, the padding), and their block tables padded with 0."""
     num_blocks = sum(-(-n // block) for n in lens) + 1
     k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
-    if int8:  # the reference reads it dequantized: the same values, so the same tolerance
+    if kv == "int8":  # the reference reads it dequantized: the same values, so the same tolerance
         k_cache, v_cache = kv_int8.quantize(k_cache), kv_int8.quantize(v_cache)
+    if kv == "bf16":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
     order = torch.randperm(num_blocks - 1, generator=gen) + 1
     width = max(-(-n // block) for n in lens)
     tables, used = [], 0
@@ -216,18 +219,20 @@ def scattered_cache(lens: list[int], block: int, kv_heads: int, head_dim: int, i
 # values for up to 16 / (head_dim / 16) of them at a time: groups of 1, 3, 5 and 7 cover every case.
 @pytest.mark.parametrize("head_dim,group,block", [
     (32, 3, 16), (64, 1, 16), (64, 3, 16), (64, 5, 8), (128, 3, 16), (128, 7, 32)])
-@pytest.mark.parametrize("int8", [False, True])
-def test_paged_decode_attention_matches_reference(k, head_dim, group, block, int8):
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+def test_paged_decode_attention_matches_reference(k, head_dim, group, block, kv):
     kv_heads = 2
     heads = group * kv_heads
     lens = [1, 15, 16, 17, 33, 200]
     gen = torch.Generator().manual_seed(head_dim)
-    k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, int8, gen)
+    k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, kv, gen)
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
     out = torch.empty_like(q)
     k.paged_decode_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
                              torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens)), out, 0.1)
     cu_seqlens = torch.arange(len(lens) + 1)
+    if kv == "bf16":  # the reference over the same values, widened
+        k_cache, v_cache = k_cache.float(), v_cache.float()
     expected = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu_seqlens,
                                          torch.tensor(lens), 0.1)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
@@ -242,13 +247,13 @@ PREFILL_SLICES = [(0, 40), (37, 20), (5, 13), (64, 1), (0, 150), (100, 77)]
                     reason="the prefill kernel needs AVX-512")
 @pytest.mark.parametrize("head_dim,group,block", [(64, 1, 16), (64, 3, 16), (64, 5, 8),
                                                   (128, 3, 32), (128, 7, 16)])
-@pytest.mark.parametrize("int8", [False, True])
-def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, int8):
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv):
     kv_heads = 2
     heads = group * kv_heads
     gen = torch.Generator().manual_seed(head_dim + group)
     lens = [cached + new for cached, new in PREFILL_SLICES]
-    k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, int8, gen)
+    k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, kv, gen)
     new_tokens = [new for _, new in PREFILL_SLICES]
     total = sum(new_tokens)
     # q as the engine has it: a view into the fused QKV output, its rows strided.
@@ -261,6 +266,8 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, in
         k.paged_prefill_attention(q, k_cache, v_cache, blocks, q_start, new, cached, out, 0.1)
         q_start += new
     cu_seqlens = torch.tensor([0] + new_tokens).cumsum(0)
+    if kv == "bf16":
+        k_cache, v_cache = k_cache.float(), v_cache.float()
     expected = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu_seqlens,
                                          torch.tensor(lens), 0.1)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)

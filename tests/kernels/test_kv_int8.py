@@ -45,6 +45,14 @@ def test_a_row_with_offset_channels_keeps_its_small_ones():
     assert err[0, :32].max() <= 40.05 / 254 / 2 * 1.01
 
 
+def test_values_past_fp16s_range_stay_finite():
+    x = torch.tensor([[7e4] * 32 + [-1e6] + [0.5] * 31])
+    back = kv_int8.dequantize(kv_int8.quantize(x))
+    assert back.isfinite().all()  # the offsets clamp at 65,504; the scales reach the rest
+    error = (back - x).abs()[0]
+    assert error[:32].max() < 1 and error[32:].max() < 1e6 / 127
+
+
 @pytest.mark.parametrize("head_dim", [16, 24, 96])
 def test_other_head_dims(head_dim):
     x = torch.randn(4, 2, head_dim)
@@ -92,7 +100,7 @@ def test_torch_backend_over_int8_equals_fp32_over_the_dequantized_cache(use_cpu_
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
-def test_engine_with_an_int8_cache_holds_more_blocks_and_serves():
+def test_engine_with_an_int8_or_bf16_cache_holds_more_blocks_and_serves():
     from services.executor.engine.llm_engine import Engine
     from services.executor.run_local import run_requests
     from shared.config import engine_config
@@ -109,8 +117,12 @@ def test_engine_with_an_int8_cache_holds_more_blocks_and_serves():
         finally:
             await engine.stop()
 
-    fp32_blocks, head_dim, _ = asyncio.run(blocks_and_tokens("auto"))
+    fp32_blocks, head_dim, fp32_results = asyncio.run(blocks_and_tokens("auto"))
     int8_blocks, _, results = asyncio.run(blocks_and_tokens("int8"))
     expected = 4 * head_dim / kv_int8.row_bytes(head_dim)
     assert int8_blocks / fp32_blocks == pytest.approx(expected, rel=0.05)
+    assert isinstance(results[0], Completion) and len(results[0].token_ids) == 12
+    # A bf16 cache under the fp32 model: twice the blocks, read through the same kernels.
+    bf16_blocks, _, results = asyncio.run(blocks_and_tokens("bfloat16"))
+    assert bf16_blocks / fp32_blocks == pytest.approx(2, rel=0.05)
     assert isinstance(results[0], Completion) and len(results[0].token_ids) == 12

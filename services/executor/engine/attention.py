@@ -222,10 +222,10 @@ class TorchBackend:
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The listed blocks' tokens, contiguous: [len(block_ids) * block_size, KVH, D] (an int8
-    cache dequantized to `dtype`).
+    """The listed blocks' tokens, contiguous: [len(block_ids) * block_size, KVH, D], as `dtype`
+    (an int8 cache dequantized, a bf16 one under an fp32 model widened).
 
     index_select over whole blocks is a row memcpy, several times faster than advanced indexing.
     """
     rows = cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, *cache.shape[2:])
-    return kv_int8.dequantize(rows, dtype) if kv_int8.is_int8(cache) else rows
+    return kv_int8.dequantize(rows, dtype) if kv_int8.is_int8(cache) else rows.to(dtype)

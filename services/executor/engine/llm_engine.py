@@ -121,7 +121,7 @@ class Engine:
                                                  config.model.tokenizer))
         self.model_config = model_config
         # The KV cache's dtype, by name ("float32" for a simulated engine's accounting).
-        self.kv_dtype_name = "int8" if config.kv_cache.dtype == "int8" else (
+        self.kv_dtype_name = config.kv_cache.dtype if config.kv_cache.dtype != "auto" else (
             "float32" if self.dtype is None else str(self.dtype).removeprefix("torch."))
         self.model_name = config.model.name
         self.max_model_len = min(config.model.max_model_len or model_config.max_position,
@@ -142,6 +142,11 @@ class Engine:
             from services.executor.engine.model_runner import ModelRunner
 
             backend = _pick_backend(config, self.device, self.dtype)
+            if (self.kv_dtype_name == "bfloat16" and self.dtype != torch.bfloat16
+                    and backend.cpu_kernels is None):
+                raise ValueError("kv_cache.dtype bfloat16 under an fp32 or fp16 model needs the "
+                                 "CPU kernels (the torch backend on a CPU); on a GPU, set "
+                                 "model.dtype: bfloat16 instead")
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
                                           self.max_model_len)
             self.pool_sizes = self._split_pools(config.kv_cache.num_blocks
