@@ -1,4 +1,5 @@
-"""What weight quantization costs in quality: greedy agreement with fp32 and perplexity.
+"""What weight quantization (or a bf16 model) costs in quality: greedy agreement with fp32 and
+perplexity.
 
 For each `--quantization`: the engine's greedy tokens on a fixed prompt set (16 chat questions and
 16 text openings, `--max-tokens` each) against the fp32 engine's, as the mean share of each
@@ -7,6 +8,10 @@ perplexity on a short text the project ships (loadtest/data/perplexity.txt), eve
 scored in one prefill. Also the weight memory of the matmuls.
 
     python -m loadtest.quant_quality --quantization none int8 int4 auto
+    python -m loadtest.quant_quality --quantization none --dtype bfloat16
+
+`--dtype bfloat16` adds a run of `model.dtype: bfloat16` (bf16 weights and KV cache; on a CPU
+fp32 activations between the kernels), compared with the same fp32 reference.
 """
 
 from __future__ import annotations
@@ -105,27 +110,29 @@ def agreement_cells(a: dict) -> str:
 
 
 @torch.inference_mode()
-def perplexity(model_name: str, quantization: str, text: str) -> tuple[float, int]:
+def perplexity(model_name: str, quantization: str, text: str,
+               dtype: torch.dtype = torch.float32) -> tuple[float, int]:
     """exp(mean negative log-likelihood) of the text's tokens after the first, one prefill;
-    also the bytes of the matmul weights."""
+    also the bytes of the matmul weights. The KV cache is in `dtype`, as the engine's is."""
     from shared.model_files import tokenizer_dir
     from shared.tokenizer import Tokenizer
 
     device = torch.device("cpu")
-    config, weights, directory = load_model_files(model_name, device, torch.float32,
+    config, weights, directory = load_model_files(model_name, device, dtype,
                                                   quantization=quantization)
     ids = Tokenizer(tokenizer_dir(directory)).encode(text)
     block = 16
-    backend = TorchBackend(block, device, torch.float32)
+    backend = TorchBackend(block, device, dtype)
     model = LlamaModel(config, weights, backend, max_position=len(ids) + block)
     num_blocks = -(-len(ids) // block)
     shape = (num_blocks, block, config.num_kv_heads, config.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+              for _ in range(config.num_layers)]
     table = list(range(num_blocks))
     meta = backend.prepare([SeqSlice(0, len(ids), len(ids), table)], list(range(len(ids))))
     logits = model.forward(torch.tensor(ids), torch.arange(len(ids)), [KvSegment(meta, caches)],
                            torch.arange(len(ids) - 1))
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:]))
     matmuls = [model.lm_head] + [getattr(layer, name) for layer in model.layers
                                  for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
     size = sum(m.weight.nbytes for m in matmuls)  # a tensor's, or QuantizedPanels'
@@ -137,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--quantization", nargs="+", default=["none", "int8", "int4", "auto"],
                         choices=["none", "int8", "int4", "auto"])
+    parser.add_argument("--dtype", choices=["bfloat16"], help="also this model.dtype (quantization "
+                        "none), against the same fp32 reference")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--result-json", default="results/quant_quality.json")
     args = parser.parse_args(argv)
@@ -153,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         ppl, size = perplexity(args.model, quantization, text)
         results[quantization] = {"perplexity": ppl, "matmul_weight_bytes": size,
                                  "agreement_with_fp32": agreement(outputs, reference)}
+    if args.dtype:
+        outputs = greedy_outputs(engine_config({**base, "model.dtype": args.dtype}), args.max_tokens)
+        ppl, size = perplexity(args.model, "none", text, getattr(torch, args.dtype))
+        results[args.dtype] = {"perplexity": ppl, "matmul_weight_bytes": size,
+                               "agreement_with_fp32": agreement(outputs, reference)}
     print(f"{'quantization':<14}{'matmul MB':>10}{'perplexity':>12}{'agreement':>11}{'identical':>11}")
     for name, r in results.items():
         a = r["agreement_with_fp32"]

@@ -1,8 +1,9 @@
-// y = x W^T for the CPU, with W in fp32, int8 or int4 (weight-only quantization, fp32 activations).
+// y = x W^T for the CPU, with W in fp32, bf16, int8 or int4 (fp32 activations).
 //
 // Every format is stored packed, once at load, in panels of 32 output columns, so each panel is
 // one contiguous stream read in the order the kernel uses it (services/executor/engine/linear.py packs):
 //   fp32: P  fp32  [N/32, K, 32]                                             w = P
+//   bf16: P  bf16  [N/32, K, 32]  (K a multiple of 32)                       w = P, widened
 //   int8: q  int8  [N/32, K, 32],  scale fp32 [N/32, K/32, 32]               w = scale * q
 //   int4: q  uint8 [N/32, K, 16],  scale, min fp32 [N/32, K/32, 32]          w = scale * q + min
 //         byte c of a step of k holds column c in its low nibble and column c + 16 in its high one.
@@ -23,6 +24,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -36,13 +38,14 @@ constexpr int64_t kGroup = 32;  // weights per scale along K
 constexpr int kPanel = 32;      // output columns per panel
 constexpr int kPanelRows = 12;  // rows of x per register tile
 
-enum class Format { F32, Int8, Int4 };
+enum class Format { F32, BF16, Int8, Int4 };
 
 struct Panels {
   Format format;
   int64_t num_panels, k;
   int64_t n;  // valid output columns: the last panel may be padding past them
   const float* f32 = nullptr;
+  const uint16_t* b16 = nullptr;  // bf16 bits
   const int8_t* q8 = nullptr;
   const uint8_t* q4 = nullptr;
   const float* scale = nullptr;
@@ -59,6 +62,13 @@ void Panels::dequant(int64_t j, float* out, int64_t out_stride) const {
     float* row = out + t * out_stride;
     if (format == Format::F32) {
       std::copy(f32 + (j * k + t) * kPanel, f32 + (j * k + t + 1) * kPanel, row);
+      continue;
+    }
+    if (format == Format::BF16) {
+      for (int c = 0; c < kPanel; ++c) {
+        const uint32_t bits = static_cast<uint32_t>(b16[(j * k + t) * kPanel + c]) << 16;
+        std::memcpy(row + c, &bits, sizeof bits);
+      }
       continue;
     }
     const float* s = scale + (j * groups() + t / kGroup) * kPanel;
@@ -94,6 +104,7 @@ inline void request(const void* p, int64_t bytes) {
 template <Format F>
 struct PanelReader {
   const float* f;
+  const uint16_t* b;
   const int8_t* q8;
   const uint8_t* q4;
   const float* s;
@@ -103,6 +114,8 @@ struct PanelReader {
   PanelReader(const Panels& w, int64_t j) {
     if constexpr (F == Format::F32) {
       f = w.f32 + j * w.k * kPanel;
+    } else if constexpr (F == Format::BF16) {
+      b = w.b16 + j * w.k * kPanel;
     } else {
       s = w.scale + j * w.groups() * kPanel;
       if constexpr (F == Format::Int8) q8 = w.q8 + j * w.k * kPanel;
@@ -115,7 +128,7 @@ struct PanelReader {
 
   // Group g's scales into registers, and group g + kGroupsAhead asked for.
   inline void start_group(int64_t g) {
-    if constexpr (F != Format::F32) {
+    if constexpr (F == Format::Int8 || F == Format::Int4) {
       s_lo = _mm512_loadu_ps(s + g * kPanel);
       s_hi = _mm512_loadu_ps(s + g * kPanel + 16);
       const int64_t ahead = g + kGroupsAhead;
@@ -135,6 +148,12 @@ struct PanelReader {
       request(f + (t + kF32Ahead) * kPanel, kPanel * 4);
       lo = _mm512_loadu_ps(f + t * kPanel);
       hi = _mm512_loadu_ps(f + t * kPanel + 16);
+    } else if constexpr (F == Format::BF16) {  // a bf16 is the high half of an fp32
+      request(b + (t + kF32Ahead) * kPanel, kPanel * 2);
+      const __m512i w = _mm512_loadu_si512(b + t * kPanel);
+      lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+      hi = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
     } else if constexpr (F == Format::Int8) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + t * kPanel));
       lo = _mm512_mul_ps(s_lo, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
@@ -371,6 +390,7 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
                    bool bf16) {
   bf16 = bf16 && m > kScratchRows;
   auto run = w.format == Format::F32 ? panels_run<Format::F32>
+           : w.format == Format::BF16 ? (bf16 ? panels_run_bf16<Format::BF16> : panels_run<Format::BF16>)
            : w.format == Format::Int8 ? (bf16 ? panels_run_bf16<Format::Int8> : panels_run<Format::Int8>)
            : (bf16 ? panels_run_bf16<Format::Int4> : panels_run<Format::Int4>);
   // Blocks as even as they can be, in whole register tiles.
@@ -465,6 +485,18 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels) {
   Panels w{Format::F32, panels.size(0), panels.size(1), panels.size(0) * kPanel};
   w.f32 = panels.data_ptr<float>();
   return run(w, x, "fp32");
+}
+
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels,
+                          const std::string& many_rows) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+              panels.scalar_type() == torch::kBFloat16,
+              "linear_bf16: the weight must be bf16 panels [N / ", kPanel, ", K, ", kPanel, "]");
+  TORCH_CHECK(panels.size(1) % kGroup == 0, "linear_bf16: K must be a multiple of ", kGroup);
+  check_x(x, panels.size(1), "linear_bf16");
+  Panels w{Format::BF16, panels.size(0), panels.size(1), panels.size(0) * kPanel};
+  w.b16 = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  return run(w, x, many_rows);
 }
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,

@@ -49,6 +49,27 @@ def test_linear_matches_torch_on_every_format(k, rows, shape):
         torch.testing.assert_close(quantized_linear(k, q4, x, many_rows), expected4, **bf16)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 70, 200])
+@pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
+def test_linear_over_bf16_panels(k, rows, shape):
+    """bf16 weights (model.dtype bfloat16), fp32 x: up to 8 rows the weights are widened and the
+    products fp32 (exact to summation order); past that, x too is rounded where many_rows says."""
+    gen = torch.Generator().manual_seed(rows + shape[0])
+    weight = torch.randn(shape, generator=gen).bfloat16()
+    x = torch.randn(rows, shape[1], generator=gen)
+    n = shape[0] + -shape[0] % 32  # whole panels; the padding's columns are sliced off
+    panels = pack_panels(torch.nn.functional.pad(weight, (0, 0, 0, n - shape[0])))
+    expected = x @ weight.float().t()
+    exact = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k.linear_bf16(x, panels, "fp32")[:, :shape[0]], expected, **exact)
+    rounded = dict(atol=0.05 * shape[1] ** 0.5, rtol=0.02) if rows > 8 else exact
+    for many_rows in ["amx"] + (["bf16"] if k.bf16_dot_products() else []):
+        torch.testing.assert_close(k.linear_bf16(x, panels, many_rows)[:, :shape[0]], expected,
+                                   **rounded)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        k.linear_bf16(torch.randn(2, 48), pack_panels(torch.randn(32, 48).bfloat16()), "fp32")
+
+
 def test_bf16_dot_products_round_only_the_inputs(k):
     """The bf16 path's error is the rounding of x and w to bfloat16, nothing more: its result
     equals an fp64 product of the rounded operands to fp32 summation error."""

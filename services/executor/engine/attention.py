@@ -81,18 +81,20 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 class TorchBackend:
-    """Paged attention in torch, or in the C++ kernels on a CPU with fp32 (jetserve_kernels/cpu/):
-    these read the cache in place, decodes all in one call and each prefill chunk in one (where the
-    build has AVX-512). Otherwise prefill chunks run one by one through SDPA over their gathered
-    blocks, and decodes are gathered into groups of similar length for SDPA. On a CPU with fp32
-    the element-wise ops and matmuls run on the C++ kernels too."""
+    """Paged attention in torch, or in the C++ kernels on a CPU with an fp32 or bf16 model
+    (jetserve_kernels/cpu/): these read the cache in place, decodes all in one call and each
+    prefill chunk in one (where the build has AVX-512). Otherwise prefill chunks run one by one
+    through SDPA over their gathered blocks, and decodes are gathered into groups of similar
+    length for SDPA. With the kernels the element-wise ops and matmuls run on them too, and the
+    activations between ops are fp32 whatever the weights' and the cache's dtype."""
 
     def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype,
                  use_cpu_kernels: bool = True):
         self.block_size = block_size
         self.device = device
         self.cpu_kernels = None
-        if use_cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+        # bf16 weights and KV run on the kernels too, with fp32 activations between them.
+        if use_cpu_kernels and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             from jetserve_kernels import cpu_ops
 
             self.cpu_kernels = cpu_ops.load()

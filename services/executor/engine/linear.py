@@ -136,22 +136,31 @@ def pack_quantized(weight: QuantizedWeight) -> QuantizedPanels:
 
 class DenseLinear:
     def __init__(self, weight: torch.Tensor, kernels):
-        # The kernel covers fp32 on a CPU with whole panels of output columns; elsewhere (bf16,
-        # CUDA, odd shapes) torch's matmul runs on W as it is.
-        fits = (kernels is not None and weight.dtype == torch.float32
-                and weight.device.type == "cpu" and weight.shape[0] % PANEL == 0)
+        # The kernel covers fp32 and bf16 on a CPU with whole panels of output columns (bf16: K a
+        # multiple of 32), fp32 activations either way; elsewhere (CUDA, odd shapes) torch's
+        # matmul runs on W as it is.
+        fits = (kernels is not None and weight.device.type == "cpu"
+                and weight.shape[0] % PANEL == 0
+                and (weight.dtype == torch.float32
+                     or (weight.dtype == torch.bfloat16 and weight.shape[1] % GROUP == 0)))
         self.kernels = kernels if fits else None
         self.weight = pack_panels(weight) if fits else weight
+        # bf16 weights: more than 8 rows of x in bf16 dot products (or AMX), as quantized ones.
+        self.many_rows = many_rows_precision(kernels) if fits and weight.dtype == torch.bfloat16 \
+            else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.many_rows is not None:
+            return self.kernels.linear_bf16(x, self.weight, self.many_rows)
         if self.kernels is not None:
             return self.kernels.linear_f32(x, self.weight)
         return F.linear(x, self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W (an embedding lookup, for a table tied to the output projection)."""
+        """Rows `ids` of W (an embedding lookup, for a table tied to the output projection), in
+        the activations' dtype (fp32 where the kernels run)."""
         if self.kernels is not None:
-            return self.weight[ids // PANEL, :, ids % PANEL]
+            return self.weight[ids // PANEL, :, ids % PANEL].float()
         return F.embedding(ids, self.weight)
 
 

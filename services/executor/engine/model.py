@@ -59,8 +59,12 @@ class LlamaModel:
         self.lm_head = make_linear(lm_head, kernels)
         # A tied table is looked up in the output projection's own (maybe packed) copy.
         tied = lm_head is embed_tokens and isinstance(self.lm_head, DenseLinear)
-        self.embed = self.lm_head.rows if tied else (lambda ids: F.embedding(ids, embed_tokens))
-        self.norm = weights.pop("model.norm.weight")
+        # Activations are fp32 where the CPU kernels run (bf16 weights included), else the
+        # weights' dtype; norm weights (a vector a layer) are kept in the activations' dtype.
+        act = torch.float32 if kernels is not None else embed_tokens.dtype
+        self.embed = self.lm_head.rows if tied else (
+            lambda ids: F.embedding(ids, embed_tokens).to(act))
+        self.norm = weights.pop("model.norm.weight").to(act)
         self.layers = []
         for i in range(config.num_layers):
             def take(*names: str, prefix: str = f"model.layers.{i}.") -> Linear:
@@ -68,10 +72,10 @@ class LlamaModel:
                                    kernels)
 
             self.layers.append(LayerWeights(
-                input_norm=weights.pop(f"model.layers.{i}.input_layernorm.weight"),
+                input_norm=weights.pop(f"model.layers.{i}.input_layernorm.weight").to(act),
                 qkv_proj=take("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                 o_proj=take("self_attn.o_proj"),
-                post_norm=weights.pop(f"model.layers.{i}.post_attention_layernorm.weight"),
+                post_norm=weights.pop(f"model.layers.{i}.post_attention_layernorm.weight").to(act),
                 gate_up_proj=take("mlp.gate_proj", "mlp.up_proj"),
                 down_proj=take("mlp.down_proj"),
             ))
