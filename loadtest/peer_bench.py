@@ -6,8 +6,9 @@ engine_bench feeds jetserve's engine) to JSONL, runs the peer's runner script wi
 python and the environment its docs advise, and summarizes what the runner wrote back.
 
 - vllm: for each `--num-requests` N, all N requests at t=0 in one `LLM.generate` (throughput),
-  then the first `--single-count` requests alone (TTFT, TPOT). fp32 weights, the HF directory
-  the default GGUF converts to: the weights jetserve's engine runs.
+  then the first `--single-count` requests alone (TTFT, TPOT). fp32 weights (`--dtype bfloat16`:
+  bf16, its results kept beside fp32's as `vllm_bfloat16`), the HF directory the default GGUF
+  converts to: the weights jetserve's engine runs.
 - llamacpp: the first `--single-count` requests one after another, as a local chat app serves
   them, from the GGUF itself (its Q4_1 weights, so greedy outputs differ from the fp32 peers').
 
@@ -66,7 +67,7 @@ def run_peer(args, workload: Path, out: Path) -> None:
         _, model_dir = load_model_config(args.model)
         command = [str(python), str(RUNNERS / "vllm_runner.py"), "--model", str(model_dir),
                    "--batch-sizes", *map(str, args.num_requests),
-                   "--single-count", str(args.single_count), "--dtype", "float32"]
+                   "--single-count", str(args.single_count), "--dtype", args.dtype]
         if args.max_num_seqs:
             command += ["--max-num-seqs", str(args.max_num_seqs)]
         if args.max_num_batched_tokens:
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="vllm: no torch.compile (faster start-up, slower steps)")
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="vllm: VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="vllm: its model dtype (its results kept as vllm_bfloat16)")
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--result-json", default="results/peer_bench.json")
     args = parser.parse_args(argv)
@@ -179,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "peer_bench", "peers": {}}
     if path.exists():  # the other peer's entry stays
         result = json.loads(path.read_text())
-    result["peers"][args.peer] = {
+    name = args.peer if args.dtype == "float32" else f"{args.peer}_{args.dtype}"
+    result["peers"][name] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count()},
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "single": single,
     }
     path.write_text(json.dumps(result, indent=2))
-    outputs = path.with_name(f"{path.stem}_{args.peer}_outputs.json")
+    outputs = path.with_name(f"{path.stem}_{name}_outputs.json")
     outputs.write_text(json.dumps(modes))
     print(f"wrote {path} and {outputs}")
     return 0

@@ -16,7 +16,9 @@ namespace paged {
 // kInt8Group of them (the whole row under that) an fp16 scale and an fp16 offset;
 // value = scale * code + offset.
 constexpr int64_t kInt8Group = 32;
-inline int64_t int8_group(int64_t head_dim) { return head_dim < kInt8Group ? head_dim : kInt8Group; }
+inline int64_t int8_group(int64_t head_dim) {
+  return head_dim < kInt8Group ? head_dim : kInt8Group;
+}
 inline int64_t int8_row_bytes(int64_t head_dim) {
   return head_dim + head_dim / int8_group(head_dim) * 4;
 }
@@ -135,7 +137,8 @@ struct RowCursor {
 template <typename T, int DV>
 inline void load_row(const char* row, __m512* v) {
   if constexpr (std::is_same_v<T, float>) {
-    for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * d);
+    const float* f = reinterpret_cast<const float*>(row);
+    for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(f + 16 * d);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the high half of an fp32
     for (int d = 0; d < DV; ++d)
       v[d] = _mm512_castsi512_ps(_mm512_slli_epi32(

@@ -38,7 +38,8 @@ void quantize_heads(const float* x, int64_t heads, int64_t head_dim, char* out) 
       const float inv = step > 0.0f ? 1.0f / step : 0.0f;
       int8_t* codes = reinterpret_cast<int8_t*>(out) + g * size;
       for (int64_t d = 0; d < size; ++d)
-        codes[d] = static_cast<int8_t>(std::clamp(std::nearbyint((v[d] - mid) * inv), -127.0f, 127.0f));
+        codes[d] = static_cast<int8_t>(
+            std::clamp(std::nearbyint((v[d] - mid) * inv), -127.0f, 127.0f));
       std::memcpy(out + head_dim + 4 * g, &scale.x, 2);
       std::memcpy(out + head_dim + 4 * g + 2, &offset.x, 2);
     }

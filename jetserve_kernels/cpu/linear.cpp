@@ -87,8 +87,8 @@ void Panels::dequant(int64_t j, float* out, int64_t out_stride) const {
 }
 
 #if defined(__AVX512F__)
-// How far ahead of its use a panel's stream is requested: 8 KB of fp32 (64 steps of k), 8
-// groups of int8 (9 KB) or int4 (6 KB).
+// How far ahead of its use a panel's stream is requested: 64 steps of k (8 KB of fp32, 4 KB of
+// bf16), 8 groups of int8 (9 KB) or int4 (6 KB).
 constexpr int64_t kF32Ahead = 64;
 constexpr int64_t kGroupsAhead = 8;
 // Past this many rows of x, a quantized panel is dequantized once into scratch for all of them.
@@ -151,7 +151,8 @@ struct PanelReader {
     } else if constexpr (F == Format::BF16) {  // a bf16 is the high half of an fp32
       request(b + (t + kF32Ahead) * kPanel, kPanel * 2);
       const __m512i w = _mm512_loadu_si512(b + t * kPanel);
-      lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+      lo = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
       hi = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
     } else if constexpr (F == Format::Int8) {
@@ -389,10 +390,14 @@ constexpr int64_t kRowBlock = 96;
 void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m,
                    bool bf16) {
   bf16 = bf16 && m > kScratchRows;
-  auto run = w.format == Format::F32 ? panels_run<Format::F32>
-           : w.format == Format::BF16 ? (bf16 ? panels_run_bf16<Format::BF16> : panels_run<Format::BF16>)
-           : w.format == Format::Int8 ? (bf16 ? panels_run_bf16<Format::Int8> : panels_run<Format::Int8>)
-           : (bf16 ? panels_run_bf16<Format::Int4> : panels_run<Format::Int4>);
+  using Run = void (*)(const Panels&, const float*, int64_t, float*, int64_t);
+  Run run = panels_run<Format::F32>;
+  if (w.format == Format::BF16)
+    run = bf16 ? panels_run_bf16<Format::BF16> : panels_run<Format::BF16>;
+  else if (w.format == Format::Int8)
+    run = bf16 ? panels_run_bf16<Format::Int8> : panels_run<Format::Int8>;
+  else if (w.format == Format::Int4)
+    run = bf16 ? panels_run_bf16<Format::Int4> : panels_run<Format::Int4>;
   // Blocks as even as they can be, in whole register tiles.
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
@@ -487,14 +492,14 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels) {
   return run(w, x, "fp32");
 }
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels,
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                           const std::string& many_rows) {
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
               panels.scalar_type() == torch::kBFloat16,
               "linear_bf16: the weight must be bf16 panels [N / ", kPanel, ", K, ", kPanel, "]");
   TORCH_CHECK(panels.size(1) % kGroup == 0, "linear_bf16: K must be a multiple of ", kGroup);
   check_x(x, panels.size(1), "linear_bf16");
-  Panels w{Format::BF16, panels.size(0), panels.size(1), panels.size(0) * kPanel};
+  Panels w{Format::BF16, panels.size(0), panels.size(1), n};
   w.b16 = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   return run(w, x, many_rows);
 }

@@ -38,3 +38,28 @@ def test_a_bf16_model_runs_on_the_cpu_kernels():
     results = asyncio.run(run())
     assert all(isinstance(r, Completion) and len(r.token_ids) == 12 for r in results)
     assert results[0].token_ids == results[1].token_ids == results[2].token_ids
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
+@pytest.mark.parametrize("shape", [dict(vocab_size=49153),  # an output projection past panels
+                                   dict(hidden_size=48, tie_word_embeddings=False),  # K of 48
+                                   dict(hidden_size=48)])  # and a tied table: widened to fp32
+def test_a_bf16_model_of_odd_shapes_serves(monkeypatch, shape):
+    from shared import model_files
+
+    monkeypatch.setitem(model_files.DUMMY_SHAPES, "odd",
+                        dict(model_files.DUMMY_SHAPES["tiny"], **shape))
+
+    async def run(dtype: str):
+        engine = Engine(engine_config({"model.name": "dummy:odd", "model.dtype": dtype,
+                                       "kv_cache.num_blocks": 64}))
+        try:
+            return await run_requests(engine, [
+                '{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], "max_tokens": 6, '
+                '"ignore_eos": true, "temperature": 0}'])
+        finally:
+            await engine.stop()
+
+    [result] = asyncio.run(run("bfloat16"))
+    assert isinstance(result, Completion) and len(result.token_ids) == 6
+    assert all(t < model_files.DUMMY_SHAPES["odd"]["vocab_size"] for t in result.token_ids)

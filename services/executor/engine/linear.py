@@ -136,31 +136,37 @@ def pack_quantized(weight: QuantizedWeight) -> QuantizedPanels:
 
 class DenseLinear:
     def __init__(self, weight: torch.Tensor, kernels):
-        # The kernel covers fp32 and bf16 on a CPU with whole panels of output columns (bf16: K a
-        # multiple of 32), fp32 activations either way; elsewhere (CUDA, odd shapes) torch's
-        # matmul runs on W as it is.
+        # On a CPU with the kernels the activations are fp32: fp32 weights run on fp32 panels
+        # (whole panels of output columns; else torch's matmul), bf16 ones on bf16 panels padded
+        # to whole panels (K a multiple of 32; else widened to fp32 here). Elsewhere (CUDA, no
+        # kernels) torch's matmul runs on W as it is.
+        self.n = weight.shape[0]
+        self.many_rows = None
+        if kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+            if weight.shape[1] % GROUP == 0:
+                # More than 8 rows of x multiply in bf16 dot products (or AMX), as quantized
+                # weights do; fewer in fp32 on the widened weights.
+                self.many_rows = many_rows_precision(kernels)
+                self.kernels = kernels
+                self.weight = pack_panels(F.pad(weight, (0, 0, 0, -self.n % PANEL)))
+                return
+            weight = weight.float()
         fits = (kernels is not None and weight.device.type == "cpu"
-                and weight.shape[0] % PANEL == 0
-                and (weight.dtype == torch.float32
-                     or (weight.dtype == torch.bfloat16 and weight.shape[1] % GROUP == 0)))
+                and weight.dtype == torch.float32 and self.n % PANEL == 0)
         self.kernels = kernels if fits else None
         self.weight = pack_panels(weight) if fits else weight
-        # bf16 weights: more than 8 rows of x in bf16 dot products (or AMX), as quantized ones.
-        self.many_rows = many_rows_precision(kernels) if fits and weight.dtype == torch.bfloat16 \
-            else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.many_rows is not None:
-            return self.kernels.linear_bf16(x, self.weight, self.many_rows)
+            return self.kernels.linear_bf16(x, self.weight, self.n, self.many_rows)
         if self.kernels is not None:
             return self.kernels.linear_f32(x, self.weight)
         return F.linear(x, self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W (an embedding lookup, for a table tied to the output projection), in
-        the activations' dtype (fp32 where the kernels run)."""
+        """Rows `ids` of W (an embedding lookup, for a table tied to the output projection)."""
         if self.kernels is not None:
-            return self.weight[ids // PANEL, :, ids % PANEL].float()
+            return self.weight[ids // PANEL, :, ids % PANEL]
         return F.embedding(ids, self.weight)
 
 

@@ -143,10 +143,9 @@ class Engine:
 
             backend = _pick_backend(config, self.device, self.dtype)
             if (self.kv_dtype_name == "bfloat16" and self.dtype != torch.bfloat16
-                    and backend.cpu_kernels is None):
-                raise ValueError("kv_cache.dtype bfloat16 under an fp32 or fp16 model needs the "
-                                 "CPU kernels (the torch backend on a CPU); on a GPU, set "
-                                 "model.dtype: bfloat16 instead")
+                    and type(backend).__name__ == "TritonBackend"):
+                raise ValueError("kv_cache.dtype bfloat16 under an fp32 or fp16 model runs on the "
+                                 "torch backend; with triton, set model.dtype: bfloat16 instead")
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
                                           self.max_model_len)
             self.pool_sizes = self._split_pools(config.kv_cache.num_blocks

@@ -62,7 +62,8 @@ class LlamaModel:
         # Activations are fp32 where the CPU kernels run (bf16 weights included), else the
         # weights' dtype; norm weights (a vector a layer) are kept in the activations' dtype.
         act = torch.float32 if kernels is not None else embed_tokens.dtype
-        self.embed = self.lm_head.rows if tied else (
+        rows = self.lm_head.rows
+        self.embed = (lambda ids: rows(ids).to(act)) if tied else (
             lambda ids: F.embedding(ids, embed_tokens).to(act))
         self.norm = weights.pop("model.norm.weight").to(act)
         self.layers = []
