@@ -62,9 +62,11 @@ class LlamaModel:
         # Activations are fp32 where the CPU kernels run (bf16 weights included), else the
         # weights' dtype; norm weights (a vector a layer) are kept in the activations' dtype.
         act = torch.float32 if kernels is not None else embed_tokens.dtype
-        rows = self.lm_head.rows
-        self.embed = (lambda ids: rows(ids).to(act)) if tied else (
-            lambda ids: F.embedding(ids, embed_tokens).to(act))
+        if tied:
+            rows = self.lm_head.rows  # bound now: profilers may wrap lm_head later
+            self.embed = lambda ids: rows(ids).to(act)
+        else:
+            self.embed = lambda ids: F.embedding(ids, embed_tokens).to(act)
         self.norm = weights.pop("model.norm.weight").to(act)
         self.layers = []
         for i in range(config.num_layers):
