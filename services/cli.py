@@ -23,6 +23,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=defaults.kv_cache.block_size)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     _quantization_option(parser, defaults.model.quantization)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        default=defaults.model.dtype,
+                        help="model.dtype (default auto: fp32 on a CPU, bf16 on a GPU); "
+                             "bfloat16 on a CPU: bf16 weights and KV, fp32 activations")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="run scheduling and output processing between steps, not beside them")
 
@@ -36,7 +40,7 @@ def _quantization_option(parser: argparse.ArgumentParser, default: str | None) -
 
 def engine_config_of(args: argparse.Namespace) -> EngineConfig:
     return engine_config({"model.name": args.model, "model.device": args.device,
-                          "model.quantization": args.quantization,
+                          "model.quantization": args.quantization, "model.dtype": args.dtype,
                           "scheduler.batch_level.max_num_seqs": args.max_num_seqs,
                           "scheduler.batch_level.max_num_batched_tokens":
                               args.max_num_batched_tokens,

@@ -47,3 +47,18 @@ def test_run_local_mixed_good_and_bad_lines(tmp_path):
         assert out[index]["code"] == code, out[index]
         assert needle in out[index]["message"], out[index]
     assert "11/11 requests" in result.stderr
+
+
+
+
+def test_run_local_dtype_reaches_the_engine_config(monkeypatch):
+    """`--dtype` sets model.dtype (an in-process engine leaves the environment out, so
+    JETSERVE_MODEL__DTYPE cannot)."""
+    from services import cli
+    from services.executor import run_local
+
+    seen = []
+    monkeypatch.setattr(run_local, "main", lambda path, config, progress: seen.append(config) or 0)
+    assert cli.main(["run-local", "q.jsonl", "--dtype", "bfloat16"]) == 0
+    assert cli.main(["run-local", "q.jsonl"]) == 0
+    assert [c.model.dtype for c in seen] == ["bfloat16", "auto"]
