@@ -270,8 +270,16 @@ async def test_the_compose_stack_runs_in_containers(stack):
         # A durable request whose executor is SIGKILLed mid-run still gets its one result, with
         # the tokens an undisturbed run gives (podman restarts the container, `restart:
         # unless-stopped`; the other executor or the restarted one runs the request again).
+        # The executors' container names by host name, looked up before the request goes out:
+        # podman's own calls take about a second each, and a request must still be running
+        # when its executor is killed (512 tokens: ~5 s at ~10 ms a token here).
+        hostnames = {}
+        for name, service in (await asyncio.to_thread(containers, project)).items():
+            if service == "executor":
+                hostname = await asyncio.to_thread(inspect, name, "{{.Config.Hostname}}")
+                hostnames[hostname] = name
         request = GenerateRequest(request_id="podman-durable", prompt="Tell a long story.",
-                                  max_tokens=256, temperature=0.0, ignore_eos=True)
+                                  max_tokens=512, temperature=0.0, ignore_eos=True)
         await client.submit(request)
 
         async def holder() -> str | None:
@@ -288,12 +296,6 @@ async def test_the_compose_stack_runs_in_containers(stack):
                 break
             await asyncio.sleep(0.5)
         assert host, "no executor reported the durable request running"
-        executors_now = await asyncio.to_thread(containers, project)
-        hostnames = {}
-        for name, service in executors_now.items():
-            if service == "executor":
-                hostname = await asyncio.to_thread(inspect, name, "{{.Config.Hostname}}")
-                hostnames[hostname] = name
         victim = hostnames[host]
         state = await asyncio.to_thread(inspect, victim, "{{.State.Running}} {{.State.Pid}}")
         running, pid = state.split()
@@ -304,11 +306,11 @@ async def test_the_compose_stack_runs_in_containers(stack):
         os.kill(int(pid), 9)  # the container dies with its first process
         result = await client.result("podman-durable", timeout=300)
         assert isinstance(result, Completion), result
-        assert result.usage.completion_tokens == 256
+        assert result.usage.completion_tokens == 512
         after = await asyncio.to_thread(inspect, victim, "{{.State.Pid}}")
         assert after != pid, "the killed executor's container still has its first process"
         undisturbed = await client.generate(GenerateRequest(
-            request_id="podman-undisturbed", prompt=request.prompt, max_tokens=256,
+            request_id="podman-undisturbed", prompt=request.prompt, max_tokens=512,
             temperature=0.0, ignore_eos=True), timeout=300)
         assert isinstance(undisturbed, Completion), undisturbed
         assert result.token_ids == undisturbed.token_ids
