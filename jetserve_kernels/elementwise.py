@@ -135,10 +135,9 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
 def _store_int8_rows(cache_ptr, rows, dims, x, mask, head_mask, head_dim,
                      BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr):
     """Each head's values as an int8 row (jetserve_kernels/kv_int8.py): per group of GROUP, an
-    fp16 offset (the range's midpoint) and scale (reach / 127), both clamped to fp16's range,
-    the codes rounded to nearest
-    (kv_int8.py rounds ties to even, this away from zero: the interpreter has no rint), then the
-    groups' scales and offsets after the codes."""
+    fp16 offset (the range's midpoint) and scale (reach / 127), both clamped to fp16's range;
+    the codes rounded to nearest (kv_int8.py rounds ties to even, this away from zero: the
+    interpreter has no rint), then the groups' scales and offsets after the codes."""
     groups: tl.constexpr = BLOCK_D // GROUP
     x = x.to(tl.float32)
     lo = tl.min(tl.reshape(tl.where(mask, x, float("inf")), (BLOCK_HEADS, groups, GROUP)), 2)

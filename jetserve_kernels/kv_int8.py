@@ -16,8 +16,8 @@ kernel reads one kind of row.
 Quantizing a group: offset = fp16((min + max) / 2); reach = max(max - offset, offset - min) (with
 the rounded offset); scale = fp16(reach / 127); code = (x - offset) * (1 / scale) rounded to
 nearest, clamped to [-127, 127] (0 where scale is 0). The offset and scale are clamped to fp16's
-range (65,504), so a group far past it comes back rounded coarsely or clamped, never inf or NaN. The CPU kernels
-(jetserve_kernels/cpu/) and the Triton ones read and write the same layout.
+range (65,504), so a group far past it comes back rounded coarsely or clamped, never inf or NaN.
+The CPU kernels (jetserve_kernels/cpu/) and the Triton ones read and write the same layout.
 """
 
 from __future__ import annotations

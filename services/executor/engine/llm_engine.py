@@ -141,9 +141,11 @@ class Engine:
             from services.executor.engine.model import LlamaModel
             from services.executor.engine.model_runner import ModelRunner
 
+            from services.executor.engine.attention import TorchBackend
+
             backend = _pick_backend(config, self.device, self.dtype)
             if (self.kv_dtype_name == "bfloat16" and self.dtype != torch.bfloat16
-                    and type(backend).__name__ == "TritonBackend"):
+                    and not isinstance(backend, TorchBackend)):
                 raise ValueError("kv_cache.dtype bfloat16 under an fp32 or fp16 model runs on the "
                                  "torch backend; with triton, set model.dtype: bfloat16 instead")
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
