@@ -194,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "int8", "int4", "auto"],
                         help="one engine variant per value (default: none, fp32)")
+    parser.add_argument("--quantized-activations", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "int8"],
+                        help="each quantized variant with each model.quantized_activations "
+                        "(named engine_int8_a8, engine_int8_a32, ...; default: auto alone)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--tokenizer", help="a directory of tokenizer files (model.tokenizer): "
@@ -223,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     model_config, _ = load_model_config(args.model)
     points = {n: engine_workload(n, args.seed, model_config.vocab_size) for n in args.sweep}
     matmul = on_own_thread(matmul_flops_per_s)
-    variants = {("engine" if q == "none" else f"engine_{q}"): {**base, "model.quantization": q}
-                for q in args.quantization}
+    suffix = {"auto": "", "float32": "_a32", "int8": "_a8"}
+    variants = {("engine" if q == "none" else f"engine_{q}{suffix[a]}"):
+                {**base, "model.quantization": q, "model.quantized_activations": a}
+                for q in args.quantization
+                for a in (args.quantized_activations if q != "none" else ["auto"])}
     first = next(iter(variants.values()))
     if args.also_backend:
         variants[f"engine_{args.also_backend}"] = {**first,

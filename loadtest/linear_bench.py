@@ -1,7 +1,7 @@
 """The CPU matmul kernels on their own: every layer's matmuls of a model (distinct random weights,
 so they stream from memory as in the engine) at a range of row counts, for packed fp32, int8 and
-int4 weights (fp32, and bfloat16 for many rows where the CPU has it), beside torch's own fp32
-matmul (BLAS) on the same shapes. The best of `--repeats` runs, in ms for all the layers.
+int4 weights (fp32, and bfloat16 for many rows where the CPU has it; with int8 activations, W8A8
+and W4A8, where it has AVX512-VNNI), beside torch's own fp32 matmul (BLAS) on the same shapes. The best of `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.linear_bench --rows 1 8 40 128 512 --result-json results/linear_bench.json
 """
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from jetserve_kernels import cpu_ops
 from loadtest.metrics import write_result
-from services.executor.engine.linear import pack_panels, pack_quantized, quantize
+from services.executor.engine.linear import (pack_for_int8_activations, pack_panels,
+                                             pack_quantized, quantize)
 from shared.model_files import DUMMY_SHAPES
 
 
@@ -60,6 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     panels = [pack_panels(w) for w in dense]
     quantized = {bits: [pack_quantized(quantize(w, bits)) for w in dense] for bits in (8, 4)}
     precisions = ["fp32"] + (["bf16"] if kernels.bf16_dot_products() else [])
+    int8_activations = kernels.int8_dot_products()
+    quads = {bits: [pack_for_int8_activations(w) for w in quantized[bits]]
+             for bits in (8, 4)} if int8_activations else {}
+
+    def run_int8_activations(bits: int, xs: dict):
+        for w in quads[bits]:
+            x = xs[w.q.shape[1] * 4]
+            if bits == 8:
+                kernels.linear_w8a8(x, w.q, w.scale, w.sums, w.n, "fp32")
+            else:
+                kernels.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, "fp32")
 
     def run_quantized(bits: int, xs: dict, precision: str):
         for w in quantized[bits]:
@@ -82,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             for precision in precisions:
                 row[f"int{bits}_{precision}"] = best_ms(
                     lambda: run_quantized(bits, xs, precision), args.repeats)
+            if int8_activations:
+                row[f"w{bits}a8"] = best_ms(lambda: run_int8_activations(bits, xs), args.repeats)
         flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
         row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
         results.append(row)

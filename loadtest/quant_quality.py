@@ -12,6 +12,12 @@ scored in one prefill. Also the weight memory of the matmuls.
 
 `--dtype bfloat16` adds a run of `model.dtype: bfloat16` (bf16 weights and KV cache; on a CPU
 fp32 activations between the kernels), compared with the same fp32 reference.
+
+`--quantized-activations float32 int8` runs each quantized mode with each
+`model.quantized_activations` (rows named e.g. int8/a8 and int8/a32); by default the shipped
+`auto` alone.
+
+    python -m loadtest.quant_quality --quantization none int8 int4 --quantized-activations float32 int8
 """
 
 from __future__ import annotations
@@ -111,7 +117,8 @@ def agreement_cells(a: dict) -> str:
 
 @torch.inference_mode()
 def perplexity(model_name: str, quantization: str, text: str,
-               dtype: torch.dtype = torch.float32) -> tuple[float, int]:
+               dtype: torch.dtype = torch.float32,
+               quantized_activations: str = "auto") -> tuple[float, int]:
     """exp(mean negative log-likelihood) of the text's tokens after the first, one prefill;
     also the bytes of the matmul weights. The KV cache is in `dtype`, as the engine's is."""
     from shared.model_files import tokenizer_dir
@@ -123,7 +130,8 @@ def perplexity(model_name: str, quantization: str, text: str,
     ids = Tokenizer(tokenizer_dir(directory)).encode(text)
     block = 16
     backend = TorchBackend(block, device, dtype)
-    model = LlamaModel(config, weights, backend, max_position=len(ids) + block)
+    model = LlamaModel(config, weights, backend, max_position=len(ids) + block,
+                       quantized_activations=quantized_activations)
     num_blocks = -(-len(ids) // block)
     shape = (num_blocks, block, config.num_kv_heads, config.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
@@ -146,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["none", "int8", "int4", "auto"])
     parser.add_argument("--dtype", choices=["bfloat16"], help="also this model.dtype (quantization "
                         "none), against the same fp32 reference")
+    parser.add_argument("--quantized-activations", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "int8"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--result-json", default="results/quant_quality.json")
     args = parser.parse_args(argv)
@@ -155,13 +165,17 @@ def main(argv: list[str] | None = None) -> int:
             "kv_cache.enable_prefix_caching": False}
     reference = greedy_outputs(engine_config(base), args.max_tokens)
     results = {}
+    suffix = {"auto": "", "float32": "/a32", "int8": "/a8"}
     for quantization in args.quantization:
-        outputs = (reference if quantization == "none" else
-                   greedy_outputs(engine_config({**base, "model.quantization": quantization}),
-                                  args.max_tokens))
-        ppl, size = perplexity(args.model, quantization, text)
-        results[quantization] = {"perplexity": ppl, "matmul_weight_bytes": size,
-                                 "agreement_with_fp32": agreement(outputs, reference)}
+        for acts in args.quantized_activations if quantization != "none" else ["auto"]:
+            overrides = {**base, "model.quantization": quantization,
+                         "model.quantized_activations": acts}
+            outputs = (reference if quantization == "none" else
+                       greedy_outputs(engine_config(overrides), args.max_tokens))
+            ppl, size = perplexity(args.model, quantization, text, quantized_activations=acts)
+            name = quantization + (suffix[acts] if quantization != "none" else "")
+            results[name] = {"perplexity": ppl, "matmul_weight_bytes": size,
+                             "agreement_with_fp32": agreement(outputs, reference)}
     if args.dtype:
         outputs = greedy_outputs(engine_config({**base, "model.dtype": args.dtype}), args.max_tokens)
         ppl, size = perplexity(args.model, "none", text, getattr(torch, args.dtype))

@@ -1,4 +1,5 @@
-// y = x W^T for the CPU, with W in fp32, bf16, int8 or int4 (fp32 activations).
+// y = x W^T for the CPU, with W in fp32, bf16, int8 or int4: with fp32 activations, or for int8 and
+// int4 weights with int8 activations (W8A8, W4A8), below.
 //
 // Every format is stored packed, once at load, in panels of 32 output columns, so each panel is
 // one contiguous stream read in the order the kernel uses it (services/executor/engine/linear.py packs):
@@ -18,6 +19,22 @@
 // panel is then dequantized once into an fp32 scratch panel in L2 (or, with many_rows "bf16",
 // into bfloat16 pairs for vdpbf16ps), and every tile of x runs over it, so dequantizing costs once
 // per panel rather than once per tile. Past 96 rows, x is taken in blocks that stay in L2.
+//
+// With int8 activations (where the CPU has AVX512-VNNI), x is quantized on entry per row and group
+// of 32 along K, asymmetrically (the group's own range, as GGUF's Q4_1 stores weights): x ~ sx * u
+// + lo, u in 0..255, sx = (max - min) / 255, lo = min. One vpdpbusd multiplies 64 unsigned bytes
+// of x by 64 signed bytes of weights and adds them four at a time into 16 int32 sums: four times
+// the products of an fp32 FMA, with no dequantizing in the loop. Over a group,
+//   sum_t w_t x_t = sx * sum_t w_t u_t + lo * sum_t w_t,
+// so each group ends with its int32 sums scaled into fp32 and the weights' own group sums (packed
+// with them) times lo. The weights are laid out in quads of four consecutive k per column (each
+// 32-bit lane one column's four weights), signed:
+//   w8a8: q int8  [N/32, K/4, 32, 4]                                     w = scale * q
+//   w4a8: q uint8 [N/32, K/4, 16, 4]  (low nibble column c, high c + 16)  w = scale * (q - 8) + min
+//   both: sums fp32 [N/32, K/32, 32], each group's sum of w
+// (w4a8's min is Q4_1's min + 8 * scale: its levels are centred on zero to be signed bytes.)
+// Measured against symmetric Q8_0 activations on SmolLM2 (BENCHMARKS), the group's range halves
+// the next-token KL the activations add.
 
 #include "ops.h"
 
@@ -38,7 +55,7 @@ constexpr int64_t kGroup = 32;  // weights per scale along K
 constexpr int kPanel = 32;      // output columns per panel
 constexpr int kPanelRows = 12;  // rows of x per register tile
 
-enum class Format { F32, BF16, Int8, Int4 };
+enum class Format { F32, BF16, Int8, Int4, W8A8, W4A8 };
 
 struct Panels {
   Format format;
@@ -49,6 +66,7 @@ struct Panels {
   const int8_t* q8 = nullptr;
   const uint8_t* q4 = nullptr;
   const float* scale = nullptr;
+  const float* sums = nullptr;  // W8A8, W4A8: each group's sum of w
   const float* min = nullptr;
 
   int64_t groups() const { return k / kGroup; }
@@ -72,6 +90,20 @@ void Panels::dequant(int64_t j, float* out, int64_t out_stride) const {
       continue;
     }
     const float* s = scale + (j * groups() + t / kGroup) * kPanel;
+    if (format == Format::W8A8) {
+      const int8_t* quad = q8 + (j * (k / 4) + t / 4) * kPanel * 4 + t % 4;
+      for (int c = 0; c < kPanel; ++c) row[c] = s[c] * quad[c * 4];
+      continue;
+    }
+    if (format == Format::W4A8) {
+      const uint8_t* quad = q4 + (j * (k / 4) + t / 4) * kPanel * 2 + t % 4;
+      const float* m = min + (j * groups() + t / kGroup) * kPanel;
+      for (int c = 0; c < kPanel; ++c) {
+        const uint8_t byte = quad[(c % (kPanel / 2)) * 4];
+        row[c] = s[c] * ((c < kPanel / 2 ? byte & 0xF : byte >> 4) - 8) + m[c];
+      }
+      continue;
+    }
     if (format == Format::Int8) {
       const int8_t* q = q8 + (j * k + t) * kPanel;
       for (int c = 0; c < kPanel; ++c) row[c] = s[c] * q[c];
@@ -233,22 +265,24 @@ void panel_row(PanelReader<F> w, int64_t k, const float* x, float* y, int cols) 
         _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7])), cols);
 }
 
-// Calls tile.template operator()<R>(m0) for tiles of R rows covering [0, m), as even as they
-// can be (13 rows run as 7 + 6, not 12 + 1).
-template <typename Tile>
+// Calls tile.template operator()<R>(m0) for tiles of R <= MaxRows rows covering [0, m), as even
+// as they can be (13 rows in tiles of 12 run as 7 + 6, not 12 + 1).
+template <int MaxRows = kPanelRows, typename Tile>
 void for_each_tile(int64_t m, const Tile& tile) {
-  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
+  const int64_t tiles = (m + MaxRows - 1) / MaxRows;
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = (m - m0) / (tiles - t);
     switch (rows) {
-#define JETSERVE_TILE(R) \
-  case R: tile.template operator()<R>(m0); break;
+#define JETSERVE_TILE(R)                                \
+  case R:                                               \
+    if constexpr (R <= MaxRows) tile.template operator()<R>(m0); \
+    break;
       JETSERVE_TILE(1) JETSERVE_TILE(2) JETSERVE_TILE(3) JETSERVE_TILE(4) JETSERVE_TILE(5)
       JETSERVE_TILE(6) JETSERVE_TILE(7) JETSERVE_TILE(8) JETSERVE_TILE(9) JETSERVE_TILE(10)
       JETSERVE_TILE(11) JETSERVE_TILE(12)
 #undef JETSERVE_TILE
-      default: break;  // rows is 1 .. kPanelRows by construction
+      default: break;  // rows is 1 .. MaxRows by construction
     }
     m0 += rows;
   }
@@ -427,6 +461,139 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kInt8Dot = true;
+constexpr int64_t kQuadsPerGroup = kGroup / 4;
+constexpr int kQuadRows = 6;  // rows per tile: 4 accumulators a row (int32 and fp32, 2 of each)
+
+// x [m, K] quantized per row and group of 32: x ~ scale * u + low, u in 0..255; sum = the
+// group's sum of u (for w4a8's min).
+struct QuantizedRows {
+  int64_t k, groups;
+  std::vector<uint8_t> u;
+  std::vector<float> scale, low;
+  std::vector<int32_t> sum;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup;
+  QuantizedRows r{k, groups, std::vector<uint8_t>(m * k), std::vector<float>(m * groups),
+                  std::vector<float>(m * groups), std::vector<int32_t>(m * groups)};
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = x + i * x_stride + g * kGroup;
+        const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+        const float low = _mm512_reduce_min_ps(_mm512_min_ps(a, b));
+        const float high = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+        // A constant group is exact: scale 0, every u 0, x = low.
+        const float inverse = high > low ? 255.0f / (high - low) : 0.0f;
+        const __m512 lo = _mm512_set1_ps(low), inv = _mm512_set1_ps(inverse);
+        // Rounded to nearest (even), as every fp32 -> int32 conversion here is; clamped in case
+        // the rounding of (x - low) * inverse passes 255.
+        const __m512i ua = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(a, lo), inv));
+        const __m512i ub = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(b, lo), inv));
+        uint8_t* out = r.u.data() + i * k + g * kGroup;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtusepi32_epi8(ua));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtusepi32_epi8(ub));
+        r.scale[i * groups + g] = (high - low) / 255.0f;
+        r.low[i * groups + g] = low;
+        const __m512i cap = _mm512_set1_epi32(255);
+        r.sum[i * groups + g] = _mm512_reduce_add_epi32(
+            _mm512_add_epi32(_mm512_min_epu32(ua, cap), _mm512_min_epu32(ub, cap)));
+      }
+  });
+  return r;
+}
+
+// y[r0 .. r0 + MR, 0 .. cols) for panel j, F W8A8 or W4A8.
+template <Format F, int MR>
+void quad_tile(const Panels& w, int64_t j, const QuantizedRows& x, int64_t r0, float* y,
+               int64_t y_stride, int cols) {
+  constexpr int64_t kQuadBytes = F == Format::W8A8 ? 4 * kPanel : 2 * kPanel;
+  const uint8_t* q = (F == Format::W8A8 ? reinterpret_cast<const uint8_t*>(w.q8) : w.q4) +
+                     j * (w.k / 4) * kQuadBytes;
+  const float* s = w.scale + j * w.groups() * kPanel;
+  const float* sums = w.sums + j * w.groups() * kPanel;
+  const float* mins = F == Format::W4A8 ? w.min + j * w.groups() * kPanel : nullptr;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  __m512 lo[MR], hi[MR];
+  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups(); ++g) {
+    const uint8_t* qg = q + g * kQuadsPerGroup * kQuadBytes;
+    request(qg + kGroupsAhead * kQuadsPerGroup * kQuadBytes, kQuadsPerGroup * kQuadBytes);
+    request(s + (g + kGroupsAhead) * kPanel, kPanel * 4);
+    request(sums + (g + kGroupsAhead) * kPanel, kPanel * 4);
+    if constexpr (F == Format::W4A8) request(mins + (g + kGroupsAhead) * kPanel, kPanel * 4);
+    __m512i sum_lo[MR], sum_hi[MR];
+    for (int i = 0; i < MR; ++i) sum_lo[i] = sum_hi[i] = _mm512_setzero_si512();
+    const uint8_t* xg = x.u.data() + r0 * x.k + g * kGroup;
+    for (int64_t v = 0; v < kQuadsPerGroup; ++v) {
+      __m512i w_lo, w_hi;
+      if constexpr (F == Format::W8A8) {
+        w_lo = _mm512_loadu_si512(qg + v * kQuadBytes);
+        w_hi = _mm512_loadu_si512(qg + v * kQuadBytes + 64);
+      } else {
+        const __m512i bytes = _mm512_loadu_si512(qg + v * kQuadBytes);
+        w_lo = _mm512_sub_epi8(_mm512_and_si512(bytes, nibble), eight);
+        w_hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble), eight);
+      }
+      for (int i = 0; i < MR; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xg + i * x.k + v * 4, sizeof quad);
+        const __m512i xv = _mm512_set1_epi32(quad);
+        sum_lo[i] = _mm512_dpbusd_epi32(sum_lo[i], xv, w_lo);
+        sum_hi[i] = _mm512_dpbusd_epi32(sum_hi[i], xv, w_hi);
+      }
+    }
+    // y += sx * (scale * sum(q u) [+ min * sum(u)]) + low * sum(w)
+    const __m512 s_lo = _mm512_loadu_ps(s + g * kPanel), s_hi = _mm512_loadu_ps(s + g * kPanel + 16);
+    const __m512 ws_lo = _mm512_loadu_ps(sums + g * kPanel);
+    const __m512 ws_hi = _mm512_loadu_ps(sums + g * kPanel + 16);
+    for (int i = 0; i < MR; ++i) {
+      const int64_t at = (r0 + i) * x.groups + g;
+      __m512 d_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_lo[i]), s_lo);
+      __m512 d_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_hi[i]), s_hi);
+      if constexpr (F == Format::W4A8) {
+        const __m512 usum = _mm512_set1_ps(static_cast<float>(x.sum[at]));
+        d_lo = _mm512_fmadd_ps(_mm512_loadu_ps(mins + g * kPanel), usum, d_lo);
+        d_hi = _mm512_fmadd_ps(_mm512_loadu_ps(mins + g * kPanel + 16), usum, d_hi);
+      }
+      const __m512 sx = _mm512_set1_ps(x.scale[at]), low = _mm512_set1_ps(x.low[at]);
+      lo[i] = _mm512_fmadd_ps(ws_lo, low, _mm512_fmadd_ps(d_lo, sx, lo[i]));
+      hi[i] = _mm512_fmadd_ps(ws_hi, low, _mm512_fmadd_ps(d_hi, sx, hi[i]));
+    }
+  }
+  for (int i = 0; i < MR; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
+}
+
+template <Format F>
+void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, int64_t m) {
+  at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
+      for_each_tile<kQuadRows>(m, [&]<int R>(int64_t m0) {
+        quad_tile<F, R>(w, j, x, r0 + m0, y + (r0 + m0) * w.n + j * kPanel, w.n, cols);
+      });
+    }
+  });
+}
+
+void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  const QuantizedRows xq = quantize_rows(x, x_stride, m, w.k);
+  const auto run = w.format == Format::W8A8 ? quads_run<Format::W8A8> : quads_run<Format::W4A8>;
+  // Blocks of rows as panels_matmul takes them, so a block's rows stay in L2 across panels.
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t rows = ((m + blocks - 1) / blocks + kQuadRows - 1) / kQuadRows * kQuadRows;
+  for (int64_t m0 = 0; m0 < m; m0 += rows) run(w, xq, y, m0, std::min(rows, m - m0));
+}
+#else
+constexpr bool kInt8Dot = false;
+void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t) {
+  TORCH_CHECK(false, "int8 activations need AVX512-VNNI, which this build does not have");
+}
+#endif
+
 // Many rows in bfloat16 with fp32 sums, where the CPU has AMX tiles (several times the fp32
 // FMAs): W dequantized a block of panels at a time into [K, columns] for torch's matmul.
 torch::Tensor run_bf16_blas(const Panels& w, const torch::Tensor& x) {
@@ -464,7 +631,8 @@ void check_scales(const torch::Tensor& t, const Panels& w, const char* name) {
 constexpr int64_t kAmxRows = 49;
 
 // many_rows: how more than kScratchRows rows multiply quantized weights: "fp32"; "bf16"
-// (AVX512-BF16 dot products); "amx" (from kAmxRows rows, torch's bf16 matmul on AMX tiles).
+// (AVX512-BF16 dot products); "amx" (from kAmxRows rows, torch's bf16 matmul on AMX tiles). With
+// int8 activations every row count below "amx"'s runs on the int8 dot products.
 torch::Tensor run(const Panels& w, const torch::Tensor& x, const std::string& many_rows) {
   const int64_t m = x.size(0);
   TORCH_CHECK(w.n > (w.num_panels - 1) * kPanel && w.n <= w.num_panels * kPanel,
@@ -474,6 +642,10 @@ torch::Tensor run(const Panels& w, const torch::Tensor& x, const std::string& ma
               " on this CPU, not ", many_rows);
   if (many_rows == "amx" && m >= kAmxRows) return run_bf16_blas(w, x);
   auto y = torch::empty({m, w.n}, x.options());
+  if (w.format == Format::W8A8 || w.format == Format::W4A8) {
+    if (m > 0) quads_matmul(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), m);
+    return y;
+  }
   if (m > 0)  // below kAmxRows, "amx" runs as "bf16" where that is built in
     panels_matmul(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), m,
                   many_rows != "fp32" && kBf16Dot);
@@ -533,4 +705,42 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
   return run(w, x, many_rows);
 }
 
+// The checks both int8-activation formats share: q's quads, the scales and the group sums.
+Panels quad_panels(Format format, const torch::Tensor& x, const torch::Tensor& q,
+                   const torch::Tensor& scale, const torch::Tensor& sums, int64_t n,
+                   const char* name) {
+  TORCH_CHECK(kInt8Dot, name, ": int8 activations need AVX512-VNNI, not built in here");
+  const bool w8 = format == Format::W8A8;
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == (w8 ? kPanel : kPanel / 2) && q.size(3) == 4 &&
+              q.is_contiguous() && q.scalar_type() == (w8 ? torch::kInt8 : torch::kUInt8),
+              name, ": q must be ", w8 ? "int8 quads [N / 32, K / 4, 32, 4]"
+                                       : "uint8 quads [N / 32, K / 4, 16, 4]");
+  TORCH_CHECK(q.size(1) * 4 % kGroup == 0, name, ": K must be a multiple of ", kGroup);
+  check_x(x, q.size(1) * 4, name);
+  Panels w{format, q.size(0), q.size(1) * 4, n};
+  check_scales(scale, w, (std::string(name) + " scale").c_str());
+  check_scales(sums, w, (std::string(name) + " sums").c_str());
+  w.scale = scale.data_ptr<float>();
+  w.sums = sums.data_ptr<float>();
+  return w;
+}
+
+torch::Tensor linear_w8a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          const torch::Tensor& sums, int64_t n, const std::string& many_rows) {
+  Panels w = quad_panels(Format::W8A8, x, q, scale, sums, n, "linear_w8a8");
+  w.q8 = q.data_ptr<int8_t>();
+  return run(w, x, many_rows);
+}
+
+torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          const torch::Tensor& min, const torch::Tensor& sums, int64_t n,
+                          const std::string& many_rows) {
+  Panels w = quad_panels(Format::W4A8, x, q, scale, sums, n, "linear_w4a8");
+  check_scales(min, w, "linear_w4a8 min");
+  w.q4 = q.data_ptr<uint8_t>();
+  w.min = min.data_ptr<float>();
+  return run(w, x, many_rows);
+}
+
 bool bf16_dot_products() { return kBf16Dot; }
+bool int8_dot_products() { return kInt8Dot; }

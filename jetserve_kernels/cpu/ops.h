@@ -27,8 +27,18 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
                           int64_t n, const std::string& many_rows);
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                           const torch::Tensor& min, int64_t n, const std::string& many_rows);
-// Whether this build has the AVX512-BF16 dot products ("bf16" above).
+// int8 and int4 weights with int8 activations, the weights in quads of four k per column: W8A8 q
+// int8 [N / 32, K / 4, 32, 4], W4A8 q uint8 [N / 32, K / 4, 16, 4] (column c low, c + 16 high;
+// w = scale * (q - 8) + min); scales, mins and each group's sum of w [N / 32, K / 32, 32].
+torch::Tensor linear_w8a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          const torch::Tensor& sums, int64_t n, const std::string& many_rows);
+torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                          const torch::Tensor& min, const torch::Tensor& sums, int64_t n,
+                          const std::string& many_rows);
+// Whether this build has the AVX512-BF16 dot products ("bf16" above), the AVX512-VNNI ones
+// (linear_w8a8, linear_w4a8).
 bool bf16_dot_products();
+bool int8_dot_products();
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tensor>& residual,
                        const torch::Tensor& weight, double eps);

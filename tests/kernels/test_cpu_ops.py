@@ -1,6 +1,6 @@
 """The C++ CPU kernels against torch: matmuls over packed fp32, int8 and int4 weights on each of
 their paths (one row; register tiles of 2 to 12 rows; many rows over a dequantized scratch
-panel; bfloat16 BLAS), paged decode and prefill attention, the fused
+panel; bfloat16 BLAS; int8 activations), paged decode and prefill attention, the fused
 element-wise ops, and the build's handling of a killed build and of a missing compiler."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from jetserve_kernels import cpu_ops, kv_int8, reference
-from services.executor.engine.linear import pack_panels, pack_quantized, quantize
+from services.executor.engine.linear import (pack_for_int8_activations, pack_panels,
+                                             pack_quantized, quantize)
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 
@@ -83,6 +84,76 @@ def test_bf16_dot_products_round_only_the_inputs(k):
     torch.testing.assert_close(quantized_linear(k, weight, x, "bf16"), rounded, atol=1e-4, rtol=1e-4)
     with pytest.raises(RuntimeError, match="many_rows must be"):
         quantized_linear(k, weight, x, "fp16")
+
+
+def int8_activation_linear(k, weight, x, many_rows="fp32"):
+    """x W^T through the int8-activation kernel (W8A8 or W4A8) for W (a QuantizedWeight)."""
+    w = pack_for_int8_activations(pack_quantized(weight))
+    if w.bits == 8:
+        return k.linear_w8a8(x, w.q, w.scale, w.sums, w.n, many_rows)
+    return k.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, many_rows)
+
+
+def eight_bits_per_group(x):
+    """x quantized per row and group of 32 as the kernel does (the group's range in 255 steps
+    from its min, round to nearest), and back: what the int8 dot products multiply."""
+    groups = x.view(x.shape[0], -1, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    u = torch.round((groups - low) * (255 / (high - low).clamp(min=1e-30))).clamp(0, 255)
+    return (u * (high - low) / 255 + low).view_as(x)
+
+
+int8_dots = pytest.mark.skipif(not (cpu_ops.load() and cpu_ops.load().int8_dot_products()),
+                               reason="this CPU has no AVX512-VNNI int8 dot products")
+
+
+# Rows: one, tiles of up to 6 (7 = 4 + 3, 13 = 5 + 4 + 4), 70 ("amx" is BLAS there), 200 (row
+# blocks 72 + 72 + 56). Shapes as above.
+@int8_dots
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 70, 200])
+@pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
+def test_int8_activations_multiply_the_quantized_rows(k, rows, shape):
+    """W8A8 / W4A8 equal the product of x quantized per group of 32 and the dequantized weight:
+    to fp32 rounding where every x is one of its group's levels already, and within a level of x
+    per element where a value at a half step may round either way."""
+    gen = torch.Generator().manual_seed(rows + shape[0])
+    weight = torch.randn(shape, generator=gen)
+    groups = (rows, shape[1] // 32)
+    levels = torch.randint(0, 256, (*groups, 32), generator=gen).float()
+    levels[..., 0], levels[..., 1] = 0, 255  # each group's range 255 steps of a power of two
+    step = 2.0 ** torch.randint(-8, 3, (*groups, 1), generator=gen)
+    offset = torch.randint(-300, 100, (*groups, 1), generator=gen).float()
+    exact_x = ((levels + offset) * step).view(rows, shape[1])
+    exact_x[0, :32] = 0.75  # a constant group: scale 0, exact
+    x = torch.randn(rows, shape[1], generator=gen)
+    x[-1, 32:64] = -2.5
+    for bits in (8, 4):
+        q = quantize(weight, bits)
+        w = q.dequantize()
+        exact = exact_x @ w.t()
+        torch.testing.assert_close(int8_activation_linear(k, q, exact_x), exact,
+                                   atol=1e-5 * exact.abs().max(), rtol=1e-4)
+        level = x.view(rows, -1, 32)
+        level = ((level.amax(-1) - level.amin(-1)) / 255).amax()  # the largest step of x
+        torch.testing.assert_close(int8_activation_linear(k, q, x), eight_bits_per_group(x) @ w.t(),
+                                   atol=3 * level * w.abs().max() + 1e-4, rtol=1e-4)
+        # "amx" from 49 rows: torch's bf16 matmul on the weights dequantized from their quads.
+        if rows >= 49:
+            torch.testing.assert_close(int8_activation_linear(k, q, x, "amx"), x @ w.t(),
+                                       atol=0.05 * shape[1] ** 0.5, rtol=0.02)
+
+
+@int8_dots
+def test_int8_activations_name_what_they_refuse(k):
+    q = pack_for_int8_activations(pack_quantized(quantize(torch.randn(32, 64), 8)))
+    with pytest.raises(RuntimeError, match="int8 quads"):
+        k.linear_w8a8(torch.randn(2, 64), q.q.view(torch.uint8), q.scale, q.sums, 32, "fp32")
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        k.linear_w8a8(torch.randn(2, 32), q.q, q.scale, q.sums, 32, "fp32")
+    with pytest.raises(RuntimeError, match="linear_w8a8 sums: one fp32 value per 32 weights"):
+        k.linear_w8a8(torch.randn(2, 64), q.q, q.scale, q.sums[:, :1], 32, "fp32")
+    with pytest.raises(RuntimeError, match="uint8 quads"):
+        k.linear_w4a8(torch.randn(2, 64), q.q, q.scale, q.scale, q.sums, 32, "fp32")
 
 
 # Every register-tile height (1 .. 12), uneven splits past 12 (13 = 7 + 6), prefill sizes, and

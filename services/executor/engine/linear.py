@@ -8,6 +8,10 @@ panels too).
 `model.quantization`: `none` keeps dense weights; `int8` / `int4` quantize every matmul at load;
 `auto` keeps a GGUF's own blocks (Q4_x stays int4, Q8_0 int8, float stays dense) and is `none`
 for other sources. Embedding lookups keep a dense table: they read a few rows per step.
+
+`model.quantized_activations`: quantized weights multiply either fp32 activations (the weights
+widened in registers) or 8-bit ones (each row quantized per group of 32 over the group's range as
+it enters, then int8 dot products: W8A8 / W4A8); `auto` takes int8 where the CPU has AVX512-VNNI.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ def many_rows_precision(kernels) -> str:
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return "amx"
     return "bf16" if kernels.bf16_dot_products() else "fp32"
+
+
+def int8_activations(setting: str, kernels) -> bool:
+    """Whether quantized matmuls take int8 activations, for `model.quantized_activations`."""
+    built = kernels is not None and kernels.int8_dot_products()
+    if setting == "int8" and not built:
+        raise ValueError("model.quantized_activations: int8 needs the CPU kernels built with "
+                         "AVX512-VNNI, which this machine does not have; use auto or float32")
+    return built and setting != "float32"
 
 
 @dataclass
@@ -108,10 +121,11 @@ class QuantizedPanels:
     q: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor | None
+    sums: torch.Tensor | None = None  # each group's sum of w: int8 activations only
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min)
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min, self.sums)
                    if t is not None)
 
 
@@ -132,6 +146,23 @@ def pack_quantized(weight: QuantizedWeight) -> QuantizedPanels:
     levels = sideways(torch.cat((low, high), dim=-1).view(rows, cols))  # [panels, K, 32]
     packed = levels[..., :PANEL // 2] | (levels[..., PANEL // 2:] << 4)
     return QuantizedPanels(4, rows, packed.contiguous(), scale, sideways(weight.min))
+
+
+def pack_for_int8_activations(panels: QuantizedPanels) -> QuantizedPanels:
+    """Panels for the int8-activation kernels (linear_w8a8, linear_w4a8, linear.cpp): each
+    panel's q in quads of four consecutive k per column, [P, K / 4, C, 4] (C = 32 int8 weights,
+    or 16 bytes of int4 nibble pairs), and each group's sum of w in `sums`. An int4 weight's
+    levels are read as q - 8 (signed bytes), so its min becomes min + 8 * scale."""
+    p, k, c = panels.q.shape
+    quads = panels.q.view(p, k // 4, 4, c).transpose(2, 3).contiguous()
+    if panels.bits == 8:
+        levels, minimum = panels.q.float(), None
+    else:
+        levels = torch.cat((panels.q & 0xF, panels.q >> 4), dim=-1).float()  # [P, K, 32]
+        minimum = panels.min + 8 * panels.scale
+    level_sums = levels.view(p, k // GROUP, GROUP, PANEL).sum(2)  # exact: integers < 2^24
+    sums = panels.scale * level_sums + (0 if panels.min is None else GROUP * panels.min)
+    return QuantizedPanels(panels.bits, panels.n, quads, panels.scale, minimum, sums.contiguous())
 
 
 class DenseLinear:
@@ -171,23 +202,31 @@ class DenseLinear:
 
 
 class QuantizedLinear:
-    def __init__(self, weight: QuantizedWeight, kernels):
+    def __init__(self, weight: QuantizedWeight, kernels, int8_activations: bool = False):
         if kernels is None:
             raise RuntimeError("int8 and int4 weights run on the CPU kernels, which are not "
                                "available here (see the warning above); set "
                                "model.quantization: none")
         self.weight = pack_quantized(weight)
+        self.int8_activations = int8_activations
+        if int8_activations:
+            self.weight = pack_for_int8_activations(self.weight)
         self.kernels = kernels
         self.many_rows = many_rows_precision(kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w, k = self.weight, self.kernels
+        if self.int8_activations:
+            if w.bits == 8:
+                return k.linear_w8a8(x, w.q, w.scale, w.sums, w.n, self.many_rows)
+            return k.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, self.many_rows)
         if w.bits == 8:
-            return self.kernels.linear_int8(x, w.q, w.scale, w.n, self.many_rows)
-        return self.kernels.linear_int4(x, w.q, w.scale, w.min, w.n, self.many_rows)
+            return k.linear_int8(x, w.q, w.scale, w.n, self.many_rows)
+        return k.linear_int4(x, w.q, w.scale, w.min, w.n, self.many_rows)
 
 
-def make_linear(weight: torch.Tensor | QuantizedWeight, kernels) -> DenseLinear | QuantizedLinear:
+def make_linear(weight: torch.Tensor | QuantizedWeight, kernels,
+                int8_activations: bool = False) -> DenseLinear | QuantizedLinear:
     if isinstance(weight, QuantizedWeight):
-        return QuantizedLinear(weight, kernels)
+        return QuantizedLinear(weight, kernels, int8_activations)
     return DenseLinear(weight, kernels)
