@@ -194,10 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "int8", "int4", "auto"],
                         help="one engine variant per value (default: none, fp32)")
-    parser.add_argument("--quantized-activations", nargs="+", default=["auto"],
+    parser.add_argument("--quantized-activations", nargs="+",
+                        default=[EngineConfig().model.quantized_activations],
                         choices=["auto", "float32", "int8"],
                         help="each quantized variant with each model.quantized_activations "
-                        "(named engine_int8_a8, engine_int8_a32, ...; default: auto alone)")
+                        "(with more than one: engine_int8_a32, engine_int8_a8, ...; default: "
+                        "the shipped setting alone)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--tokenizer", help="a directory of tokenizer files (model.tokenizer): "
@@ -227,11 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     model_config, _ = load_model_config(args.model)
     points = {n: engine_workload(n, args.seed, model_config.vocab_size) for n in args.sweep}
     matmul = on_own_thread(matmul_flops_per_s)
-    suffix = {"auto": "", "float32": "_a32", "int8": "_a8"}
-    variants = {("engine" if q == "none" else f"engine_{q}{suffix[a]}"):
+    suffix = ({"auto": "_aauto", "float32": "_a32", "int8": "_a8"}
+              if len(args.quantized_activations) > 1 else {})
+    variants = {("engine" if q == "none" else f"engine_{q}{suffix.get(a, '')}"):
                 {**base, "model.quantization": q, "model.quantized_activations": a}
                 for q in args.quantization
-                for a in (args.quantized_activations if q != "none" else ["auto"])}
+                for a in (args.quantized_activations if q != "none" else ["float32"])}
     first = next(iter(variants.values()))
     if args.also_backend:
         variants[f"engine_{args.also_backend}"] = {**first,

@@ -22,7 +22,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size in blocks (default: what fits the memory budget)")
     parser.add_argument("--block-size", type=int, default=defaults.kv_cache.block_size)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    _quantization_option(parser, defaults.model.quantization)
+    _quantization_option(parser, defaults.model.quantization,
+                         defaults.model.quantized_activations)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         default=defaults.model.dtype,
                         help="model.dtype (default auto: fp32 on a CPU, bf16 on a GPU); "
@@ -31,16 +32,23 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="run scheduling and output processing between steps, not beside them")
 
 
-def _quantization_option(parser: argparse.ArgumentParser, default: str | None) -> None:
+def _quantization_option(parser: argparse.ArgumentParser, default: str | None,
+                         activations: str | None) -> None:
     parser.add_argument("--quantization", choices=["none", "int8", "int4", "auto"],
                         default=default,
                         help="weight-only quantization of the matmuls on a CPU; auto keeps a "
                              "GGUF's own blocks (default: " + (default or "the config's") + ")")
+    parser.add_argument("--quantized-activations", choices=["auto", "float32", "int8"],
+                        default=activations,
+                        help="activations of quantized matmuls: float32 (weight-only) or "
+                             "int8 (W8A8 / W4A8 on AVX512-VNNI); auto: int8 where the CPU has "
+                             "VNNI (default: " + (activations or "the config's") + ")")
 
 
 def engine_config_of(args: argparse.Namespace) -> EngineConfig:
     return engine_config({"model.name": args.model, "model.device": args.device,
                           "model.quantization": args.quantization, "model.dtype": args.dtype,
+                          "model.quantized_activations": args.quantized_activations,
                           "scheduler.batch_level.max_num_seqs": args.max_num_seqs,
                           "scheduler.batch_level.max_num_batched_tokens":
                               args.max_num_batched_tokens,
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--replicas", type=int, default=1, metavar="N",
                     help="processes of each of admission, priority and the batcher")
     up.add_argument("--model", default=None, help=f"default: the config's, else {DEFAULT_MODEL}")
-    _quantization_option(up, None)
+    _quantization_option(up, None, None)
     up.add_argument("--config", help="jetserve.yaml (environment variables override it)")
     up.add_argument("--auth", action="store_true",
                     help="the embedded nats-server takes users: the services log in as theirs, "

@@ -38,7 +38,9 @@ async def up(args) -> int:
                       tls=args.tls, http_port=args.http_port or None,
                       nats_cluster=args.nats_cluster, replicas=args.replicas,
                       settings={"model.name": model} | (
-                          {"model.quantization": args.quantization} if args.quantization else {}))
+                          {"model.quantization": args.quantization} if args.quantization else {})
+                      | ({"model.quantized_activations": args.quantized_activations}
+                         if args.quantized_activations else {}))
     except (ValueError, AuthError) as exc:
         raise SystemExit(f"jetserve: {exc}") from None
     stop = asyncio.Event()

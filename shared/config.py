@@ -66,10 +66,11 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Weight-only quantization of the matmuls on a CPU (services/executor/engine/linear.py):
     # none, int8, int4, or auto (a GGUF's own blocks: Q4_x stays int4, Q8_0 int8; none otherwise).
     quantization: Quantization = "none"
-    # How quantized matmuls take their activations: int8 (quantized per row and group of 32 as
-    # they enter, int8 dot products: W8A8 / W4A8), float32 (the weights widened to fp32), or auto:
-    # int8 where the CPU has AVX512-VNNI, else float32.
-    quantized_activations: Literal["auto", "float32", "int8"] = "auto"
+    # How quantized matmuls take their activations: float32 (weight-only quantization: the
+    # weights widened to fp32), int8 (each row quantized to 8 bits per group of 32 as it enters,
+    # int8 dot products: W8A8 / W4A8; needs AVX512-VNNI), or auto: int8 where the CPU has VNNI,
+    # else float32.
+    quantized_activations: Literal["auto", "float32", "int8"] = "float32"
     # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None

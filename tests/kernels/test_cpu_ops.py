@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from jetserve_kernels import cpu_ops, kv_int8, reference
-from services.executor.engine.linear import (pack_for_int8_activations, pack_panels,
-                                             pack_quantized, quantize)
+from services.executor.engine.linear import (int8_activations, pack_for_int8_activations,
+                                             pack_panels, pack_quantized, quantize)
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 
@@ -154,6 +154,13 @@ def test_int8_activations_name_what_they_refuse(k):
         k.linear_w8a8(torch.randn(2, 64), q.q, q.scale, q.sums[:, :1], 32, "fp32")
     with pytest.raises(RuntimeError, match="uint8 quads"):
         k.linear_w4a8(torch.randn(2, 64), q.q, q.scale, q.scale, q.sums, 32, "fp32")
+
+
+def test_int8_activations_are_chosen_where_they_can_run(k):
+    assert int8_activations("auto", k) == k.int8_dot_products()
+    assert not int8_activations("float32", k) and not int8_activations("auto", None)
+    with pytest.raises(ValueError, match="model.quantized_activations: int8 needs the CPU kernels"):
+        int8_activations("int8", None)  # no kernels (or no VNNI): refused by name, at load
 
 
 # Every register-tile height (1 .. 12), uneven splits past 12 (13 = 7 + 6), prefill sizes, and
