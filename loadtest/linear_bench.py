@@ -1,7 +1,8 @@
 """The CPU matmul kernels on their own: every layer's matmuls of a model (distinct random weights,
 so they stream from memory as in the engine) at a range of row counts, for packed fp32, int8 and
 int4 weights (fp32, and bfloat16 for many rows where the CPU has it; with int8 activations, W8A8
-and W4A8, where it has AVX512-VNNI), beside torch's own fp32 matmul (BLAS) on the same shapes. The best of `--repeats` runs, in ms for all the layers.
+and W4A8, where it has AVX512-VNNI), beside torch's own fp32 matmul (BLAS) on the same shapes.
+The best of `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.linear_bench --rows 1 8 40 128 512 --result-json results/linear_bench.json
 """

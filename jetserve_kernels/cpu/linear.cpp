@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -266,7 +267,7 @@ void panel_row(PanelReader<F> w, int64_t k, const float* x, float* y, int cols) 
 }
 
 // Calls tile.template operator()<R>(m0) for tiles of R <= MaxRows rows covering [0, m), as even
-// as they can be (13 rows in tiles of 12 run as 7 + 6, not 12 + 1).
+// as they can be (13 rows in tiles of 12 run as 6 + 7, not 12 + 1).
 template <int MaxRows = kPanelRows, typename Tile>
 void for_each_tile(int64_t m, const Tile& tile) {
   const int64_t tiles = (m + MaxRows - 1) / MaxRows;
@@ -274,8 +275,8 @@ void for_each_tile(int64_t m, const Tile& tile) {
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = (m - m0) / (tiles - t);
     switch (rows) {
-#define JETSERVE_TILE(R)                                \
-  case R:                                               \
+#define JETSERVE_TILE(R)                                    \
+  case R:                                                   \
     if constexpr (R <= MaxRows) tile.template operator()<R>(m0); \
     break;
       JETSERVE_TILE(1) JETSERVE_TILE(2) JETSERVE_TILE(3) JETSERVE_TILE(4) JETSERVE_TILE(5)
@@ -484,10 +485,14 @@ QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t
       for (int64_t g = 0; g < groups; ++g) {
         const float* xg = x + i * x_stride + g * kGroup;
         const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-        const float low = _mm512_reduce_min_ps(_mm512_min_ps(a, b));
-        const float high = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+        float low = _mm512_reduce_min_ps(_mm512_min_ps(a, b));
+        float high = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+        // min / max pass a NaN over: a NaN anywhere in the group makes its scale and low NaN,
+        // so the output is NaN, as an fp32 product's would be.
+        if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q))
+          low = high = std::numeric_limits<float>::quiet_NaN();
         // A constant group is exact: scale 0, every u 0, x = low.
-        const float inverse = high > low ? 255.0f / (high - low) : 0.0f;
+        const float inverse = high > low ? 255.0f / (high - low) : 0.0f;  // 0 for NaN too
         const __m512 lo = _mm512_set1_ps(low), inv = _mm512_set1_ps(inverse);
         // Rounded to nearest (even), as every fp32 -> int32 conversion here is; clamped in case
         // the rounding of (x - low) * inverse passes 255.
@@ -496,7 +501,7 @@ QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t
         uint8_t* out = r.u.data() + i * k + g * kGroup;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtusepi32_epi8(ua));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtusepi32_epi8(ub));
-        r.scale[i * groups + g] = (high - low) / 255.0f;
+        r.scale[i * groups + g] = high > low ? (high - low) / 255.0f : high - low;
         r.low[i * groups + g] = low;
         const __m512i cap = _mm512_set1_epi32(255);
         r.sum[i * groups + g] = _mm512_reduce_add_epi32(

@@ -107,15 +107,16 @@ int8_dots = pytest.mark.skipif(not (cpu_ops.load() and cpu_ops.load().int8_dot_p
                                reason="this CPU has no AVX512-VNNI int8 dot products")
 
 
-# Rows: one, tiles of up to 6 (7 = 4 + 3, 13 = 5 + 4 + 4), 70 ("amx" is BLAS there), 200 (row
+# Rows: one, tiles of up to 6 (7 = 3 + 4, 13 = 4 + 4 + 5), 70 ("amx" is BLAS there), 200 (row
 # blocks 72 + 72 + 56). Shapes as above.
 @int8_dots
 @pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 70, 200])
 @pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
 def test_int8_activations_multiply_the_quantized_rows(k, rows, shape):
     """W8A8 / W4A8 equal the product of x quantized per group of 32 and the dequantized weight:
-    to fp32 rounding where every x is one of its group's levels already, and within a level of x
-    per element where a value at a half step may round either way."""
+    to fp32 rounding where every x is within 0.3 of a step of one of its group's levels (so it
+    rounds to that level), and within a level of x per element for random x, where a value at a
+    half step may round either way."""
     gen = torch.Generator().manual_seed(rows + shape[0])
     weight = torch.randn(shape, generator=gen)
     groups = (rows, shape[1] // 32)
@@ -125,6 +126,13 @@ def test_int8_activations_multiply_the_quantized_rows(k, rows, shape):
     offset = torch.randint(-300, 100, (*groups, 1), generator=gen).float()
     exact_x = ((levels + offset) * step).view(rows, shape[1])
     exact_x[0, :32] = 0.75  # a constant group: scale 0, exact
+    # Off the levels by 0.3 of a step either way (not the min and max that set the range):
+    # rounding, not truncation, takes each back to its level.
+    jitter = 0.3 * torch.randint(0, 2, (*groups, 32), generator=gen).float().mul(2).sub(1)
+    jitter = torch.where(levels == 0, 0.3, torch.where(levels == 255, -0.3, jitter))  # inside
+    jitter[..., :2] = 0
+    jittered_x = ((levels + offset + jitter) * step).view(rows, shape[1])
+    jittered_x[0, :32] = 0.75
     x = torch.randn(rows, shape[1], generator=gen)
     x[-1, 32:64] = -2.5
     for bits in (8, 4):
@@ -132,6 +140,12 @@ def test_int8_activations_multiply_the_quantized_rows(k, rows, shape):
         w = q.dequantize()
         exact = exact_x @ w.t()
         torch.testing.assert_close(int8_activation_linear(k, q, exact_x), exact,
+                                   atol=1e-5 * exact.abs().max(), rtol=1e-4)
+        torch.testing.assert_close(int8_activation_linear(k, q, jittered_x), exact,
+                                   atol=1e-5 * exact.abs().max(), rtol=1e-4)
+        # Rows with a stride, as the model's views have.
+        wide = torch.nn.functional.pad(jittered_x, (0, 40))
+        torch.testing.assert_close(int8_activation_linear(k, q, wide[:, :shape[1]]), exact,
                                    atol=1e-5 * exact.abs().max(), rtol=1e-4)
         level = x.view(rows, -1, 32)
         level = ((level.amax(-1) - level.amin(-1)) / 255).amax()  # the largest step of x
@@ -154,16 +168,21 @@ def test_int8_activations_name_what_they_refuse(k):
         k.linear_w8a8(torch.randn(2, 64), q.q, q.scale, q.sums[:, :1], 32, "fp32")
     with pytest.raises(RuntimeError, match="uint8 quads"):
         k.linear_w4a8(torch.randn(2, 64), q.q, q.scale, q.scale, q.sums, 32, "fp32")
+    # A NaN in x comes out as NaN (min and max would pass it over), only in its own row.
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    y = k.linear_w8a8(x, q.q, q.scale, q.sums, 32, "fp32")
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
 
 
 def test_int8_activations_are_chosen_where_they_can_run(k):
     assert int8_activations("auto", k) == k.int8_dot_products()
     assert not int8_activations("float32", k) and not int8_activations("auto", None)
-    with pytest.raises(ValueError, match="model.quantized_activations: int8 needs the CPU kernels"):
+    with pytest.raises(ValueError, match="model.quantized_activations: int8 runs on the CPU kern"):
         int8_activations("int8", None)  # no kernels (or no VNNI): refused by name, at load
 
 
-# Every register-tile height (1 .. 12), uneven splits past 12 (13 = 7 + 6), prefill sizes, and
+# Every register-tile height (1 .. 12), uneven splits past 12 (13 = 6 + 7), prefill sizes, and
 # row blocks (200 = 72 + 72 + 56).
 @pytest.mark.parametrize("rows", list(range(1, 14)) + [25, 70, 200])
 @pytest.mark.parametrize("shape", [(32, 64), (96, 40), (576, 1536)])

@@ -29,18 +29,23 @@ def many_rows_precision(kernels) -> str:
     """How prefill-sized batches (more than 8 rows) multiply quantized weights: in bfloat16 with
     fp32 sums, on weights that are rounded already, where the CPU makes that fast: "amx" (AMX
     tiles, from 49 rows: several times the fp32 FMAs), "bf16" (AVX512-BF16 dot products: twice
-    them), else "fp32". Decode-sized batches always run in fp32."""
+    them), else "fp32". Decode-sized batches run in fp32 (with fp32 activations: int8
+    activations take the int8 dot products at every size below "amx"'s)."""
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return "amx"
     return "bf16" if kernels.bf16_dot_products() else "fp32"
 
 
 def int8_activations(setting: str, kernels) -> bool:
-    """Whether quantized matmuls take int8 activations, for `model.quantized_activations`."""
+    """Whether quantized matmuls take int8 activations, for `model.quantized_activations` (asked
+    only where there are quantized weights)."""
+    if setting == "int8" and kernels is None:
+        raise ValueError("model.quantized_activations: int8 runs on the CPU kernels, which are "
+                         "not available here; use auto or float32")
     built = kernels is not None and kernels.int8_dot_products()
     if setting == "int8" and not built:
-        raise ValueError("model.quantized_activations: int8 needs the CPU kernels built with "
-                         "AVX512-VNNI, which this machine does not have; use auto or float32")
+        raise ValueError("model.quantized_activations: int8 needs AVX512-VNNI, which this CPU "
+                         "does not have; use auto or float32")
     return built and setting != "float32"
 
 
@@ -155,12 +160,12 @@ def pack_for_int8_activations(panels: QuantizedPanels) -> QuantizedPanels:
     levels are read as q - 8 (signed bytes), so its min becomes min + 8 * scale."""
     p, k, c = panels.q.shape
     quads = panels.q.view(p, k // 4, 4, c).transpose(2, 3).contiguous()
-    if panels.bits == 8:
-        levels, minimum = panels.q.float(), None
-    else:
-        levels = torch.cat((panels.q & 0xF, panels.q >> 4), dim=-1).float()  # [P, K, 32]
-        minimum = panels.min + 8 * panels.scale
-    level_sums = levels.view(p, k // GROUP, GROUP, PANEL).sum(2)  # exact: integers < 2^24
+    level_sums = torch.empty(p, k // GROUP, PANEL)
+    for j in range(0, p, 64):  # a slice of panels at a time: no fp32 copy of a whole weight
+        q = panels.q[j:j + 64]
+        levels = q.float() if panels.bits == 8 else torch.cat((q & 0xF, q >> 4), dim=-1).float()
+        level_sums[j:j + 64] = levels.view(-1, k // GROUP, GROUP, PANEL).sum(2)  # exact integers
+    minimum = None if panels.bits == 8 else panels.min + 8 * panels.scale
     sums = panels.scale * level_sums + (0 if panels.min is None else GROUP * panels.min)
     return QuantizedPanels(panels.bits, panels.n, quads, panels.scale, minimum, sums.contiguous())
 

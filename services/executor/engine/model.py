@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.executor.engine.linear import (DenseLinear, QuantizedLinear, concat,
-                                             int8_activations, make_linear)
+from services.executor.engine.linear import (DenseLinear, QuantizedLinear, QuantizedWeight,
+                                             concat, int8_activations, make_linear)
 from shared.model_files import ModelConfig
 
 Linear = DenseLinear | QuantizedLinear
@@ -56,7 +56,8 @@ class LlamaModel:
         self.backend = backend
         self.scale = config.head_dim ** -0.5
         kernels = backend.cpu_kernels
-        int8_acts = int8_activations(quantized_activations, kernels)
+        int8_acts = any(isinstance(w, QuantizedWeight) for w in weights.values()) and \
+            int8_activations(quantized_activations, kernels)
         embed_tokens = weights.pop("model.embed_tokens.weight")
         lm_head = weights.pop("lm_head.weight", embed_tokens)
         self.lm_head = make_linear(lm_head, kernels, int8_acts)
