@@ -1,7 +1,8 @@
 """The CPU matmul kernels on their own: every layer's matmuls of a model (distinct random weights,
 so they stream from memory as in the engine) at a range of row counts, for packed fp32, int8 and
 int4 weights (fp32, and bfloat16 for many rows where the CPU has it; with int8 activations, W8A8
-and W4A8, where it has AVX512-VNNI), beside torch's own fp32 matmul (BLAS) on the same shapes.
+and W4A8, where it has AVX512-VNNI, and the same with x's remainder in a second byte, "a8x2"),
+beside torch's own fp32 matmul (BLAS) on the same shapes.
 The best of `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.linear_bench --rows 1 8 40 128 512 --result-json results/linear_bench.json
@@ -66,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     quads = {bits: [pack_for_int8_activations(w) for w in quantized[bits]]
              for bits in (8, 4)} if int8_activations else {}
 
-    def run_int8_activations(bits: int, xs: dict):
+    def run_int8_activations(bits: int, xs: dict, second_byte: bool = False):
         for w in quads[bits]:
             x = xs[w.q.shape[1] * 4]
             if bits == 8:
-                kernels.linear_w8a8(x, w.q, w.scale, w.sums, w.n, "fp32")
+                kernels.linear_w8a8(x, w.q, w.scale, w.sums, w.n, "fp32", second_byte)
             else:
-                kernels.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, "fp32")
+                kernels.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, "fp32", second_byte)
 
     def run_quantized(bits: int, xs: dict, precision: str):
         for w in quantized[bits]:
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                     lambda: run_quantized(bits, xs, precision), args.repeats)
             if int8_activations:
                 row[f"w{bits}a8"] = best_ms(lambda: run_int8_activations(bits, xs), args.repeats)
+                row[f"w{bits}a8x2"] = best_ms(lambda: run_int8_activations(bits, xs, True),
+                                              args.repeats)
         flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
         row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
         results.append(row)

@@ -465,24 +465,30 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kInt8Dot = true;
 constexpr int64_t kQuadsPerGroup = kGroup / 4;
-constexpr int kQuadRows = 6;  // rows per tile: 4 accumulators a row (int32 and fp32, 2 of each)
 
-// x [m, K] quantized per row and group of 32: x ~ scale * u + low, u in 0..255; sum = the
-// group's sum of u (for w4a8's min).
+// x [m, K] quantized per row and group of 32: x ~ scale * u + low, u in 0..255. Precise: plus
+// the remainder in a second byte, x ~ scale * u + rscale * v + low with v in 1..255 (the
+// remainder over rscale = scale / 254, + 128; low takes the 128 back out): about 16 bits of
+// the group's range, for twice the dot products. xsum: scale * sum(u) [+ rscale * sum(v)], for
+// w4a8's min.
 struct QuantizedRows {
   int64_t k, groups;
-  std::vector<uint8_t> u;
-  std::vector<float> scale, low;
-  std::vector<int32_t> sum;
+  bool precise;
+  std::vector<uint8_t> u, v;
+  std::vector<float> scale, rscale, low, xsum;
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k) {
+QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, bool precise) {
   const int64_t groups = k / kGroup;
-  QuantizedRows r{k, groups, std::vector<uint8_t>(m * k), std::vector<float>(m * groups),
-                  std::vector<float>(m * groups), std::vector<int32_t>(m * groups)};
+  QuantizedRows r{k, groups, precise, std::vector<uint8_t>(m * k),
+                  std::vector<uint8_t>(precise ? m * k : 0), std::vector<float>(m * groups),
+                  std::vector<float>(precise ? m * groups : 0), std::vector<float>(m * groups),
+                  std::vector<float>(m * groups)};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    const __m512i cap = _mm512_set1_epi32(255);
     for (int64_t i = begin; i < end; ++i)
       for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = i * groups + g;
         const float* xg = x + i * x_stride + g * kGroup;
         const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
         float low = _mm512_reduce_min_ps(_mm512_min_ps(a, b));
@@ -493,26 +499,46 @@ QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t
           low = high = std::numeric_limits<float>::quiet_NaN();
         // A constant group is exact: scale 0, every u 0, x = low.
         const float inverse = high > low ? 255.0f / (high - low) : 0.0f;  // 0 for NaN too
+        const float scale = high > low ? (high - low) / 255.0f : high - low;
         const __m512 lo = _mm512_set1_ps(low), inv = _mm512_set1_ps(inverse);
         // Rounded to nearest (even), as every fp32 -> int32 conversion here is; clamped in case
         // the rounding of (x - low) * inverse passes 255.
-        const __m512i ua = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(a, lo), inv));
-        const __m512i ub = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(b, lo), inv));
+        const __m512i ua = _mm512_min_epi32(
+            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(a, lo), inv)), cap);
+        const __m512i ub = _mm512_min_epi32(
+            _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(b, lo), inv)), cap);
         uint8_t* out = r.u.data() + i * k + g * kGroup;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtusepi32_epi8(ua));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtusepi32_epi8(ub));
-        r.scale[i * groups + g] = high > low ? (high - low) / 255.0f : high - low;
-        r.low[i * groups + g] = low;
-        const __m512i cap = _mm512_set1_epi32(255);
-        r.sum[i * groups + g] = _mm512_reduce_add_epi32(
-            _mm512_add_epi32(_mm512_min_epu32(ua, cap), _mm512_min_epu32(ub, cap)));
+        r.scale[at] = scale;
+        float xsum = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ua, ub)));
+        if (precise) {
+          // What u left over, within half a step either way, in 254 steps of scale / 254.
+          const float rscale = scale / 254.0f;
+          const __m512 s = _mm512_set1_ps(scale), rinv = _mm512_set1_ps(high > low ? 254.0f / scale : 0.0f);
+          const __m512 rest_a = _mm512_sub_ps(_mm512_sub_ps(a, lo), _mm512_mul_ps(_mm512_cvtepi32_ps(ua), s));
+          const __m512 rest_b = _mm512_sub_ps(_mm512_sub_ps(b, lo), _mm512_mul_ps(_mm512_cvtepi32_ps(ub), s));
+          const __m512i bias = _mm512_set1_epi32(128), one = _mm512_set1_epi32(1);
+          const __m512i va = _mm512_max_epi32(_mm512_min_epi32(_mm512_add_epi32(
+              _mm512_cvtps_epi32(_mm512_mul_ps(rest_a, rinv)), bias), cap), one);
+          const __m512i vb = _mm512_max_epi32(_mm512_min_epi32(_mm512_add_epi32(
+              _mm512_cvtps_epi32(_mm512_mul_ps(rest_b, rinv)), bias), cap), one);
+          uint8_t* rest = r.v.data() + i * k + g * kGroup;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rest), _mm512_cvtusepi32_epi8(va));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rest + 16), _mm512_cvtusepi32_epi8(vb));
+          r.rscale[at] = rscale;
+          low -= 128.0f * rscale;
+          xsum += rscale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(va, vb)));
+        }
+        r.low[at] = low;
+        r.xsum[at] = xsum;
       }
   });
   return r;
 }
 
-// y[r0 .. r0 + MR, 0 .. cols) for panel j, F W8A8 or W4A8.
-template <Format F, int MR>
+// y[r0 .. r0 + MR, 0 .. cols) for panel j, F W8A8 or W4A8; Precise: x's second bytes too.
+template <Format F, int MR, bool Precise>
 void quad_tile(const Panels& w, int64_t j, const QuantizedRows& x, int64_t r0, float* y,
                int64_t y_stride, int cols) {
   constexpr int64_t kQuadBytes = F == Format::W8A8 ? 4 * kPanel : 2 * kPanel;
@@ -530,9 +556,11 @@ void quad_tile(const Panels& w, int64_t j, const QuantizedRows& x, int64_t r0, f
     request(s + (g + kGroupsAhead) * kPanel, kPanel * 4);
     request(sums + (g + kGroupsAhead) * kPanel, kPanel * 4);
     if constexpr (F == Format::W4A8) request(mins + (g + kGroupsAhead) * kPanel, kPanel * 4);
-    __m512i sum_lo[MR], sum_hi[MR];
+    __m512i sum_lo[MR], sum_hi[MR], rest_lo[Precise ? MR : 1], rest_hi[Precise ? MR : 1];
     for (int i = 0; i < MR; ++i) sum_lo[i] = sum_hi[i] = _mm512_setzero_si512();
-    const uint8_t* xg = x.u.data() + r0 * x.k + g * kGroup;
+    if constexpr (Precise)
+      for (int i = 0; i < MR; ++i) rest_lo[i] = rest_hi[i] = _mm512_setzero_si512();
+    const int64_t x_at = r0 * x.k + g * kGroup;
     for (int64_t v = 0; v < kQuadsPerGroup; ++v) {
       __m512i w_lo, w_hi;
       if constexpr (F == Format::W8A8) {
@@ -545,56 +573,76 @@ void quad_tile(const Panels& w, int64_t j, const QuantizedRows& x, int64_t r0, f
       }
       for (int i = 0; i < MR; ++i) {
         int32_t quad;
-        std::memcpy(&quad, xg + i * x.k + v * 4, sizeof quad);
+        std::memcpy(&quad, x.u.data() + x_at + i * x.k + v * 4, sizeof quad);
         const __m512i xv = _mm512_set1_epi32(quad);
         sum_lo[i] = _mm512_dpbusd_epi32(sum_lo[i], xv, w_lo);
         sum_hi[i] = _mm512_dpbusd_epi32(sum_hi[i], xv, w_hi);
+        if constexpr (Precise) {
+          std::memcpy(&quad, x.v.data() + x_at + i * x.k + v * 4, sizeof quad);
+          const __m512i rv = _mm512_set1_epi32(quad);
+          rest_lo[i] = _mm512_dpbusd_epi32(rest_lo[i], rv, w_lo);
+          rest_hi[i] = _mm512_dpbusd_epi32(rest_hi[i], rv, w_hi);
+        }
       }
     }
-    // y += sx * (scale * sum(q u) [+ min * sum(u)]) + low * sum(w)
+    // y += scale_w * (sx * sum(q u) [+ rx * sum(q v)]) [+ min * xsum] + low * sum(w)
     const __m512 s_lo = _mm512_loadu_ps(s + g * kPanel), s_hi = _mm512_loadu_ps(s + g * kPanel + 16);
     const __m512 ws_lo = _mm512_loadu_ps(sums + g * kPanel);
     const __m512 ws_hi = _mm512_loadu_ps(sums + g * kPanel + 16);
     for (int i = 0; i < MR; ++i) {
       const int64_t at = (r0 + i) * x.groups + g;
-      __m512 d_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_lo[i]), s_lo);
-      __m512 d_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_hi[i]), s_hi);
-      if constexpr (F == Format::W4A8) {
-        const __m512 usum = _mm512_set1_ps(static_cast<float>(x.sum[at]));
-        d_lo = _mm512_fmadd_ps(_mm512_loadu_ps(mins + g * kPanel), usum, d_lo);
-        d_hi = _mm512_fmadd_ps(_mm512_loadu_ps(mins + g * kPanel + 16), usum, d_hi);
+      const __m512 sx = _mm512_set1_ps(x.scale[at]);
+      __m512 d_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_lo[i]), sx);
+      __m512 d_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_hi[i]), sx);
+      if constexpr (Precise) {
+        const __m512 rx = _mm512_set1_ps(x.rscale[at]);
+        d_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest_lo[i]), rx, d_lo);
+        d_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest_hi[i]), rx, d_hi);
       }
-      const __m512 sx = _mm512_set1_ps(x.scale[at]), low = _mm512_set1_ps(x.low[at]);
-      lo[i] = _mm512_fmadd_ps(ws_lo, low, _mm512_fmadd_ps(d_lo, sx, lo[i]));
-      hi[i] = _mm512_fmadd_ps(ws_hi, low, _mm512_fmadd_ps(d_hi, sx, hi[i]));
+      d_lo = _mm512_mul_ps(d_lo, s_lo);
+      d_hi = _mm512_mul_ps(d_hi, s_hi);
+      if constexpr (F == Format::W4A8) {
+        const __m512 xsum = _mm512_set1_ps(x.xsum[at]);
+        d_lo = _mm512_fmadd_ps(_mm512_loadu_ps(mins + g * kPanel), xsum, d_lo);
+        d_hi = _mm512_fmadd_ps(_mm512_loadu_ps(mins + g * kPanel + 16), xsum, d_hi);
+      }
+      const __m512 low = _mm512_set1_ps(x.low[at]);
+      lo[i] = _mm512_fmadd_ps(ws_lo, low, _mm512_add_ps(d_lo, lo[i]));
+      hi[i] = _mm512_fmadd_ps(ws_hi, low, _mm512_add_ps(d_hi, hi[i]));
     }
   }
   for (int i = 0; i < MR; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
 }
 
-template <Format F>
+template <Format F, bool Precise>
 void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, int64_t m) {
+  // Rows per tile: 4 accumulators a row (int32 and fp32, 2 of each), 6 with the second bytes.
+  constexpr int kRows = Precise ? 4 : 6;
   at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
-      for_each_tile<kQuadRows>(m, [&]<int R>(int64_t m0) {
-        quad_tile<F, R>(w, j, x, r0 + m0, y + (r0 + m0) * w.n + j * kPanel, w.n, cols);
+      for_each_tile<kRows>(m, [&]<int R>(int64_t m0) {
+        quad_tile<F, R, Precise>(w, j, x, r0 + m0, y + (r0 + m0) * w.n + j * kPanel, w.n, cols);
       });
     }
   });
 }
 
-void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
-  const QuantizedRows xq = quantize_rows(x, x_stride, m, w.k);
-  const auto run = w.format == Format::W8A8 ? quads_run<Format::W8A8> : quads_run<Format::W4A8>;
+void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m,
+                  bool precise) {
+  const QuantizedRows xq = quantize_rows(x, x_stride, m, w.k, precise);
+  using Run = void (*)(const Panels&, const QuantizedRows&, float*, int64_t, int64_t);
+  const Run run = w.format == Format::W8A8
+      ? (precise ? quads_run<Format::W8A8, true> : quads_run<Format::W8A8, false>)
+      : (precise ? quads_run<Format::W4A8, true> : quads_run<Format::W4A8, false>);
   // Blocks of rows as panels_matmul takes them, so a block's rows stay in L2 across panels.
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t rows = ((m + blocks - 1) / blocks + kQuadRows - 1) / kQuadRows * kQuadRows;
+  const int64_t rows = ((m + blocks - 1) / blocks + 11) / 12 * 12;
   for (int64_t m0 = 0; m0 < m; m0 += rows) run(w, xq, y, m0, std::min(rows, m - m0));
 }
 #else
 constexpr bool kInt8Dot = false;
-void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t) {
+void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t, bool) {
   TORCH_CHECK(false, "int8 activations need AVX512-VNNI, which this build does not have");
 }
 #endif
@@ -638,7 +686,8 @@ constexpr int64_t kAmxRows = 49;
 // many_rows: how more than kScratchRows rows multiply quantized weights: "fp32"; "bf16"
 // (AVX512-BF16 dot products); "amx" (from kAmxRows rows, torch's bf16 matmul on AMX tiles). With
 // int8 activations every row count below "amx"'s runs on the int8 dot products.
-torch::Tensor run(const Panels& w, const torch::Tensor& x, const std::string& many_rows) {
+torch::Tensor run(const Panels& w, const torch::Tensor& x, const std::string& many_rows,
+                  bool second_byte = false) {
   const int64_t m = x.size(0);
   TORCH_CHECK(w.n > (w.num_panels - 1) * kPanel && w.n <= w.num_panels * kPanel,
               "linear: ", w.n, " output columns do not fill ", w.num_panels, " panels");
@@ -648,7 +697,8 @@ torch::Tensor run(const Panels& w, const torch::Tensor& x, const std::string& ma
   if (many_rows == "amx" && m >= kAmxRows) return run_bf16_blas(w, x);
   auto y = torch::empty({m, w.n}, x.options());
   if (w.format == Format::W8A8 || w.format == Format::W4A8) {
-    if (m > 0) quads_matmul(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), m);
+    if (m > 0)
+      quads_matmul(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), m, second_byte);
     return y;
   }
   if (m > 0)  // below kAmxRows, "amx" runs as "bf16" where that is built in
@@ -731,20 +781,21 @@ Panels quad_panels(Format format, const torch::Tensor& x, const torch::Tensor& q
 }
 
 torch::Tensor linear_w8a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          const torch::Tensor& sums, int64_t n, const std::string& many_rows) {
+                          const torch::Tensor& sums, int64_t n, const std::string& many_rows,
+                          bool second_byte) {
   Panels w = quad_panels(Format::W8A8, x, q, scale, sums, n, "linear_w8a8");
   w.q8 = q.data_ptr<int8_t>();
-  return run(w, x, many_rows);
+  return run(w, x, many_rows, second_byte);
 }
 
 torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                           const torch::Tensor& min, const torch::Tensor& sums, int64_t n,
-                          const std::string& many_rows) {
+                          const std::string& many_rows, bool second_byte) {
   Panels w = quad_panels(Format::W4A8, x, q, scale, sums, n, "linear_w4a8");
   check_scales(min, w, "linear_w4a8 min");
   w.q4 = q.data_ptr<uint8_t>();
   w.min = min.data_ptr<float>();
-  return run(w, x, many_rows);
+  return run(w, x, many_rows, second_byte);
 }
 
 bool bf16_dot_products() { return kBf16Dot; }

@@ -30,11 +30,14 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
 // int8 and int4 weights with int8 activations, the weights in quads of four k per column: W8A8 q
 // int8 [N / 32, K / 4, 32, 4], W4A8 q uint8 [N / 32, K / 4, 16, 4] (column c low, c + 16 high;
 // w = scale * (q - 8) + min); scales, mins and each group's sum of w [N / 32, K / 32, 32].
+// second_byte: x's remainder in a second byte (about 16 bits of each group's range, twice the
+// dot products).
 torch::Tensor linear_w8a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                          const torch::Tensor& sums, int64_t n, const std::string& many_rows);
+                          const torch::Tensor& sums, int64_t n, const std::string& many_rows,
+                          bool second_byte);
 torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                           const torch::Tensor& min, const torch::Tensor& sums, int64_t n,
-                          const std::string& many_rows);
+                          const std::string& many_rows, bool second_byte);
 // Whether this build has the AVX512-BF16 dot products ("bf16" above), the AVX512-VNNI ones
 // (linear_w8a8, linear_w4a8).
 bool bf16_dot_products();

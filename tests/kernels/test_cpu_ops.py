@@ -86,12 +86,12 @@ def test_bf16_dot_products_round_only_the_inputs(k):
         quantized_linear(k, weight, x, "fp16")
 
 
-def int8_activation_linear(k, weight, x, many_rows="fp32"):
+def int8_activation_linear(k, weight, x, many_rows="fp32", second_byte=False):
     """x W^T through the int8-activation kernel (W8A8 or W4A8) for W (a QuantizedWeight)."""
     w = pack_for_int8_activations(pack_quantized(weight))
     if w.bits == 8:
-        return k.linear_w8a8(x, w.q, w.scale, w.sums, w.n, many_rows)
-    return k.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, many_rows)
+        return k.linear_w8a8(x, w.q, w.scale, w.sums, w.n, many_rows, second_byte)
+    return k.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, many_rows, second_byte)
 
 
 def eight_bits_per_group(x):
@@ -151,6 +151,12 @@ def test_int8_activations_multiply_the_quantized_rows(k, rows, shape):
         level = ((level.amax(-1) - level.amin(-1)) / 255).amax()  # the largest step of x
         torch.testing.assert_close(int8_activation_linear(k, q, x), eight_bits_per_group(x) @ w.t(),
                                    atol=3 * level * w.abs().max() + 1e-4, rtol=1e-4)
+        # With the remainder in a second byte: within 1/254 of a step of x per element.
+        fine = level / 254
+        for exact_or_not, expected, atol in ((exact_x, exact, 1e-5 * exact.abs().max()),
+                                             (x, x @ w.t(), fine * w.abs().sum(1).max() + 1e-4)):
+            torch.testing.assert_close(int8_activation_linear(k, q, exact_or_not, second_byte=True),
+                                       expected, atol=atol, rtol=1e-4)
         # "amx" from 49 rows: torch's bf16 matmul on the weights dequantized from their quads.
         if rows >= 49:
             torch.testing.assert_close(int8_activation_linear(k, q, x, "amx"), x @ w.t(),
@@ -161,17 +167,18 @@ def test_int8_activations_multiply_the_quantized_rows(k, rows, shape):
 def test_int8_activations_name_what_they_refuse(k):
     q = pack_for_int8_activations(pack_quantized(quantize(torch.randn(32, 64), 8)))
     with pytest.raises(RuntimeError, match="int8 quads"):
-        k.linear_w8a8(torch.randn(2, 64), q.q.view(torch.uint8), q.scale, q.sums, 32, "fp32")
+        k.linear_w8a8(torch.randn(2, 64), q.q.view(torch.uint8), q.scale, q.sums, 32, "fp32",
+                      False)
     with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
-        k.linear_w8a8(torch.randn(2, 32), q.q, q.scale, q.sums, 32, "fp32")
+        k.linear_w8a8(torch.randn(2, 32), q.q, q.scale, q.sums, 32, "fp32", False)
     with pytest.raises(RuntimeError, match="linear_w8a8 sums: one fp32 value per 32 weights"):
-        k.linear_w8a8(torch.randn(2, 64), q.q, q.scale, q.sums[:, :1], 32, "fp32")
+        k.linear_w8a8(torch.randn(2, 64), q.q, q.scale, q.sums[:, :1], 32, "fp32", False)
     with pytest.raises(RuntimeError, match="uint8 quads"):
-        k.linear_w4a8(torch.randn(2, 64), q.q, q.scale, q.scale, q.sums, 32, "fp32")
+        k.linear_w4a8(torch.randn(2, 64), q.q, q.scale, q.scale, q.sums, 32, "fp32", False)
     # A NaN in x comes out as NaN (min and max would pass it over), only in its own row.
     x = torch.randn(3, 64)
     x[1, 5] = float("nan")
-    y = k.linear_w8a8(x, q.q, q.scale, q.sums, 32, "fp32")
+    y = k.linear_w8a8(x, q.q, q.scale, q.sums, 32, "fp32", False)
     assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
 
 

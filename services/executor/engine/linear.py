@@ -214,6 +214,8 @@ class QuantizedLinear:
                                "model.quantization: none")
         self.weight = pack_quantized(weight)
         self.int8_activations = int8_activations
+        # x's remainder in a second byte (linear.cpp): not chosen by any setting yet.
+        self.second_byte = False
         if int8_activations:
             self.weight = pack_for_int8_activations(self.weight)
         self.kernels = kernels
@@ -223,8 +225,10 @@ class QuantizedLinear:
         w, k = self.weight, self.kernels
         if self.int8_activations:
             if w.bits == 8:
-                return k.linear_w8a8(x, w.q, w.scale, w.sums, w.n, self.many_rows)
-            return k.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, self.many_rows)
+                return k.linear_w8a8(x, w.q, w.scale, w.sums, w.n, self.many_rows,
+                                     self.second_byte)
+            return k.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, self.many_rows,
+                                 self.second_byte)
         if w.bits == 8:
             return k.linear_int8(x, w.q, w.scale, w.n, self.many_rows)
         return k.linear_int4(x, w.q, w.scale, w.min, w.n, self.many_rows)
