@@ -473,14 +473,13 @@ constexpr int64_t kQuadsPerGroup = kGroup / 4;
 // w4a8's min.
 struct QuantizedRows {
   int64_t k, groups;
-  bool precise;
   std::vector<uint8_t> u, v;
   std::vector<float> scale, rscale, low, xsum;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, bool precise) {
   const int64_t groups = k / kGroup;
-  QuantizedRows r{k, groups, precise, std::vector<uint8_t>(m * k),
+  QuantizedRows r{k, groups, std::vector<uint8_t>(m * k),
                   std::vector<uint8_t>(precise ? m * k : 0), std::vector<float>(m * groups),
                   std::vector<float>(precise ? m * groups : 0), std::vector<float>(m * groups),
                   std::vector<float>(m * groups)};
@@ -503,9 +502,10 @@ QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t
         const __m512 lo = _mm512_set1_ps(low), inv = _mm512_set1_ps(inverse);
         // Rounded to nearest (even), as every fp32 -> int32 conversion here is; clamped in case
         // the rounding of (x - low) * inverse passes 255.
-        const __m512i ua = _mm512_min_epi32(
+        // (Unsigned: a failed conversion, inf, is 0x80000000 and becomes 255, as it is stored.)
+        const __m512i ua = _mm512_min_epu32(
             _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(a, lo), inv)), cap);
-        const __m512i ub = _mm512_min_epi32(
+        const __m512i ub = _mm512_min_epu32(
             _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(b, lo), inv)), cap);
         uint8_t* out = r.u.data() + i * k + g * kGroup;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtusepi32_epi8(ua));
@@ -616,8 +616,10 @@ void quad_tile(const Panels& w, int64_t j, const QuantizedRows& x, int64_t r0, f
 
 template <Format F, bool Precise>
 void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, int64_t m) {
-  // Rows per tile: 4 accumulators a row (int32 and fp32, 2 of each), 6 with the second bytes.
+  // Tiles of 6 rows of 4 accumulators (int32 and fp32, 2 of each); with the second bytes, 4
+  // rows of 6 (4 int32, 2 fp32).
   constexpr int kRows = Precise ? 4 : 6;
+  static_assert(kPanelRows % kRows == 0, "row blocks are whole tiles of either height");
   at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
@@ -637,7 +639,7 @@ void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, i
       : (precise ? quads_run<Format::W4A8, true> : quads_run<Format::W4A8, false>);
   // Blocks of rows as panels_matmul takes them, so a block's rows stay in L2 across panels.
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t rows = ((m + blocks - 1) / blocks + 11) / 12 * 12;
+  const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
   for (int64_t m0 = 0; m0 < m; m0 += rows) run(w, xq, y, m0, std::min(rows, m - m0));
 }
 #else

@@ -31,7 +31,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
 // int8 [N / 32, K / 4, 32, 4], W4A8 q uint8 [N / 32, K / 4, 16, 4] (column c low, c + 16 high;
 // w = scale * (q - 8) + min); scales, mins and each group's sum of w [N / 32, K / 32, 32].
 // second_byte: x's remainder in a second byte (about 16 bits of each group's range, twice the
-// dot products).
+// dot products); not used where many_rows "amx" takes the rows (from 49), which run in bf16.
 torch::Tensor linear_w8a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                           const torch::Tensor& sums, int64_t n, const std::string& many_rows,
                           bool second_byte);

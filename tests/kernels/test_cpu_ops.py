@@ -107,8 +107,8 @@ int8_dots = pytest.mark.skipif(not (cpu_ops.load() and cpu_ops.load().int8_dot_p
                                reason="this CPU has no AVX512-VNNI int8 dot products")
 
 
-# Rows: one, tiles of up to 6 (7 = 3 + 4, 13 = 4 + 4 + 5), 70 ("amx" is BLAS there), 200 (row
-# blocks 72 + 72 + 56). Shapes as above.
+# Rows: one, tiles of up to 6 (7 = 3 + 4, 13 = 4 + 4 + 5; with the second byte up to 4: 6 = 3 +
+# 3, 13 = 3 + 3 + 3 + 4), 70 ("amx" is BLAS there), 200 (row blocks 72 + 72 + 56). Shapes as above.
 @int8_dots
 @pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 70, 200])
 @pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
@@ -151,7 +151,15 @@ def test_int8_activations_multiply_the_quantized_rows(k, rows, shape):
         level = ((level.amax(-1) - level.amin(-1)) / 255).amax()  # the largest step of x
         torch.testing.assert_close(int8_activation_linear(k, q, x), eight_bits_per_group(x) @ w.t(),
                                    atol=3 * level * w.abs().max() + 1e-4, rtol=1e-4)
-        # With the remainder in a second byte: within 1/254 of a step of x per element.
+        # With the remainder in a second byte: exact where x is a level and a sub-level (x = low +
+        # (254 level + sub) 2^e, |sub| <= 120: u = level, v = sub + 128, both exact), and within
+        # 1/254 of a step of x per element for random x.
+        sub = torch.randint(-120, 121, (*groups, 32), generator=gen).float()
+        sub[..., :2] = 0
+        two_byte_x = ((254 * levels + sub + offset) * step).view(rows, shape[1])
+        two_byte = two_byte_x @ w.t()
+        torch.testing.assert_close(int8_activation_linear(k, q, two_byte_x, second_byte=True),
+                                   two_byte, atol=1e-5 * two_byte.abs().max(), rtol=1e-4)
         fine = level / 254
         for exact_or_not, expected, atol in ((exact_x, exact, 1e-5 * exact.abs().max()),
                                              (x, x @ w.t(), fine * w.abs().sum(1).max() + 1e-4)):
@@ -178,8 +186,9 @@ def test_int8_activations_name_what_they_refuse(k):
     # A NaN in x comes out as NaN (min and max would pass it over), only in its own row.
     x = torch.randn(3, 64)
     x[1, 5] = float("nan")
-    y = k.linear_w8a8(x, q.q, q.scale, q.sums, 32, "fp32", False)
-    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    for second_byte in (False, True):
+        y = k.linear_w8a8(x, q.q, q.scale, q.sums, 32, "fp32", second_byte)
+        assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
 
 
 def test_int8_activations_are_chosen_where_they_can_run(k):
