@@ -214,8 +214,6 @@ class QuantizedLinear:
                                "model.quantization: none")
         self.weight = pack_quantized(weight)
         self.int8_activations = int8_activations
-        # x's remainder in a second byte (linear.cpp): not chosen by any setting yet.
-        self.second_byte = False
         if int8_activations:
             self.weight = pack_for_int8_activations(self.weight)
         self.kernels = kernels
@@ -223,12 +221,10 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, k = self.weight, self.kernels
-        if self.int8_activations:
+        if self.int8_activations:  # one byte of x (the kernels' second_byte: no setting yet)
             if w.bits == 8:
-                return k.linear_w8a8(x, w.q, w.scale, w.sums, w.n, self.many_rows,
-                                     self.second_byte)
-            return k.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, self.many_rows,
-                                 self.second_byte)
+                return k.linear_w8a8(x, w.q, w.scale, w.sums, w.n, self.many_rows, False)
+            return k.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, self.many_rows, False)
         if w.bits == 8:
             return k.linear_int8(x, w.q, w.scale, w.n, self.many_rows)
         return k.linear_int4(x, w.q, w.scale, w.min, w.n, self.many_rows)
