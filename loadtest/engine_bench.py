@@ -216,12 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     parser.add_argument("--also-backend", choices=["torch", "triton"],
                         help="also run the first variant on this backend and compare (GPU: torch)")
-    parser.add_argument("--also-dtype", choices=["bfloat16", "float16"],
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        default="auto", help="model.dtype of every variant (default auto: "
+                        "fp32 on a CPU, bf16 on CUDA)")
+    parser.add_argument("--also-dtype", choices=["float32", "bfloat16", "float16"],
                         help="also run the first variant in this model dtype (model.dtype)")
     parser.add_argument("--result-json", default="results/engine_bench.json")
     args = parser.parse_args(argv)
 
     base = {"model.name": args.model, "model.attention_backend": args.attention_backend,
+            "model.dtype": args.dtype,
             "scheduler.batch_level.max_num_seqs": args.max_num_seqs,
             "scheduler.batch_level.max_num_batched_tokens": args.max_num_batched_tokens,
             "kv_cache.enable_prefix_caching": False,

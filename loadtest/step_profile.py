@@ -157,8 +157,8 @@ def main() -> None:
                                        "scheduler.batch_level.max_num_seqs": 128,
                                        "kv_cache.enable_prefix_caching": False}))
         rows = []
-        name = quantization if dtype == "auto" else f"{dtype} {quantization}"
-        print(f"\n{name} (threads: {torch.get_num_threads()})")
+        variant = quantization if dtype == "auto" else f"{dtype} {quantization}"
+        print(f"\n{variant} (threads: {torch.get_num_threads()})")
         for name, decodes, context, prefill in CASES:
             # On the engine's model thread, as the engine runs steps: one OpenMP team.
             row = engine.on_model_thread(run_case, engine, decodes, context, prefill, args.repeats)
@@ -167,7 +167,7 @@ def main() -> None:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in row["parts_ms"].items())
             print(f"  {name:32s} {row['step_ms']:7.1f} ms (profiled {row['profiled_step_ms']:.1f}: "
                   f"{parts})", flush=True)
-        results[name] = rows
+        results[variant] = rows
         del engine
     if args.result_json:
         write_result(args.result_json, "step_profile",

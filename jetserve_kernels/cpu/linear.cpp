@@ -428,8 +428,13 @@ constexpr bool kBf16Dot = false;
 // Past this many rows, x in fp32 FMAs is taken a block of rows at a time, so that the block
 // stays in L2 while every panel passes over it (512 rows of K = 1536 are 3 MB: each panel's pass
 // would wait on L3). A panel is then read once per block; a quantized one dequantized once per
-// block. bf16 dot products take every row at once (below).
+// block. bf16 dot products take larger blocks (below).
 constexpr int64_t kRowBlock = 96;
+// In bf16 dot products, x (as bf16 pairs) is read from L3 for every panel: one byte per 32
+// flops, which keeps up, and a panel is paired once per block, so blocks are as large as keep x
+// within this many bytes, in L3 beside the other cores' (512 rows, SmolLM2's thirty layers:
+// 327 ms in blocks of 96 rows, 299 ms in one, both on one Zen 4).
+constexpr int64_t kBf16BlockBytes = 4 << 20;
 
 // bf16: rows past kScratchRows against quantized weights may multiply in bfloat16.
 void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m,
@@ -443,12 +448,9 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
     run = bf16 ? panels_run_bf16<Format::Int8> : panels_run<Format::Int8>;
   else if (w.format == Format::Int4)
     run = bf16 ? panels_run_bf16<Format::Int4> : panels_run<Format::Int4>;
-  // In bf16 dot products x is half the bytes and each is used twice as fast: read from L3 for
-  // every panel, it still keeps up, and a panel is paired once rather than once per block
-  // (512 rows, SmolLM2's thirty layers: 327 -> 299 ms, both on one Zen 4).
-  if (bf16) return run(w, x, x_stride, y, m);
   // Blocks as even as they can be, in whole register tiles.
-  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t block_rows = bf16 ? std::max(kRowBlock, kBf16BlockBytes / (2 * w.k)) : kRowBlock;
+  const int64_t blocks = (m + block_rows - 1) / block_rows;
   const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
   for (int64_t m0 = 0; m0 < m; m0 += rows)
     run(w, x + m0 * x_stride, x_stride, y + m0 * w.n, std::min(rows, m - m0));
