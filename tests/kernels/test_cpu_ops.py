@@ -70,6 +70,23 @@ def test_linear_over_bf16_panels(k, rows, shape):
         k.linear_bf16(torch.randn(2, 48), pack_panels(torch.randn(32, 48).bfloat16()), 32, "fp32")
 
 
+def test_bf16_dot_products_in_blocks_equal_one_block(k):
+    """Past 4 MB of x as bf16 pairs (here 1,100 rows of K = 4096: three blocks), the rows are
+    taken a block at a time; every row sums in the same order whatever its block, so the result
+    is bit-identical to the rows taken 100 at a time (one block each)."""
+    if not k.bf16_dot_products():
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 4096, generator=gen).bfloat16()
+    panels = pack_panels(torch.nn.functional.pad(weight, (0, 0, 0, -40 % 32)))
+    x = torch.randn(1100, 4096, generator=gen)
+    whole = k.linear_bf16(x, panels, 40, "bf16")
+    assert torch.equal(whole, torch.cat([k.linear_bf16(x[i:i + 100], panels, 40, "bf16")
+                                         for i in range(0, 1100, 100)]))
+    rounded = (x.bfloat16().double() @ weight.double().t()).float()
+    torch.testing.assert_close(whole, rounded, atol=1e-3, rtol=1e-4)
+
+
 def test_bf16_dot_products_round_only_the_inputs(k):
     """The bf16 path's error is the rounding of x and w to bfloat16, nothing more: its result
     equals an fp64 product of the rounded operands to fp32 summation error."""
