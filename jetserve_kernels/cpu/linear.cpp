@@ -372,13 +372,16 @@ void dequant_panel_bf16(const Panels& w, int64_t j, uint32_t* out) {
   }
 }
 
-// y[0 .. MR, 0 .. cols) for one panel of bf16 pairs p against rows of x as bf16 pairs.
-template <int MR>
+// y[0 .. MR, 0 .. cols) for one panel of bf16 pairs p against rows of x as bf16 pairs. Each
+// output is one chain of dot products over k, in order, whatever MR is. Stream: the panel comes
+// from memory (asked for ahead of its use) rather than from a scratch panel in L2.
+template <int MR, bool Stream = false>
 void bf16_tile(const uint32_t* p, int64_t k, const uint32_t* x, int64_t x_stride, float* y,
                int64_t y_stride, int cols) {
   __m512 lo[MR], hi[MR];
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
   for (int64_t t = 0; t < k / 2; ++t) {
+    if constexpr (Stream) request(p + (t + kF32Ahead / 2) * kPanel, kPanel * 4);
     const __m512bh w_lo = reinterpret_cast<__m512bh>(_mm512_loadu_si512(p + t * kPanel));
     const __m512bh w_hi = reinterpret_cast<__m512bh>(_mm512_loadu_si512(p + t * kPanel + 16));
     for (int i = 0; i < MR; ++i) {
@@ -390,20 +393,26 @@ void bf16_tile(const uint32_t* p, int64_t k, const uint32_t* x, int64_t x_stride
   for (int i = 0; i < MR; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
 }
 
-template <Format F>
-void panels_run_bf16(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
-  // x as bf16 pairs, once: row i's pair t is (x[i, 2t], x[i, 2t + 1]).
-  const int64_t pairs = w.k / 2;
-  const auto xb = scratch_of<uint32_t>(m * pairs);
+// Rows of x as bf16 pairs (rounded to nearest even): row i's pair t is (x[i, 2t], x[i, 2t + 1]).
+std::unique_ptr<uint32_t[]> x_pairs(const float* x, int64_t x_stride, int64_t m, int64_t k) {
+  const int64_t pairs = k / 2;
+  auto xb = scratch_of<uint32_t>(m * pairs);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      for (int64_t t = 0; t < w.k; t += kGroup) {
+      for (int64_t t = 0; t < k; t += kGroup) {
         const float* xr = x + i * x_stride + t;
         _mm512_storeu_si512(xb.get() + i * pairs + t / 2,
                             reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
                                 _mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr))));
       }
   });
+  return xb;
+}
+
+template <Format F>
+void panels_run_bf16(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  const int64_t pairs = w.k / 2;
+  const auto xb = x_pairs(x, x_stride, m, w.k);
   at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
     const auto scratch = scratch_of<uint32_t>(pairs * kPanel);
     for (int64_t j = begin; j < end; ++j) {
@@ -417,6 +426,25 @@ void panels_run_bf16(const Panels& w, const float* x, int64_t x_stride, float* y
   });
 }
 constexpr bool kBf16Dot = true;
+
+// A bf16 model's weights, packed as pairs ([N/32, K/2, 32] bf16 pairs, as dequant_panel_bf16
+// makes them), against x rounded to bf16: every row count takes the same dot products, so a
+// row's outputs are the same bits whatever shares its step (one decode or a 512-row prefill).
+// Few rows stream the panels from memory; more take x a block at a time (kBf16BlockBytes).
+void pairs_run(const uint32_t* w, int64_t num_panels, int64_t k, int64_t n, const float* x,
+               int64_t x_stride, float* y, int64_t m) {
+  const int64_t pairs = k / 2;
+  const auto xb = x_pairs(x, x_stride, m, k);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - j * kPanel));
+      for_each_tile(m, [&]<int R>(int64_t m0) {
+        bf16_tile<R, true>(w + j * pairs * kPanel, k, xb.get() + m0 * pairs, pairs,
+                           y + m0 * n + j * kPanel, n, cols);
+      });
+    }
+  });
+}
 #else
 template <Format F>
 void panels_run_bf16(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
@@ -747,6 +775,32 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, i
   Panels w{Format::BF16, panels.size(0), panels.size(1), n};
   w.b16 = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   return run(w, x, many_rows);
+}
+
+torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pairs, int64_t n) {
+  TORCH_CHECK(kBf16Dot, "linear_bf16_pairs needs AVX512-BF16, which this build does not have");
+  TORCH_CHECK(pairs.dim() == 4 && pairs.size(2) == kPanel && pairs.size(3) == 2 &&
+              pairs.is_contiguous() && pairs.scalar_type() == torch::kBFloat16,
+              "linear_bf16_pairs: the weight must be bf16 pairs [N / ", kPanel, ", K / 2, ", kPanel,
+              ", 2]");
+  const int64_t k = 2 * pairs.size(1);
+  TORCH_CHECK(k % kGroup == 0, "linear_bf16_pairs: K must be a multiple of ", kGroup);
+  TORCH_CHECK(n > (pairs.size(0) - 1) * kPanel && n <= pairs.size(0) * kPanel,
+              "linear_bf16_pairs: ", n, " output columns do not fill ", pairs.size(0), " panels");
+  check_x(x, k, "linear_bf16_pairs");
+  const int64_t m = x.size(0);
+  auto y = torch::empty({m, n}, x.options());
+#if defined(__AVX512BF16__)
+  const auto* w = reinterpret_cast<const uint32_t*>(pairs.data_ptr());
+  // Blocks of rows as even as they can be, x (as pairs) within kBf16BlockBytes.
+  const int64_t block_rows = std::max(kRowBlock, kBf16BlockBytes / (2 * k));
+  const int64_t blocks = (m + block_rows - 1) / block_rows;
+  const int64_t rows = blocks ? ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows : 0;
+  for (int64_t m0 = 0; m0 < m; m0 += rows)
+    pairs_run(w, pairs.size(0), k, n, x.data_ptr<float>() + m0 * x.stride(0), x.stride(0),
+              y.data_ptr<float>() + m0 * n, std::min(rows, m - m0));
+#endif
+  return y;
 }
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,

@@ -21,6 +21,7 @@ bool prefill_attention_kernel();
 // [N / 32, K, 16] with scales and mins. n: the output columns (the last panel may be padding).
 // many_rows: "fp32", "bf16" or "amx", how many rows of x multiply quantized weights (linear.cpp).
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels);
+torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pairs, int64_t n);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                           const std::string& many_rows);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,

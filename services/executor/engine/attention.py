@@ -100,18 +100,40 @@ class TorchBackend:
             self.cpu_kernels = cpu_ops.load()
         self.prefill_kernel = (self.cpu_kernels is not None
                                and self.cpu_kernels.prefill_attention_kernel())
+        # A bf16 model on the kernels' bf16 dot products is batch-invariant: its matmuls give a
+        # row the same bits at every row count (linear.py), and each prefill token's attention
+        # runs as the decode kernel would run it, one row of the decode call, rather than in the
+        # prefill kernel's tiles (which sum in another order). A prefix recomputed after a
+        # preemption, or resumed on another executor, then gets the very numbers its decodes
+        # got: bf16 rounds the cache, so a difference in the last bit of fp32 could otherwise
+        # grow into another token.
+        self.batch_invariant = (self.cpu_kernels is not None and dtype == torch.bfloat16
+                                and self.cpu_kernels.bf16_dot_products())
 
     def prepare(self, seqs: list[SeqSlice], slot_mapping: list[int]) -> TorchAttentionMetadata:
         device, bs = self.device, self.block_size
         decodes = [s for s in seqs if s.q_len == 1]
+        as_decodes = [s for s in seqs if s.q_len > 1] if self.batch_invariant else []
         paged = None
-        if self.cpu_kernels is not None and decodes:
-            width = max(len(s.block_table) for s in decodes)
-            paged = PagedDecodes(
-                block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table))
-                                           for s in decodes], dtype=torch.int32),
-                seq_lens=torch.tensor([s.context_len for s in decodes], dtype=torch.int32),
-                q_rows=torch.tensor([s.q_start for s in decodes], dtype=torch.long))
+        if self.cpu_kernels is not None and (decodes or as_decodes):
+            width = max(len(s.block_table) for s in decodes + as_decodes)
+            tables, lens, rows = [], [], []
+            if decodes:
+                tables.append(torch.tensor([s.block_table + [0] * (width - len(s.block_table))
+                                            for s in decodes], dtype=torch.int32))
+                lens.append(torch.tensor([s.context_len for s in decodes], dtype=torch.int32))
+                rows.append(torch.tensor([s.q_start for s in decodes], dtype=torch.long))
+            for s in as_decodes:
+                # Token t attends to positions [0, first + t]. Short and long rows alternate, so
+                # that the contiguous ranges the kernel gives each thread carry equal work.
+                t = torch.arange(s.q_len)
+                t = torch.where(t % 2 == 0, t // 2, s.q_len - 1 - t // 2)
+                table = s.block_table + [0] * (width - len(s.block_table))
+                tables.append(torch.tensor(table, dtype=torch.int32).expand(s.q_len, -1))
+                lens.append((s.context_len - s.q_len + 1 + t).int())
+                rows.append(s.q_start + t)
+            paged = PagedDecodes(block_tables=torch.cat(tables).contiguous(),
+                                 seq_lens=torch.cat(lens), q_rows=torch.cat(rows))
             decodes = []
         decodes.sort(key=lambda s: s.context_len)
         groups = []
@@ -128,7 +150,7 @@ class TorchBackend:
                 key_mask=key_mask[:, None, None, :].to(device)))
         prefills = []
         for s in seqs:
-            if s.q_len == 1:
+            if s.q_len == 1 or self.batch_invariant:
                 continue
             if s.context_len == s.q_len and not self.prefill_kernel:
                 prefills.append(PrefillSlice(s.q_start, s.q_len, None))

@@ -115,6 +115,13 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 W [N, K] as panels of pairs [N / PANEL, K / 2, PANEL, 2]: (w[c, 2t], w[c, 2t + 1])
+    side by side, the two halves of one 32-bit lane of a bf16 dot product."""
+    n, k = weight.shape
+    return weight.reshape(n // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
 @dataclass
 class QuantizedPanels:
     """A QuantizedWeight packed for the kernel: q in panels of 32 output columns (int8 [P, K,
@@ -178,11 +185,27 @@ class DenseLinear:
         # kernels) torch's matmul runs on W as it is.
         self.n = weight.shape[0]
         self.many_rows = None
+        self.pairs = False
         if kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+            if weight.shape[1] % GROUP == 0 and kernels.bf16_dot_products():
+                # bf16 dot products at every row count (AVX512-BF16), x rounded to bf16: a row's
+                # outputs are the same bits whether it is decoded alone or recomputed in a
+                # prefill, so preemption and migration keep a bf16 model's outputs. (Not AMX
+                # through torch's matmul, even where the CPU has it: that rounds its outputs to
+                # bf16 and sums in another order.)
+                self.pairs = True
+                self.kernels = kernels
+                self.weight = pack_pairs(F.pad(weight, (0, 0, 0, -self.n % PANEL)))
+                return
             if weight.shape[1] % GROUP == 0:
-                # More than 8 rows of x multiply in bf16 dot products (or AMX), as quantized
-                # weights do; fewer in fp32 on the widened weights.
-                self.many_rows = many_rows_precision(kernels)
+                # x is rounded to bf16 at every row count (the kernel does it), and more than 8
+                # rows take bf16 dot products with fp32 sums, fewer fp32 FMAs on the widened
+                # weights: the same products, summed in fp32 either way, so a row's numbers do
+                # not depend on its batch beyond the order of fp32 sums (as in an fp32 model).
+                # Not AMX through torch's matmul, even where the CPU has it: that rounds its
+                # outputs to bf16, which a decode step's do not.
+                self.many_rows = ("bf16" if kernels.bf16_dot_products()
+                                  else many_rows_precision(kernels))
                 self.kernels = kernels
                 self.weight = pack_panels(F.pad(weight, (0, 0, 0, -self.n % PANEL)))
                 return
@@ -193,6 +216,8 @@ class DenseLinear:
         self.weight = pack_panels(weight) if fits else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pairs:
+            return self.kernels.linear_bf16_pairs(x, self.weight, self.n)
         if self.many_rows is not None:
             return self.kernels.linear_bf16(x, self.weight, self.n, self.many_rows)
         if self.kernels is not None:
@@ -201,6 +226,8 @@ class DenseLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W (an embedding lookup, for a table tied to the output projection)."""
+        if self.pairs:
+            return self.weight[ids // PANEL, :, ids % PANEL].flatten(1)
         if self.kernels is not None:
             return self.weight[ids // PANEL, :, ids % PANEL]
         return F.embedding(ids, self.weight)
