@@ -108,3 +108,10 @@ def load(root: Path | None = None):
                 log.warning("CPU kernels unavailable, using the slower torch path: %s", exc)
                 _failed = True
         return _module
+
+
+def native_bf16() -> bool:
+    """Whether the kernels multiply bf16 natively here (AVX512-BF16 dot products: Zen 4,
+    Sapphire Rapids and later), which makes bf16 the CPU's default model dtype."""
+    kernels = load()
+    return kernels is not None and kernels.bf16_dot_products()

@@ -1,5 +1,6 @@
-"""model.dtype bfloat16 on a CPU: bf16 weights in the kernels' panels and a bf16 KV cache, fp32
-activations between the ops, served through the same C++ kernels as fp32."""
+"""model.dtype bfloat16 on a CPU (the default where the CPU has native bf16): bf16 weights in
+the kernels' panels and a bf16 KV cache, fp32 activations between the ops, served through the
+same C++ kernels as fp32, batch-invariant where the CPU has AVX512-BF16."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def test_a_bf16_model_runs_on_the_cpu_kernels():
             assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
             for layer in model.layers:
                 for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                    assert linear.weight.dtype == torch.bfloat16 and linear.many_rows is not None
+                    assert linear.weight.dtype == torch.bfloat16
+                    # bf16 dot products at every row count where the CPU has them (pairs).
+                    assert linear.pairs == cpu_ops.native_bf16()
+                    assert linear.pairs or linear.many_rows is not None
                 assert layer.input_norm.dtype == torch.float32  # activations stay fp32
             return await run_requests(engine, [
                 '{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, '
@@ -63,3 +67,50 @@ def test_a_bf16_model_of_odd_shapes_serves(monkeypatch, shape):
     [result] = asyncio.run(run("bfloat16"))
     assert isinstance(result, Completion) and len(result.token_ids) == 6
     assert all(t < model_files.DUMMY_SHAPES["odd"]["vocab_size"] for t in result.token_ids)
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_bf16_prefill_attends_as_its_decodes_would(head_dim):
+    """A bf16 model's backend is batch-invariant: each prefill token's attention output has the
+    bits a decode of that token gets (the prefix a preempted or migrated request recomputes in
+    one prefill matches what it decoded a token at a time), and agrees with SDPA."""
+    from services.executor.engine.attention import SeqSlice, TorchBackend
+
+    backend = TorchBackend(16, torch.device("cpu"), torch.bfloat16)
+    if not backend.batch_invariant:
+        pytest.skip("this CPU has no AVX512-BF16 dot products: a bf16 model is not its default")
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, context, new = 9, 3, 70, 45
+    k_cache = torch.randn(8, 16, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(8, 16, kv_heads, head_dim, generator=gen).bfloat16()
+    table = [6, 2, 7, 0, 4]
+    q = torch.randn(new, heads, head_dim, generator=gen)
+    unused = torch.empty(new, kv_heads, head_dim)  # k, v: already in the cache
+    first = context - new
+    meta = backend.prepare([SeqSlice(0, new, context, table)], [0] * new)
+    together = backend.attention(q, unused, unused, k_cache, v_cache, 0.125, meta)
+    for t in range(new):
+        meta = backend.prepare([SeqSlice(0, 1, first + t + 1, table)], [0])
+        alone = backend.attention(q[t:t + 1], unused, unused, k_cache, v_cache, 0.125, meta)
+        assert torch.equal(alone[0], together[t]), f"token {t}"
+    keys = k_cache[table].flatten(0, 1).float().transpose(0, 1)  # [KVH, positions, D]
+    values = v_cache[table].flatten(0, 1).float().transpose(0, 1)
+    mask = torch.arange(len(table) * 16)[None, :] <= first + torch.arange(new)[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=mask, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(together, expected.transpose(0, 1), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
+def test_the_cpu_default_dtype_is_bf16_where_the_cpu_has_native_bf16():
+    from services.executor.engine.llm_engine import _pick_dtype
+
+    cpu = torch.device("cpu")
+    native = torch.bfloat16 if cpu_ops.native_bf16() else torch.float32
+    assert _pick_dtype(engine_config({}), cpu) == native
+    # Quantized weights keep fp32 around them; an explicit dtype is taken as it is; CUDA: bf16.
+    assert _pick_dtype(engine_config({"model.quantization": "int8"}), cpu) == torch.float32
+    assert _pick_dtype(engine_config({"model.dtype": "float32"}), cpu) == torch.float32
+    assert _pick_dtype(engine_config({"model.dtype": "bfloat16"}), cpu) == torch.bfloat16
+    assert _pick_dtype(engine_config({}), torch.device("cuda")) == torch.bfloat16

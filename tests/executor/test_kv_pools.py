@@ -112,9 +112,10 @@ def test_the_engine_splits_the_memory_and_picks_the_pool_by_priority():
     two = Engine(tiny_config({"kv_cache.num_blocks": 200, "kv_cache.compress_below_priority": 5,
                               "kv_cache.compressed_fraction": 0.25}))
     try:
+        # The model's dtype: fp32, or bf16 where the CPU has native bf16 (model.dtype auto).
         head_dim = one.model_config.head_dim
-        int8_per_fp32 = 4 * head_dim / kv_int8.row_bytes(head_dim)
-        assert two.pool_sizes == [150, int(50 * int8_per_fp32)]
+        int8_per_model_row = one.dtype.itemsize * head_dim / kv_int8.row_bytes(head_dim)
+        assert two.pool_sizes == [150, int(50 * int8_per_model_row)]
         assert [two.kv_pool_of(p) for p in (0, 4, 5, 10)] == [1, 1, 0, 0]
         assert [one.kv_pool_of(p) for p in (0, 10)] == [0, 0]
         assert len(two.runner.kv_pools) == 2 and two.runner.kv_pools[1][0][0].dtype.is_signed

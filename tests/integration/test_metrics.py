@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jetserve_kernels.cpu_ops import native_bf16
 from services.stack import free_port
 from shared.bus import discover
 from shared.client import JetserveClient
@@ -67,8 +68,10 @@ async def test_every_service_serves_metrics_that_follow_the_load(tmp_path):
         # The caches fill as the three decode: the scrape lies between the stats around it.
         usage = value(executor, "jetserve:kv_cache_usage_perc", **labels)
         assert 0 < stats["kv_usage"] - 1e-4 <= usage <= after["kv_usage"] + 1e-4 < 1
-        assert [p["dtype"] for p in after["kv_pools"]] == ["float32", "int8"]
-        assert value(executor, "jetserve:kv_pool_usage_perc", pool="float32", **labels) == 0
+        # The first pool holds the model's dtype: bf16 where the CPU has native bf16, else fp32.
+        model_dtype = "bfloat16" if native_bf16() else "float32"
+        assert [p["dtype"] for p in after["kv_pools"]] == [model_dtype, "int8"]
+        assert value(executor, "jetserve:kv_pool_usage_perc", pool=model_dtype, **labels) == 0
         assert value(executor, "jetserve:kv_pool_usage_perc", pool="int8", **labels) > usage
         for i in range(3):
             await client.cancel(f"long-{i}")

@@ -103,6 +103,31 @@ def test_bf16_dot_products_round_only_the_inputs(k):
         quantized_linear(k, weight, x, "fp16")
 
 
+@pytest.mark.parametrize("shape", [(576, 1536), (40, 96), (49153, 64)])
+def test_bf16_pairs_give_a_row_the_same_bits_at_every_row_count(k, shape):
+    """A bf16 model's weights as pairs (DenseLinear on a CPU with AVX512-BF16): every row count,
+    one decode or a 300-row prefill, takes the same dot products, so each row's outputs are
+    bit-identical however the rows are split; and the error is the rounding of x and w to bf16."""
+    if not k.bf16_dot_products():
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    from services.executor.engine.linear import DenseLinear
+
+    gen = torch.Generator().manual_seed(shape[0])
+    weight = (0.05 * torch.randn(shape, generator=gen)).bfloat16()
+    linear = DenseLinear(weight, k)
+    assert linear.pairs
+    x = torch.randn(300, shape[1], generator=gen)
+    whole = linear(x)
+    assert torch.equal(whole[:20], torch.cat([linear(x[i:i + 1]) for i in range(20)]))
+    assert torch.equal(whole, torch.cat([linear(x[:3]), linear(x[3:11]), linear(x[11:])]))
+    rounded = (x.bfloat16().double() @ weight.double().t()).float()
+    torch.testing.assert_close(whole, rounded, atol=1e-4, rtol=1e-4)
+    ids = torch.tensor([0, 1, 31, 32, shape[0] - 1])
+    assert torch.equal(linear.rows(ids), weight[ids])  # a tied embedding's lookup
+    with pytest.raises(RuntimeError, match="x has 8 columns"):
+        linear(torch.randn(2, 8))
+
+
 def int8_activation_linear(k, weight, x, many_rows="fp32", second_byte=False):
     """x W^T through the int8-activation kernel (W8A8 or W4A8) for W (a QuantizedWeight)."""
     w = pack_for_int8_activations(pack_quantized(weight))

@@ -107,8 +107,9 @@ def test_engine_with_an_int8_or_bf16_cache_holds_more_blocks_and_serves():
     from shared.protocol import Completion
 
     async def blocks_and_tokens(dtype: str):
+        # An fp32 model (model.dtype auto is bf16 on a CPU with native bf16).
         engine = Engine(engine_config({"model.name": "dummy:tiny", "kv_cache.cpu_cache_gib": 0.001,
-                                       "kv_cache.dtype": dtype}))
+                                       "model.dtype": "float32", "kv_cache.dtype": dtype}))
         try:
             results = await run_requests(engine, [
                 '{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, '

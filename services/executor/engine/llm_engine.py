@@ -80,8 +80,21 @@ def _pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     import torch
 
     if config.model.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if _native_bf16(config) else torch.float32
     return getattr(torch, config.model.dtype)
+
+
+def _native_bf16(config: EngineConfig) -> bool:
+    """Whether `model.dtype: auto` on a CPU is bf16: where the CPU kernels run with AVX512-BF16
+    dot products (Zen 4, Sapphire Rapids and later), for weights that are not quantized.
+    Elsewhere fp32: without the dot products bf16 weights would be widened for every row."""
+    if config.model.quantization != "none" or config.model.attention_backend == "triton":
+        return False
+    from jetserve_kernels.cpu_ops import native_bf16
+
+    return native_bf16()
 
 
 def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype):
