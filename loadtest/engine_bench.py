@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run the first variant on this backend and compare (GPU: torch)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         default="auto", help="model.dtype of every variant (default auto: "
-                        "fp32 on a CPU, bf16 on CUDA)")
+                        "bf16 on CUDA and on a CPU with native bf16 for unquantized weights, "
+                        "else fp32)")
     parser.add_argument("--also-dtype", choices=["float32", "bfloat16", "float16"],
                         help="also run the first variant in this model dtype (model.dtype)")
     parser.add_argument("--result-json", default="results/engine_bench.json")

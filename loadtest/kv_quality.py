@@ -1,5 +1,5 @@
 """What a compressed KV cache buys and costs on the real engine. Three configurations: the
-model's own dtype (`auto`, fp32 on a CPU), `kv_cache.dtype: int8`, and `mixed`
+model's own dtype (`auto`: fp32, or bf16 on a CPU with native bf16), `kv_cache.dtype: int8`, and `mixed`
 (`kv_cache.compress_below_priority: 5`: half the KV memory an int8 pool for the requests under
 priority 5, half the model's dtype for the others; the requests alternate priority 9 and 1).
 
@@ -8,7 +8,7 @@ priority 5, half the model's dtype for the others; the requests alternate priori
   most that ran at the same time, sampled every 5 ms (the scheduler admits on the blocks a prompt
   needs now, so it overcommits), and the preemptions that followed.
 - **Agreement**: greedy tokens on loadtest.quant_quality's 32 prompts, `--max-tokens` each,
-  against the fp32 cache's (the share of each output before the first differing token, and the
+  against the model's own cache's (fp32 or bf16; the share of each output before the first differing token, and the
   identical outputs); for `mixed`, per priority too.
 - **Throughput**: output tokens/s of that agreement run (32 requests at once, short contexts),
   and of `--batch-requests` requests of `--batch-prompt` random tokens and `--batch-max-tokens`

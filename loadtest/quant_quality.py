@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     text = TEXT.read_text()
     base = {"model.name": args.model, "scheduler.batch_level.max_num_seqs": 32,
             "kv_cache.enable_prefix_caching": False}
-    reference = greedy_outputs(engine_config(base), args.max_tokens)
+    # The fp32 model (model.dtype auto is bf16 on a CPU with native bf16).
+    reference = greedy_outputs(engine_config({**base, "model.dtype": "float32"}), args.max_tokens)
     fp32_model, tokenizer = load_model(args.model, "none")
     windows = held_out_windows(tokenizer)
     results = {}

@@ -132,8 +132,9 @@ def parse(argv=None):
     parser.add_argument("--requests", type=int, default=64, help="per rate")
     parser.add_argument("--input-len-range", type=int, nargs=2, default=[64, 256])
     parser.add_argument("--output-len-range", type=int, nargs=2, default=[32, 64])
-    parser.add_argument("--vllm-dtype", default="float32",
-                        help="vLLM's dtype (jetserve's CPU default is float32)")
+    parser.add_argument("--vllm-dtype", default=None,
+                        help="vLLM's dtype (default: jetserve's on this CPU, bfloat16 where the "
+                             "CPU has native bf16, else float32)")
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--vllm-log", default="results/vllm_serve.log")
     parser.add_argument("--skip-jetserve", action="store_true")
@@ -142,6 +143,10 @@ def parse(argv=None):
     args = parser.parse_args(argv)
     if args.model != SERVED_NAME:
         parser.error("both servers serve the default model here (SmolLM2-135M-Instruct)")
+    if args.vllm_dtype is None:
+        from jetserve_kernels.cpu_ops import native_bf16
+
+        args.vllm_dtype = "bfloat16" if native_bf16() else "float32"
     return args
 
 

@@ -54,8 +54,11 @@ inline Rows check_attention_args(const char* op, const torch::Tensor& q,
               v_cache.scalar_type() == type,
               op, ": fp32 queries over an fp32, bf16 or int8 cache");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), op, ": q's heads must be packed");
+  // A block table's rows are contiguous; they may repeat one row (stride 0: a prefill's tokens
+  // run as decodes of one sequence).
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() &&
-              block_table.is_contiguous(), op, ": cache, out and block tables must be contiguous");
+              block_table.stride(-1) == 1 && block_table.scalar_type() == torch::kInt32, op,
+              ": cache and out must be contiguous, block tables int32 with contiguous rows");
   const bool int8 = kind == Rows::Int8;
   TORCH_CHECK(q.size(2) > 0 && k_cache.size(3) == (int8 ? int8_row_bytes(q.size(2)) : q.size(2)) &&
               (!int8 || q.size(2) % int8_group(q.size(2)) == 0), op, ": cache rows of ",

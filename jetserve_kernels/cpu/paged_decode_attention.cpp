@@ -179,7 +179,7 @@ void paged_decode_attention(
     const torch::Tensor& k_cache,       // [num_blocks, block_size, num_kv_heads, row]: row is
                                         // head_dim fp32 or bf16, or int8 codes + scales, offsets
     const torch::Tensor& v_cache,       // same
-    const torch::Tensor& block_tables,  // int32 [num_seqs, max_blocks]
+    const torch::Tensor& block_tables,  // int32 [num_seqs, max_blocks] (rows may repeat: stride 0)
     const torch::Tensor& seq_lens,      // int32 [num_seqs], keys to attend, the new one included
     const torch::Tensor& q_rows,        // int64 [num_seqs], the row of q holding each query
     torch::Tensor& out,                 // [num_tokens, num_heads, head_dim]
@@ -192,7 +192,7 @@ void paged_decode_attention(
   const int64_t block_size = k_cache.size(1);
   const int64_t num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
-  const int64_t max_blocks = block_tables.size(1);
+  const int64_t table_stride = block_tables.stride(0);
 
   const float* q_ptr = q.data_ptr<float>();
   const char* k_ptr = static_cast<const char*>(k_cache.data_ptr());
@@ -218,7 +218,7 @@ void paged_decode_attention(
         const int64_t h = kv * group;  // the group's first query head
         const float* qh = q_ptr + rows[seq] * q_stride + h * head_dim;
         float* o = out_ptr + rows[seq] * num_heads * head_dim + h * head_dim;
-        const int32_t* table = tables + seq * max_blocks;
+        const int32_t* table = tables + seq * table_stride;
         const RowCursor keys{k_ptr + kv * row_bytes, table, block_size, token_stride};
         const RowCursor values{v_ptr + kv * row_bytes, table, block_size, token_stride};
         float* sc = scores.data();
@@ -249,7 +249,7 @@ void paged_decode_attention(
     std::vector<float> row(num_kv_heads * head_dim);  // one position's rows, as fp32
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = lens[seq];
-      const int32_t* table = tables + seq * max_blocks;
+      const int32_t* table = tables + seq * table_stride;
       const float* q_row = q_ptr + rows[seq] * q_stride;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) query[i] = q_row[i] * fscale;
       scores.resize(num_heads * len);

@@ -53,8 +53,10 @@ async def test_quantized_engine_answers_and_agrees_with_fp32(mode, activations):
                                 temperature=0.0) for q in questions]
     outputs = {}
     for name in ("none", mode):
+        # fp32 around the weights, "none" included (model.dtype auto can be bf16 for it).
         engine = Engine(engine_config({"scheduler.batch_level.max_num_seqs": 8,
                                        "kv_cache.num_blocks": 64, "model.quantization": name,
+                                       "model.dtype": "float32",
                                        "model.quantized_activations": activations}))
         try:
             outputs[name] = await generate_all(engine, requests)

@@ -51,6 +51,10 @@ class PrefillSlice:
     # to the fresh K/V only
     block_ids: torch.Tensor | None
     first_pos: int = 0  # position of the first new token (tokens before it are cached)
+    # With a batch-invariant backend, the tokens as rows of the decode kernel: each one's
+    # context length (int32) and row of q (int64).
+    decode_lens: torch.Tensor | None = None
+    decode_rows: torch.Tensor | None = None
     _mask: torch.Tensor | None = None
 
     def mask(self, block_size: int) -> torch.Tensor:
@@ -113,27 +117,14 @@ class TorchBackend:
     def prepare(self, seqs: list[SeqSlice], slot_mapping: list[int]) -> TorchAttentionMetadata:
         device, bs = self.device, self.block_size
         decodes = [s for s in seqs if s.q_len == 1]
-        as_decodes = [s for s in seqs if s.q_len > 1] if self.batch_invariant else []
         paged = None
-        if self.cpu_kernels is not None and (decodes or as_decodes):
-            width = max(len(s.block_table) for s in decodes + as_decodes)
-            tables, lens, rows = [], [], []
-            if decodes:
-                tables.append(torch.tensor([s.block_table + [0] * (width - len(s.block_table))
-                                            for s in decodes], dtype=torch.int32))
-                lens.append(torch.tensor([s.context_len for s in decodes], dtype=torch.int32))
-                rows.append(torch.tensor([s.q_start for s in decodes], dtype=torch.long))
-            for s in as_decodes:
-                # Token t attends to positions [0, first + t]. Short and long rows alternate, so
-                # that the contiguous ranges the kernel gives each thread carry equal work.
-                t = torch.arange(s.q_len)
-                t = torch.where(t % 2 == 0, t // 2, s.q_len - 1 - t // 2)
-                table = s.block_table + [0] * (width - len(s.block_table))
-                tables.append(torch.tensor(table, dtype=torch.int32).expand(s.q_len, -1))
-                lens.append((s.context_len - s.q_len + 1 + t).int())
-                rows.append(s.q_start + t)
-            paged = PagedDecodes(block_tables=torch.cat(tables).contiguous(),
-                                 seq_lens=torch.cat(lens), q_rows=torch.cat(rows))
+        if self.cpu_kernels is not None and decodes:
+            width = max(len(s.block_table) for s in decodes)
+            paged = PagedDecodes(
+                block_tables=torch.tensor([s.block_table + [0] * (width - len(s.block_table))
+                                           for s in decodes], dtype=torch.int32),
+                seq_lens=torch.tensor([s.context_len for s in decodes], dtype=torch.int32),
+                q_rows=torch.tensor([s.q_start for s in decodes], dtype=torch.long))
             decodes = []
         decodes.sort(key=lambda s: s.context_len)
         groups = []
@@ -150,9 +141,9 @@ class TorchBackend:
                 key_mask=key_mask[:, None, None, :].to(device)))
         prefills = []
         for s in seqs:
-            if s.q_len == 1 or self.batch_invariant:
+            if s.q_len == 1:
                 continue
-            if s.context_len == s.q_len and not self.prefill_kernel:
+            if s.context_len == s.q_len and not self.prefill_kernel and not self.batch_invariant:
                 prefills.append(PrefillSlice(s.q_start, s.q_len, None))
                 continue
             num_blocks = -(-s.context_len // bs)
@@ -160,6 +151,14 @@ class TorchBackend:
                 s.q_start, s.q_len,
                 torch.tensor(s.block_table[:num_blocks], dtype=torch.int32, device=device),
                 first_pos=s.context_len - s.q_len))
+            if self.batch_invariant:
+                # Token t attends to positions [0, first_pos + t]. Short and long rows
+                # alternate, so that the contiguous ranges the kernel gives each thread carry
+                # equal work.
+                t = torch.arange(s.q_len)
+                t = torch.where(t % 2 == 0, t // 2, s.q_len - 1 - t // 2)
+                prefills[-1].decode_lens = (s.context_len - s.q_len + 1 + t).int()
+                prefills[-1].decode_rows = s.q_start + t
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_groups=groups, paged_decodes=paged, prefills=prefills)
@@ -222,6 +221,12 @@ class TorchBackend:
                                                enable_gqa=True)
             out[group.q_index] = o.squeeze(2)
         prefills = meta.prefills
+        if self.batch_invariant and q.shape[2] in (64, 128):
+            for p in prefills:  # each token a decode: the slice's block table, repeated
+                self.cpu_kernels.paged_decode_attention(
+                    q, k_cache, v_cache, p.block_ids.expand(p.q_len, -1), p.decode_lens,
+                    p.decode_rows, out, scale)
+            prefills = []
         if self.prefill_kernel and q.shape[2] in (64, 128):
             for p in prefills:
                 self.cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, p.block_ids,

@@ -198,14 +198,10 @@ class DenseLinear:
                 self.weight = pack_pairs(F.pad(weight, (0, 0, 0, -self.n % PANEL)))
                 return
             if weight.shape[1] % GROUP == 0:
-                # x is rounded to bf16 at every row count (the kernel does it), and more than 8
-                # rows take bf16 dot products with fp32 sums, fewer fp32 FMAs on the widened
-                # weights: the same products, summed in fp32 either way, so a row's numbers do
-                # not depend on its batch beyond the order of fp32 sums (as in an fp32 model).
-                # Not AMX through torch's matmul, even where the CPU has it: that rounds its
-                # outputs to bf16, which a decode step's do not.
-                self.many_rows = ("bf16" if kernels.bf16_dot_products()
-                                  else many_rows_precision(kernels))
+                # Without AVX512-BF16 (an explicit model.dtype bfloat16): up to 8 rows multiply
+                # fp32 x by the widened weights, more as quantized weights do (many_rows: AMX
+                # from 49 rows, else fp32). Not batch-invariant.
+                self.many_rows = many_rows_precision(kernels)
                 self.kernels = kernels
                 self.weight = pack_panels(F.pad(weight, (0, 0, 0, -self.n % PANEL)))
                 return
