@@ -1,7 +1,8 @@
 """The CPU attention kernels on their own: decode batches and prefill chunks over a paged KV
 cache (fp32, or `--kv-dtype` bf16 or int8: jetserve_kernels/kv_int8.py) for every layer of a
 model (a cache per layer, blocks scattered, so it streams from memory as in the engine), against
-SDPA over the gathered blocks, as the torch backend runs without the kernels. The median of `--repeats` runs, in ms for all the layers.
+SDPA over the gathered blocks, as the torch backend runs without the kernels; a prefill also as
+a batch-invariant bf16 model runs it (each token a row of the decode kernel, "as decodes"). The median of `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.attention_bench --decode 1:300 8:256 64:256 128:300 \
         --prefill 40:0 384:0 200:300 --result-json results/attention_bench.json
@@ -118,8 +119,18 @@ def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int,
                                            values.unsqueeze(0).transpose(1, 2), attn_mask=mask,
                                            scale=scale, enable_gqa=True)
 
+    # As a batch-invariant (bf16) model runs a prefill: each token a row of the decode kernel.
+    t = torch.arange(tokens)
+    t = torch.where(t % 2 == 0, t // 2, tokens - 1 - t // 2)
+    lens, rows = (cached + 1 + t).int(), t
+
+    def as_decodes():
+        for layer in range(layers):
+            kernels.paged_decode_attention(q, caches.k[layer], caches.v[layer],
+                                           table.expand(tokens, -1), lens, rows, out, scale)
+
     row = {"tokens": tokens, "cached": cached, "kernel_ms": median_ms(kernel, repeats),
-           "sdpa_ms": median_ms(sdpa, repeats)}
+           "as_decodes_ms": median_ms(as_decodes, repeats), "sdpa_ms": median_ms(sdpa, repeats)}
     flops = 4 * heads * dim * (tokens * cached + tokens * (tokens + 1) / 2) * layers
     row["kernel_gflop_per_s"] = flops / row["kernel_ms"] / 1e6
     return row
@@ -152,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         row = prefill_point(kernels, shape, tokens, cached, args.repeats, args.kv_dtype)
         prefills.append(row)
         print(f"  prefill {tokens:4d} after {cached:5d}: kernel {row['kernel_ms']:8.1f} "
-              f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  SDPA {row['sdpa_ms']:8.1f}", flush=True)
+              f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  as decodes {row['as_decodes_ms']:8.1f}"
+              f"  SDPA {row['sdpa_ms']:8.1f}", flush=True)
     write_result(args.result_json, "attention_bench", shape=args.shape, kv_dtype=args.kv_dtype,
                  threads=torch.get_num_threads(), decode=decodes, prefill=prefills)
     return 0

@@ -2,7 +2,9 @@
 so they stream from memory as in the engine) at a range of row counts, for packed fp32, int8 and
 int4 weights (fp32, and bfloat16 for many rows where the CPU has it; with int8 activations, W8A8
 and W4A8, where it has AVX512-VNNI, and the same with x's remainder in a second byte, "a8x2"),
-beside torch's own fp32 matmul (BLAS) on the same shapes.
+and bf16 weights (a bf16 model's: "bf16_pairs", bf16 dot products at every row count, where the
+CPU has AVX512-BF16; "bf16_panels", widened to fp32 up to 8 rows, as without it), beside torch's
+own fp32 matmul (BLAS) on the same shapes.
 The best of `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.linear_bench --rows 1 8 40 128 512 --result-json results/linear_bench.json
@@ -18,8 +20,8 @@ import torch.nn.functional as F
 
 from jetserve_kernels import cpu_ops
 from loadtest.metrics import write_result
-from services.executor.engine.linear import (pack_for_int8_activations, pack_panels,
-                                             pack_quantized, quantize)
+from services.executor.engine.linear import (pack_for_int8_activations, pack_pairs,
+                                             pack_panels, pack_quantized, quantize)
 from shared.model_files import DUMMY_SHAPES
 
 
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     int8_activations = kernels.int8_dot_products()
     quads = {bits: [pack_for_int8_activations(w) for w in quantized[bits]]
              for bits in (8, 4)} if int8_activations else {}
+    bf16_panels = [pack_panels(w.bfloat16()) for w in dense]
+    bf16_pairs = [pack_pairs(w.bfloat16()) for w in dense] if kernels.bf16_dot_products() else []
 
     def run_int8_activations(bits: int, xs: dict, second_byte: bool = False):
         for w in quads[bits]:
@@ -100,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"w{bits}a8"] = best_ms(lambda: run_int8_activations(bits, xs), args.repeats)
                 row[f"w{bits}a8x2"] = best_ms(lambda: run_int8_activations(bits, xs, True),
                                               args.repeats)
+        row["bf16_panels"] = best_ms(
+            lambda: [kernels.linear_bf16(xs[p.shape[1]], p, p.shape[0] * 32, precisions[-1])
+                     for p in bf16_panels], args.repeats)
+        if bf16_pairs:
+            row["bf16_pairs"] = best_ms(
+                lambda: [kernels.linear_bf16_pairs(xs[2 * p.shape[1]], p, p.shape[0] * 32)
+                         for p in bf16_pairs], args.repeats)
         flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
         row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
         results.append(row)
