@@ -1,5 +1,6 @@
 """Engine throughput against Hugging Face static batching, over a sweep of request counts, and
-single-stream latency, for fp32 and each weight quantization, in one run.
+single-stream latency, for the default dtype (fp32, or bf16 on a CPU with native bf16) and each
+weight quantization, in one run.
 
 The workload at each sweep point: N requests at t=0, prompt lengths uniform in [16, 512], output
 lengths uniform in [16, 256] with `ignore_eos`, random token ids (`datasets.engine_workload`). The
@@ -67,7 +68,8 @@ def on_own_thread(fn, *args):
 
 
 def matmul_flops_per_s(n: int = 2048, repeats: int = 10) -> float:
-    """A dense matmul's FLOP/s on the engine's device and dtype (fp32 CPU, bf16 GPU)."""
+    """A dense fp32 matmul's FLOP/s on a CPU, bf16 on a GPU: the roofline every variant is set
+    against (a bf16 engine on a CPU can pass 100 % of it)."""
     cuda = torch.cuda.is_available()
     n = 8192 if cuda else n
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="request counts, one workload each (default: 128)")
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "int8", "int4", "auto"],
-                        help="one engine variant per value (default: none, fp32)")
+                        help="one engine variant per value (default: none, the model's dtype)")
     parser.add_argument("--quantized-activations", nargs="+",
                         default=[EngineConfig().model.quantized_activations],
                         choices=["auto", "float32", "int8"],

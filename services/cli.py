@@ -27,7 +27,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                         default=defaults.model.dtype,
                         help="model.dtype (default auto: bf16 on a GPU, and on a CPU with native "
-                             "bf16 (AVX512-BF16) for unquantized weights; else fp32). bf16 on a "
+                             "bf16 (AVX512-BF16) with quantization none; else fp32). bf16 on a "
                              "CPU: bf16 weights and KV, fp32 activations")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="run scheduling and output processing between steps, not beside them")

@@ -62,8 +62,8 @@ class NatsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str = DEFAULT_MODEL  # a name, a GGUF path, an HF directory, dummy:<shape>, sim:<profile>
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # auto: bf16 on a GPU, and on a CPU with native bf16 (AVX512-BF16) when the weights are not
-    # quantized; else fp32 (docs/operations.md, `model.dtype`).
+    # auto: bf16 on a GPU, and on a CPU with native bf16 (AVX512-BF16) with `quantization: none`;
+    # else fp32 (docs/operations.md, `model.dtype`).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Weight-only quantization of the matmuls on a CPU (services/executor/engine/linear.py):
     # none, int8, int4, or auto (a GGUF's own blocks: Q4_x stays int4, Q8_0 int8; none otherwise).

@@ -70,7 +70,7 @@ def test_a_bf16_model_of_odd_shapes_serves(monkeypatch, shape):
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])  # 64, 128: AVX-512 paths; else portable
 def test_a_bf16_prefill_attends_as_its_decodes_would(head_dim):
     """A bf16 model's backend is batch-invariant: each prefill token's attention output has the
     bits a decode of that token gets (the prefix a preempted or migrated request recomputes in

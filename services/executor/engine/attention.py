@@ -221,8 +221,10 @@ class TorchBackend:
                                                enable_gqa=True)
             out[group.q_index] = o.squeeze(2)
         prefills = meta.prefills
-        if self.batch_invariant and q.shape[2] in (64, 128):
-            for p in prefills:  # each token a decode: the slice's block table, repeated
+        if self.batch_invariant:
+            # Each token a decode (at any head_dim: the decode kernel's portable path too), the
+            # slice's block table repeated.
+            for p in prefills:
                 self.cpu_kernels.paged_decode_attention(
                     q, k_cache, v_cache, p.block_ids.expand(p.q_len, -1), p.decode_lens,
                     p.decode_rows, out, scale)

@@ -88,7 +88,7 @@ def _pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 def _native_bf16(config: EngineConfig) -> bool:
     """Whether `model.dtype: auto` on a CPU is bf16: where the CPU kernels run with AVX512-BF16
-    dot products (Zen 4, Sapphire Rapids and later), for weights that are not quantized.
+    dot products (Zen 4, Sapphire Rapids and later), with `model.quantization: none`.
     Elsewhere fp32: without the dot products bf16 weights would be widened for every row."""
     if config.model.quantization != "none" or config.model.attention_backend == "triton":
         return False
