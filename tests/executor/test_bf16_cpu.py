@@ -114,3 +114,64 @@ def test_the_cpu_default_dtype_is_bf16_where_the_cpu_has_native_bf16():
     assert _pick_dtype(engine_config({"model.dtype": "float32"}), cpu) == torch.float32
     assert _pick_dtype(engine_config({"model.dtype": "bfloat16"}), cpu) == torch.bfloat16
     assert _pick_dtype(engine_config({}), torch.device("cuda")) == torch.bfloat16
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_a_bf16_models_logits_do_not_depend_on_the_step(monkeypatch, kv_dtype):
+    """The whole bf16 model, batch-invariant to the bit: a prompt's last logits are the same
+    prefilled alone, beside another prompt, in two chunks, with its last token decoded (alone
+    and beside another's decode), and decoded a token at a time from the start."""
+    if not cpu_ops.native_bf16():
+        pytest.skip("this CPU has no AVX512-BF16 dot products: a bf16 model is not invariant")
+    from services.executor.engine.attention import SeqSlice, TorchBackend
+    from services.executor.engine.model import KvSegment, LlamaModel
+    from services.executor.engine.model_runner import kv_cache_row
+    from services.executor.engine.weights import load_model_files
+    from shared import model_files
+
+    monkeypatch.setitem(model_files.DUMMY_SHAPES, "mini", dict(
+        hidden_size=256, intermediate_size=512, num_layers=3, num_heads=4, num_kv_heads=2,
+        head_dim=64, vocab_size=1000, max_position=1024, tie_word_embeddings=True))
+    cpu, block = torch.device("cpu"), 16
+    torch.manual_seed(0)
+    config, weights, _ = load_model_files("dummy:mini", cpu, torch.bfloat16)
+    backend = TorchBackend(block, cpu, torch.bfloat16)
+    model = LlamaModel(config, weights, backend, 1024)
+    a = torch.randint(0, 1000, (40,)).tolist()
+    b = torch.randint(0, 1000, (23,)).tolist()
+    tables = {"a": [5, 0, 3], "b": [10, 11]}
+
+    def caches():
+        shape = (16, block, config.num_kv_heads, kv_cache_row(config, kv_dtype))
+        return [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+                for _ in range(config.num_layers)]
+
+    def step(kv, parts):
+        """One step of (sequence, its tokens, their first position): each part's last logits."""
+        ids, positions, slots, slices, last = [], [], [], [], []
+        for name, tokens, start in parts:
+            table = tables[name]
+            slices.append(SeqSlice(len(ids), len(tokens), start + len(tokens), table))
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            slots += [table[p // block] * block + p % block
+                      for p in range(start, start + len(tokens))]
+            last.append(len(ids) - 1)
+        meta = backend.prepare(slices, slots)
+        return model.forward(torch.tensor(ids), torch.tensor(positions),
+                             [KvSegment(meta, kv)], torch.tensor(last))
+
+    alone = step(caches(), [("a", a, 0)])[0]
+    kv = caches()
+    assert torch.equal(step(kv, [("b", b, 0), ("a", a, 0)])[1], alone)
+    kv = caches()
+    step(kv, [("a", a[:16], 0)])
+    assert torch.equal(step(kv, [("a", a[16:], 16)])[0], alone)  # two chunks
+    kv = caches()
+    step(kv, [("a", a[:39], 0), ("b", b, 0)])
+    assert torch.equal(step(kv, [("b", b[:1], 23), ("a", a[39:], 39)])[1], alone)
+    kv = caches()
+    for i in range(40):
+        last = step(kv, [("a", a[i:i + 1], i)])[0]
+    assert torch.equal(last, alone)
