@@ -147,8 +147,7 @@ def prefill_logits(model: LlamaModel, ids: list[int], dtype: torch.dtype) -> tor
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
               for _ in range(config.num_layers)]
     table = list(range(num_blocks))
-    meta = model.backend.prepare([SeqSlice(0, len(ids), len(ids), table, len(ids))],  # a prompt
-                                 list(range(len(ids))))
+    meta = model.backend.prepare([SeqSlice(0, len(ids), len(ids), table)], list(range(len(ids))))
     return model.forward(torch.tensor(ids), torch.arange(len(ids)), [KvSegment(meta, caches)],
                          torch.arange(len(ids) - 1)).float()
 

@@ -97,8 +97,7 @@ def step_inputs(engine: Engine, decodes: int, context: int, prefill: int):
         ids.extend((7 * (q_start + i) + 11) % vocab for i in range(n))
         positions.extend(range(start, start + n))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        # Decodes of outputs (a prompt of context - 1 tokens), then a prompt's prefill chunk.
-        slices.append(SeqSlice(q_start, n, start + n, table, context - 1 if n == 1 else prefill))
+        slices.append(SeqSlice(q_start, n, start + n, table))
         logits_rows.append(len(ids) - 1)
     assert next_block <= runner.kv_caches[0][0].shape[0], "KV pool too small for the case"
     return (torch.tensor(ids), torch.tensor(positions), runner.backend.prepare(slices, slots),

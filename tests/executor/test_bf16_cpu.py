@@ -71,12 +71,10 @@ def test_a_bf16_model_of_odd_shapes_serves(monkeypatch, shape):
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])  # 64, 128: AVX-512 paths; else portable
-@pytest.mark.parametrize("prompt", [0, 40, 70])  # positions before it are prompt, after outputs
-def test_a_bf16_prefill_attends_as_its_tokens_alone_would(head_dim, prompt):
-    """A bf16 model's backend is batch-invariant: 45 tokens at positions 25..69 attended in one
-    prefill get, each, the bits they get one at a time (an output as a decode, a prompt token as
-    a one-token prefill chunk): what a preempted or resumed request computes again in one step
-    matches what it computed before. And the result agrees with SDPA."""
+def test_a_bf16_prefill_attends_as_its_decodes_would(head_dim):
+    """A bf16 model's backend is batch-invariant: each prefill token's attention output has the
+    bits a decode of that token gets (the prefix a preempted or migrated request recomputes in
+    one prefill matches what it decoded a token at a time), and agrees with SDPA."""
     from services.executor.engine.attention import SeqSlice, TorchBackend
 
     backend = TorchBackend(16, torch.device("cpu"), torch.bfloat16)
@@ -90,11 +88,10 @@ def test_a_bf16_prefill_attends_as_its_tokens_alone_would(head_dim, prompt):
     q = torch.randn(new, heads, head_dim, generator=gen)
     unused = torch.empty(new, kv_heads, head_dim)  # k, v: already in the cache
     first = context - new
-    meta = backend.prepare([SeqSlice(0, new, context, table, prompt)], [0] * new)
-    assert [p.tiled for p in meta.prefills] == [min(max(prompt - first, 0), new)]
+    meta = backend.prepare([SeqSlice(0, new, context, table)], [0] * new)
     together = backend.attention(q, unused, unused, k_cache, v_cache, 0.125, meta)
     for t in range(new):
-        meta = backend.prepare([SeqSlice(0, 1, first + t + 1, table, prompt)], [0])
+        meta = backend.prepare([SeqSlice(0, 1, first + t + 1, table)], [0])
         alone = backend.attention(q[t:t + 1], unused, unused, k_cache, v_cache, 0.125, meta)
         assert torch.equal(alone[0], together[t]), f"token {t}"
     keys = k_cache[table].flatten(0, 1).float().transpose(0, 1)  # [KVH, positions, D]
@@ -122,11 +119,9 @@ def test_the_cpu_default_dtype_is_bf16_where_the_cpu_has_native_bf16():
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 def test_a_bf16_models_logits_do_not_depend_on_the_step(monkeypatch, kv_dtype):
-    """The whole bf16 model, batch-invariant to the bit: a sequence of a 30-token prompt and 10
-    outputs has the same last logits when its prompt is prefilled and its outputs decoded one
-    by one (an undisturbed run), and when everything is prefilled again in one step, beside
-    another sequence, or in chunks (a preempted or resumed run), the prompt's last token alone
-    in a chunk included."""
+    """The whole bf16 model, batch-invariant to the bit: a prompt's last logits are the same
+    prefilled alone, beside another prompt, in two chunks, with its last token decoded (alone
+    and beside another's decode), and decoded a token at a time from the start."""
     if not cpu_ops.native_bf16():
         pytest.skip("this CPU has no AVX512-BF16 dot products: a bf16 model is not invariant")
     from services.executor.engine.attention import SeqSlice, TorchBackend
@@ -143,9 +138,8 @@ def test_a_bf16_models_logits_do_not_depend_on_the_step(monkeypatch, kv_dtype):
     config, weights, _ = load_model_files("dummy:mini", cpu, torch.bfloat16)
     backend = TorchBackend(block, cpu, torch.bfloat16)
     model = LlamaModel(config, weights, backend, 1024)
-    a = torch.randint(0, 1000, (40,)).tolist()  # a 30-token prompt and its 10 outputs
-    b = torch.randint(0, 1000, (23,)).tolist()  # a 23-token prompt
-    prompt = {"a": 30, "b": 23}
+    a = torch.randint(0, 1000, (40,)).tolist()
+    b = torch.randint(0, 1000, (23,)).tolist()
     tables = {"a": [5, 0, 3], "b": [10, 11]}
 
     def caches():
@@ -158,8 +152,7 @@ def test_a_bf16_models_logits_do_not_depend_on_the_step(monkeypatch, kv_dtype):
         ids, positions, slots, slices, last = [], [], [], [], []
         for name, tokens, start in parts:
             table = tables[name]
-            slices.append(SeqSlice(len(ids), len(tokens), start + len(tokens), table,
-                                   prompt[name]))
+            slices.append(SeqSlice(len(ids), len(tokens), start + len(tokens), table))
             ids += tokens
             positions += range(start, start + len(tokens))
             slots += [table[p // block] * block + p % block
@@ -169,19 +162,16 @@ def test_a_bf16_models_logits_do_not_depend_on_the_step(monkeypatch, kv_dtype):
         return model.forward(torch.tensor(ids), torch.tensor(positions),
                              [KvSegment(meta, kv)], torch.tensor(last))
 
-    def chunks(*cuts, beside=False):
-        """a's 40 tokens in one step a chunk, cut at `cuts`; b's prompt beside the first."""
-        kv, bounds = caches(), [0, *cuts, 40]
-        for first, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            parts = [("a", a[lo:hi], lo)]
-            if beside and first == 0:
-                parts.insert(0, ("b", b, 0))
-            logits = step(kv, parts)[-1]
-        return logits
-
-    undisturbed = chunks(30, *range(31, 40))  # the prompt, then one decode per output
-    assert torch.equal(chunks(), undisturbed)  # all 40 in one prefill
-    assert torch.equal(chunks(beside=True), undisturbed)
-    assert torch.equal(chunks(16), undisturbed)  # 16 + 24: the outputs inside a chunk
-    assert torch.equal(chunks(29, 30), undisturbed)  # the prompt's last token alone
-    assert torch.equal(chunks(35, beside=True), undisturbed)
+    alone = step(caches(), [("a", a, 0)])[0]
+    kv = caches()
+    assert torch.equal(step(kv, [("b", b, 0), ("a", a, 0)])[1], alone)
+    kv = caches()
+    step(kv, [("a", a[:16], 0)])
+    assert torch.equal(step(kv, [("a", a[16:], 16)])[0], alone)  # two chunks
+    kv = caches()
+    step(kv, [("a", a[:39], 0), ("b", b, 0)])
+    assert torch.equal(step(kv, [("b", b[:1], 23), ("a", a[39:], 39)])[1], alone)
+    kv = caches()
+    for i in range(40):
+        last = step(kv, [("a", a[i:i + 1], i)])[0]
+    assert torch.equal(last, alone)

@@ -25,10 +25,6 @@ class SeqSlice:
     q_len: int
     context_len: int  # tokens in the cache after this step, the new ones included
     block_table: list[int]
-    # A batch-invariant backend computes positions from here on (a sequence's outputs) as
-    # decodes, in whatever step they come, and those before it (its prompt) as prefill, in
-    # whatever chunks. 0: every position as a decode.
-    decode_from: int = 0
 
 
 @dataclass
@@ -55,10 +51,8 @@ class PrefillSlice:
     # to the fresh K/V only
     block_ids: torch.Tensor | None
     first_pos: int = 0  # position of the first new token (tokens before it are cached)
-    # With a batch-invariant backend: the first `tiled` tokens (prompt) run in the prefill
-    # kernel, the others (outputs) as rows of the decode kernel, with each one's context length
-    # (int32) and row of q (int64).
-    tiled: int = 0
+    # With a batch-invariant backend, the tokens as rows of the decode kernel: each one's
+    # context length (int32) and row of q (int64).
     decode_lens: torch.Tensor | None = None
     decode_rows: torch.Tensor | None = None
     _mask: torch.Tensor | None = None
@@ -111,21 +105,18 @@ class TorchBackend:
         self.prefill_kernel = (self.cpu_kernels is not None
                                and self.cpu_kernels.prefill_attention_kernel())
         # A bf16 model on the kernels' bf16 dot products is batch-invariant: its matmuls give a
-        # row the same bits at every row count (linear.py), and each position's attention runs
-        # in one kernel whatever its step: a prompt's in the prefill kernel's tiles (whose rows
-        # do not depend on the chunk they come in), an output's in the decode kernel, also when
-        # a preempted or resumed sequence computes it again in a prefill (as one row of a decode
-        # call). Prefill tiles and decodes sum in other orders; bf16 rounds the cache, so a
-        # difference in the last bit of fp32 could otherwise grow into another token.
+        # row the same bits at every row count (linear.py), and each prefill token's attention
+        # runs as the decode kernel would run it, one row of the decode call, rather than in the
+        # prefill kernel's tiles (which sum in another order). A prefix recomputed after a
+        # preemption, or resumed on another executor, then gets the very numbers its decodes
+        # got: bf16 rounds the cache, so a difference in the last bit of fp32 could otherwise
+        # grow into another token.
         self.batch_invariant = (self.cpu_kernels is not None and dtype == torch.bfloat16
                                 and self.cpu_kernels.bf16_dot_products())
 
     def prepare(self, seqs: list[SeqSlice], slot_mapping: list[int]) -> TorchAttentionMetadata:
         device, bs = self.device, self.block_size
-        def decode(s: SeqSlice) -> bool:
-            return s.q_len == 1 and (not self.batch_invariant or s.context_len > s.decode_from)
-
-        decodes = [s for s in seqs if decode(s)]
+        decodes = [s for s in seqs if s.q_len == 1]
         paged = None
         if self.cpu_kernels is not None and decodes:
             width = max(len(s.block_table) for s in decodes)
@@ -150,7 +141,7 @@ class TorchBackend:
                 key_mask=key_mask[:, None, None, :].to(device)))
         prefills = []
         for s in seqs:
-            if decode(s):
+            if s.q_len == 1:
                 continue
             if s.context_len == s.q_len and not self.prefill_kernel and not self.batch_invariant:
                 prefills.append(PrefillSlice(s.q_start, s.q_len, None))
@@ -161,10 +152,13 @@ class TorchBackend:
                 torch.tensor(s.block_table[:num_blocks], dtype=torch.int32, device=device),
                 first_pos=s.context_len - s.q_len))
             if self.batch_invariant:
-                p = prefills[-1]
-                p.tiled = min(max(s.decode_from - p.first_pos, 0), s.q_len)
-                p.decode_lens, p.decode_rows = decode_rows(
-                    p.q_start + p.tiled, p.first_pos + p.tiled, s.q_len - p.tiled)
+                # Token t attends to positions [0, first_pos + t]. Short and long rows
+                # alternate, so that the contiguous ranges the kernel gives each thread carry
+                # equal work.
+                t = torch.arange(s.q_len)
+                t = torch.where(t % 2 == 0, t // 2, s.q_len - 1 - t // 2)
+                prefills[-1].decode_lens = (s.context_len - s.q_len + 1 + t).int()
+                prefills[-1].decode_rows = s.q_start + t
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_groups=groups, paged_decodes=paged, prefills=prefills)
@@ -228,20 +222,12 @@ class TorchBackend:
             out[group.q_index] = o.squeeze(2)
         prefills = meta.prefills
         if self.batch_invariant:
-            # The prefill kernel needs AVX-512 and head_dim 64 or 128; else a prompt runs as decodes.
-            tiles = self.prefill_kernel and q.shape[2] in (64, 128)
+            # Each token a decode (at any head_dim: the decode kernel's portable path too), the
+            # slice's block table repeated.
             for p in prefills:
-                if p.tiled and tiles:
-                    self.cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, p.block_ids,
-                                                             p.q_start, p.tiled, p.first_pos,
-                                                             out, scale)
-                lens, rows = p.decode_lens, p.decode_rows
-                if p.tiled and not tiles:
-                    lens, rows = decode_rows(p.q_start, p.first_pos, p.q_len)
-                if rows.numel():  # each a decode, the slice's block table repeated
-                    self.cpu_kernels.paged_decode_attention(
-                        q, k_cache, v_cache, p.block_ids.expand(rows.numel(), -1), lens, rows,
-                        out, scale)
+                self.cpu_kernels.paged_decode_attention(
+                    q, k_cache, v_cache, p.block_ids.expand(p.q_len, -1), p.decode_lens,
+                    p.decode_rows, out, scale)
             prefills = []
         if self.prefill_kernel and q.shape[2] in (64, 128):
             for p in prefills:
@@ -264,16 +250,6 @@ class TorchBackend:
                                                scale=scale, enable_gqa=True)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
-
-
-def decode_rows(q_start: int, first_pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """n consecutive tokens as rows of the decode kernel: token t (row q_start + t) attends to
-    positions [0, first_pos + t]; its context length (int32) and row (int64). Short and long
-    rows alternate, so that the contiguous ranges the kernel gives each thread carry equal
-    work."""
-    t = torch.arange(n)
-    t = torch.where(t % 2 == 0, t // 2, n - 1 - t // 2)
-    return (first_pos + 1 + t).int(), q_start + t
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -96,7 +96,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            slices.append(SeqSlice(q_start, n, start + n, table, seq.num_prompt_tokens))
+            slices.append(SeqSlice(q_start, n, start + n, table))
             if item.samples:
                 seq.sample_row = len(logits_indices)
                 logits_indices.append(len(input_ids) - 1)
