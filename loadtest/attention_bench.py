@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from jetserve_kernels import cpu_ops, kv_int8
+from services.executor.engine.attention import decode_rows
 from loadtest.linear_bench import times_ms
 from loadtest.metrics import write_result
 from shared.model_files import DUMMY_SHAPES
@@ -120,9 +121,7 @@ def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int,
                                            scale=scale, enable_gqa=True)
 
     # As a batch-invariant (bf16) model runs a prefill: each token a row of the decode kernel.
-    t = torch.arange(tokens)
-    t = torch.where(t % 2 == 0, t // 2, tokens - 1 - t // 2)
-    lens, rows = (cached + 1 + t).int(), t
+    lens, rows = decode_rows(0, cached, tokens)
 
     def as_decodes():
         for layer in range(layers):

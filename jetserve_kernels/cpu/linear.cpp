@@ -464,6 +464,19 @@ constexpr int64_t kRowBlock = 96;
 // 327 ms in blocks of 96 rows, 299 ms in one, both on one Zen 4).
 constexpr int64_t kBf16BlockBytes = 4 << 20;
 
+// Rows of bf16 dot products a block takes: x (as pairs) within kBf16BlockBytes.
+inline int64_t bf16_block_rows(int64_t k) { return std::max(kRowBlock, kBf16BlockBytes / (2 * k)); }
+
+// fn(m0, rows) for blocks of at most max_rows of [0, m), as even as they can be, in whole
+// register tiles.
+template <typename Fn>
+void for_each_row_block(int64_t m, int64_t max_rows, const Fn& fn) {
+  if (m == 0) return;
+  const int64_t blocks = (m + max_rows - 1) / max_rows;
+  const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
+  for (int64_t m0 = 0; m0 < m; m0 += rows) fn(m0, std::min(rows, m - m0));
+}
+
 // bf16: rows past kScratchRows against quantized weights may multiply in bfloat16.
 void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m,
                    bool bf16) {
@@ -476,12 +489,9 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
     run = bf16 ? panels_run_bf16<Format::Int8> : panels_run<Format::Int8>;
   else if (w.format == Format::Int4)
     run = bf16 ? panels_run_bf16<Format::Int4> : panels_run<Format::Int4>;
-  // Blocks as even as they can be, in whole register tiles.
-  const int64_t block_rows = bf16 ? std::max(kRowBlock, kBf16BlockBytes / (2 * w.k)) : kRowBlock;
-  const int64_t blocks = (m + block_rows - 1) / block_rows;
-  const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
-  for (int64_t m0 = 0; m0 < m; m0 += rows)
-    run(w, x + m0 * x_stride, x_stride, y + m0 * w.n, std::min(rows, m - m0));
+  for_each_row_block(m, bf16 ? bf16_block_rows(w.k) : kRowBlock, [&](int64_t m0, int64_t rows) {
+    run(w, x + m0 * x_stride, x_stride, y + m0 * w.n, rows);
+  });
 }
 #else
 // Portable path (no AVX-512): each panel dequantized into a scratch panel, then plain loops the
@@ -792,13 +802,10 @@ torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pai
   auto y = torch::empty({m, n}, x.options());
 #if defined(__AVX512BF16__)
   const auto* w = reinterpret_cast<const uint32_t*>(pairs.data_ptr());
-  // Blocks of rows as even as they can be, x (as pairs) within kBf16BlockBytes.
-  const int64_t block_rows = std::max(kRowBlock, kBf16BlockBytes / (2 * k));
-  const int64_t blocks = (m + block_rows - 1) / block_rows;
-  const int64_t rows = blocks ? ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows : 0;
-  for (int64_t m0 = 0; m0 < m; m0 += rows)
+  for_each_row_block(m, bf16_block_rows(k), [&](int64_t m0, int64_t rows) {
     pairs_run(w, pairs.size(0), k, n, x.data_ptr<float>() + m0 * x.stride(0), x.stride(0),
-              y.data_ptr<float>() + m0 * n, std::min(rows, m - m0));
+              y.data_ptr<float>() + m0 * n, rows);
+  });
 #endif
   return y;
 }

@@ -152,13 +152,8 @@ class TorchBackend:
                 torch.tensor(s.block_table[:num_blocks], dtype=torch.int32, device=device),
                 first_pos=s.context_len - s.q_len))
             if self.batch_invariant:
-                # Token t attends to positions [0, first_pos + t]. Short and long rows
-                # alternate, so that the contiguous ranges the kernel gives each thread carry
-                # equal work.
-                t = torch.arange(s.q_len)
-                t = torch.where(t % 2 == 0, t // 2, s.q_len - 1 - t // 2)
-                prefills[-1].decode_lens = (s.context_len - s.q_len + 1 + t).int()
-                prefills[-1].decode_rows = s.q_start + t
+                prefills[-1].decode_lens, prefills[-1].decode_rows = decode_rows(
+                    s.q_start, s.context_len - s.q_len, s.q_len)
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_groups=groups, paged_decodes=paged, prefills=prefills)
@@ -250,6 +245,16 @@ class TorchBackend:
                                                scale=scale, enable_gqa=True)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+def decode_rows(q_start: int, first_pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n consecutive tokens of a prefill as rows of the decode kernel: token t (row q_start + t)
+    attends to positions [0, first_pos + t]; each one's context length (int32) and row (int64).
+    Short and long rows alternate, so that the contiguous ranges the kernel gives each thread
+    carry equal work."""
+    t = torch.arange(n)
+    t = torch.where(t % 2 == 0, t // 2, n - 1 - t // 2)
+    return (first_pos + 1 + t).int(), q_start + t
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
