@@ -1,8 +1,11 @@
 """The CPU attention kernels on their own: decode batches and prefill chunks over a paged KV
 cache (fp32, or `--kv-dtype` bf16 or int8: jetserve_kernels/kv_int8.py) for every layer of a
 model (a cache per layer, blocks scattered, so it streams from memory as in the engine), against
-SDPA over the gathered blocks, as the torch backend runs without the kernels; a prefill also as
-a batch-invariant bf16 model runs it (each token a row of the decode kernel, "as decodes"). The median of `--repeats` runs, in ms for all the layers.
+SDPA over the gathered blocks, as the torch backend runs without the kernels. A prefill also as
+a batch-invariant bf16 model runs it ("as decodes": each token with a decode's bits, a tile of
+tokens sharing the key and value reads), and as each token a row of the decode kernel ("as
+decode rows", what that model ran before). The median of `--repeats` runs, in ms for all the
+layers.
 
     python -m loadtest.attention_bench --decode 1:300 8:256 64:256 128:300 \
         --prefill 40:0 384:0 200:300 --result-json results/attention_bench.json
@@ -20,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from jetserve_kernels import cpu_ops, kv_int8
-from services.executor.engine.attention import decode_rows
 from loadtest.linear_bench import times_ms
 from loadtest.metrics import write_result
 from shared.model_files import DUMMY_SHAPES
@@ -120,16 +122,25 @@ def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int,
                                            values.unsqueeze(0).transpose(1, 2), attn_mask=mask,
                                            scale=scale, enable_gqa=True)
 
-    # As a batch-invariant (bf16) model runs a prefill: each token a row of the decode kernel.
-    lens, rows = decode_rows(0, cached, tokens)
-
+    # As a batch-invariant (bf16) model runs a prefill: each token with a decode's bits, the key
+    # and value reads shared by a tile of tokens; and, before that kernel, each token a row of
+    # the decode kernel (every token reading its whole context).
     def as_decodes():
+        for layer in range(layers):
+            kernels.paged_prefill_as_decodes(q, caches.k[layer], caches.v[layer], table, 0,
+                                             tokens, cached, out, scale)
+
+    lens, rows = cached + 1 + torch.arange(tokens, dtype=torch.int32), torch.arange(tokens)
+
+    def as_decode_rows():
         for layer in range(layers):
             kernels.paged_decode_attention(q, caches.k[layer], caches.v[layer],
                                            table.expand(tokens, -1), lens, rows, out, scale)
 
     row = {"tokens": tokens, "cached": cached, "kernel_ms": median_ms(kernel, repeats),
-           "as_decodes_ms": median_ms(as_decodes, repeats), "sdpa_ms": median_ms(sdpa, repeats)}
+           "as_decodes_ms": median_ms(as_decodes, repeats),
+           "as_decode_rows_ms": median_ms(as_decode_rows, repeats),
+           "sdpa_ms": median_ms(sdpa, repeats)}
     flops = 4 * heads * dim * (tokens * cached + tokens * (tokens + 1) / 2) * layers
     row["kernel_gflop_per_s"] = flops / row["kernel_ms"] / 1e6
     return row
@@ -163,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         prefills.append(row)
         print(f"  prefill {tokens:4d} after {cached:5d}: kernel {row['kernel_ms']:8.1f} "
               f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  as decodes {row['as_decodes_ms']:8.1f}"
+              f" (as decode rows {row['as_decode_rows_ms']:8.1f})"
               f"  SDPA {row['sdpa_ms']:8.1f}", flush=True)
     write_result(args.result_json, "attention_bench", shape=args.shape, kv_dtype=args.kv_dtype,
                  threads=torch.get_num_threads(), decode=decodes, prefill=prefills)

@@ -9,7 +9,8 @@ left-padded, each batch decoding to its longest output), in fp32. Each engine va
 `--quantization`, plus optional ones) is one engine that runs every point in turn, prefix caching
 off so no point reuses another's prompts. Also reports each run's achieved FLOP/s as a fraction of
 a dense matmul measured here (the roofline), and single-stream TTFT and TPOT of short chat
-prompts as the Completions' own metrics report them.
+prompts and of long prompts (`--long-prompts`, random token ids, 16 output tokens: a long prompt's
+TTFT is its prefill) as the Completions' own metrics report them.
 
     python -m loadtest.engine_bench --sweep 8 32 64 128 256 --quantization none int8 int4 auto \
         --result-json results/engine_bench.json
@@ -41,6 +42,7 @@ CHAT_PROMPTS = [
     "Explain why the sky is blue in simple words.",
 ]
 SINGLE_STREAM_TOKENS = 256
+LONG_PROMPT_OUTPUT = 16
 
 
 def workload_flops(config: ModelConfig, requests: list[GenerateRequest]) -> float:
@@ -127,8 +129,22 @@ async def _single_stream(engine: Engine) -> dict:
             "tpot_ms": statistics.median(r["tpot_ms"] for r in runs), "runs": runs}
 
 
+async def _long_prompts(engine: Engine, lengths: list[int], seed: int) -> list[dict]:
+    """One prompt of each length alone (random token ids): its TTFT (the prefill) and TPOT."""
+    gen = torch.Generator().manual_seed(seed)
+    runs = []
+    for length in lengths:
+        ids = torch.randint(0, engine.model_config.vocab_size, (length,), generator=gen)
+        request = GenerateRequest(prompt_token_ids=ids.tolist(), temperature=0.0,
+                                  max_tokens=LONG_PROMPT_OUTPUT, ignore_eos=True)
+        [completion] = await completions(engine, [request])
+        runs.append({"prompt_tokens": length, "ttft_ms": completion.metrics.ttft_ms,
+                     "tpot_ms": completion.metrics.tpot_ms})
+    return runs
+
+
 def run_engine(config: EngineConfig, points: dict[int, list[GenerateRequest]],
-               single_stream: bool) -> dict:
+               single_stream: bool, long_prompts: list[int] = (), seed: int = 0) -> dict:
     """One engine through the single-stream prompts, then every sweep point in turn."""
     async def go():
         start = time.perf_counter()
@@ -136,6 +152,7 @@ def run_engine(config: EngineConfig, points: dict[int, list[GenerateRequest]],
             result = {"load_s": time.perf_counter() - start}
             if single_stream:
                 result["single_stream"] = await _single_stream(engine)
+                result["long_prompts"] = await _long_prompts(engine, long_prompts, seed)
             result["points"] = {}
             for n, requests in points.items():
                 point = result["points"][n] = await _run_point(engine, requests)
@@ -213,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-single-stream", action="store_true")
+    parser.add_argument("--long-prompts", type=int, nargs="*", default=[2048],
+                        help="prompt lengths for single-stream long prompts (default: 2048)")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="also run the first variant with pipelining off")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
@@ -255,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     for name, config in variants.items():
         print(f"{name} ...", flush=True)
-        runs[name] = run_engine(config, points, single_stream=not args.skip_single_stream)
+        runs[name] = run_engine(config, points, single_stream=not args.skip_single_stream,
+                                long_prompts=args.long_prompts, seed=args.seed)
     if not args.skip_hf:
         print(f"transformers static batching (batch {args.hf_batch_size}, fp32) ...", flush=True)
         runs["hf_static"] = on_own_thread(run_hf_static, points, args.hf_batch_size)
@@ -285,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
             if "single_stream" in run:
                 single = run["single_stream"]
                 print(f"{name:<22}TTFT {single['ttft_ms']:6.1f} ms   TPOT {single['tpot_ms']:5.1f} ms")
+        for length in args.long_prompts:
+            print(f"\nsingle stream, one {length}-token prompt, {LONG_PROMPT_OUTPUT} tokens")
+            for name, run in runs.items():
+                for long in run.get("long_prompts", []):
+                    if long["prompt_tokens"] == length:
+                        print(f"{name:<22}TTFT {long['ttft_ms']:6.1f} ms   "
+                              f"TPOT {long['tpot_ms']:5.1f} ms")
     print(f"\nroofline: a {matmul / 1e9:.1f} GFLOP/s dense matmul (fp32 on a CPU, bf16 on a GPU)")
 
     write_result(

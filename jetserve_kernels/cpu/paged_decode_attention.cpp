@@ -8,6 +8,9 @@
 // prefetched; otherwise plain loops. Keys and values are read in place through the block table,
 // once per step for all the query heads that share them: nothing is gathered into a contiguous
 // copy first.
+//
+// paged_prefill_as_decodes gives a prefill's tokens the bits this kernel gives each of them as
+// a decode (a batch-invariant model's prefill), with the reads of a tile of tokens shared.
 
 #include "ops.h"
 #include "attention_simd.h"
@@ -36,6 +39,26 @@ inline void prefetch_rows(RowCursor& cursor, int64_t count) {
   for (int64_t i = 0; i < count; ++i) prefetch_row<T, DV>(cursor.next());
 }
 
+// One query head's 16 * DV values times the scale, as the scores take them.
+template <int DV>
+inline void scaled_query(const float* q, float scale, __m512* qv) {
+  for (int d = 0; d < DV; ++d) qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale));
+}
+
+// A query head's scores against key rows [0, n) of 16 (as fp32): element i is row i's dot
+// product (lane by lane products summed in d order, then the 16 lanes in one transposing tree);
+// elements from n on are 0. Both kernels below score through this, to the same bits.
+template <int DV>
+inline __m512 score16(const __m512* qv, const __m512 (*key)[DV], int n) {
+  __m512 partial[16];
+  for (int i = 0; i < 16; ++i) {
+    partial[i] = _mm512_setzero_ps();
+    if (i < n)
+      for (int d = 0; d < DV; ++d) partial[i] = _mm512_fmadd_ps(qv[d], key[i][d], partial[i]);
+  }
+  return sum16(partial);
+}
+
 // The scores of G query heads against positions [0, len) of their KV head, into
 // scores[h * stride + pos], with their maxima in peak[h]. Each key row is read from memory once
 // for all G heads: 16 rows are scored against one head, then the next head finds them in L1.
@@ -58,16 +81,8 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
     for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
     for (int64_t h = 0; h < group; ++h) {
       __m512 qv[DV];
-      for (int d = 0; d < DV; ++d)
-        qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q + h * 16 * DV + 16 * d), _mm512_set1_ps(scale));
-      __m512 partial[16];
-      for (int i = 0; i < 16; ++i) {
-        partial[i] = _mm512_setzero_ps();
-        if (i < n)
-          for (int d = 0; d < DV; ++d)
-            partial[i] = _mm512_fmadd_ps(qv[d], key[i][d], partial[i]);
-      }
-      const __m512 s = sum16(partial);
+      scaled_query<DV>(q + h * 16 * DV, scale, qv);
+      const __m512 s = score16<DV>(qv, key, n);
       _mm512_mask_storeu_ps(scores + h * stride + p0, valid, s);
       peaks[h] = _mm512_mask_max_ps(peaks[h], valid, peaks[h], s);
     }
@@ -142,6 +157,129 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
   }
 }
 
+
+// --- A prefill's tokens as decodes, a tile of them at a time -------------------------------
+//
+// Token t of a tile attends to positions [0, first_len + t), and gets the bits decode_group gives
+// it alone: its scores come from score16 over the same rows, its softmax from exponentiate, its
+// value sums from the same fused multiply-adds in position order. Only the reads are shared: each
+// 16 key rows are widened once for every token of the tile, each value row once per 64 positions.
+
+constexpr int kValueChunk = 64;  // value rows widened at a time (16 KB of fp32 at head_dim 64)
+
+// acc[h] += weights[h][i] * rows[i] for i in [0, n), for HB heads, in i order: per element the
+// chain accumulate_values makes over the same positions.
+template <int DV, int HB>
+inline void accumulate_chunk(const __m512* rows, int n, const float* weights, int64_t stride,
+                             __m512* acc) {
+  __m512 a[HB][DV];
+  for (int h = 0; h < HB; ++h)
+    for (int d = 0; d < DV; ++d) a[h][d] = acc[h * DV + d];
+  for (int i = 0; i < n; ++i) {
+    for (int h = 0; h < HB; ++h) {
+      const __m512 w = _mm512_set1_ps(weights[h * stride + i]);
+      for (int d = 0; d < DV; ++d) a[h][d] = _mm512_fmadd_ps(w, rows[i * DV + d], a[h][d]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int d = 0; d < DV; ++d) acc[h * DV + d] = a[h][d];
+}
+
+// Per thread, reused across its tasks.
+struct TileScratch {
+  std::vector<float> scores;
+  std::vector<__m512> query, acc, peaks, rows;
+  std::vector<float> peak, totals;
+};
+
+// `tokens` consecutive tokens of one sequence for the query heads [0, group) of one KV head:
+// token t's query heads at q + t * q_stride, its output at out + t * out_stride.
+template <typename T, int DV>
+void decode_tile(const float* q, int64_t q_stride, int64_t group, float scale, RowCursor keys,
+                 RowCursor values, int64_t first_len, int64_t tokens, float* out,
+                 int64_t out_stride, TileScratch& scratch) {
+  const int64_t max_len = first_len + tokens - 1;
+  const int64_t stride = max_len + 16;
+  const int64_t heads = tokens * group;  // (token, head) pairs, token-major
+  scratch.scores.resize(heads * stride);
+  scratch.query.resize(heads * DV);
+  scratch.acc.assign(heads * DV, _mm512_setzero_ps());
+  scratch.peaks.assign(heads, _mm512_set1_ps(-INFINITY));
+  scratch.rows.resize(kValueChunk * DV);
+  scratch.peak.resize(heads);
+  scratch.totals.resize(heads);
+  float* scores = scratch.scores.data();
+  __m512* qv = scratch.query.data();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < group; ++h)
+      scaled_query<DV>(q + t * q_stride + h * 16 * DV, scale, qv + (t * group + h) * DV);
+
+  // Scores: 16 key rows at a time, for each token that reaches them.
+  const char* rows[16];
+  RowCursor ahead = keys;
+  int64_t ahead_pos = std::min<int64_t>(kAhead, max_len);
+  prefetch_rows<T, DV>(ahead, ahead_pos);
+  __m512 key[16][DV];
+  for (int64_t p0 = 0; p0 < max_len; p0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, max_len - p0));
+    for (int i = 0; i < n; ++i) rows[i] = keys.next();
+    const int64_t more = std::min<int64_t>(16, max_len - ahead_pos);
+    prefetch_rows<T, DV>(ahead, more);
+    ahead_pos += more;
+    for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
+    for (int64_t t = std::max<int64_t>(0, p0 + 1 - first_len); t < tokens; ++t) {
+      const int nt = static_cast<int>(std::min<int64_t>(16, first_len + t - p0));
+      const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1);
+      for (int64_t h = 0; h < group; ++h) {
+        const int64_t th = t * group + h;
+        const __m512 s = score16<DV>(qv + th * DV, key, nt);
+        _mm512_mask_storeu_ps(scores + th * stride + p0, valid, s);
+        scratch.peaks[th] = _mm512_mask_max_ps(scratch.peaks[th], valid, scratch.peaks[th], s);
+      }
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < group; ++h) {
+      const int64_t th = t * group + h;
+      scratch.totals[th] = exponentiate(scores + th * stride, first_len + t,
+                                        _mm512_reduce_max_ps(scratch.peaks[th]));
+    }
+
+  // Values: kValueChunk rows widened at a time, then each token's heads run over them.
+  constexpr int kMaxHeads = 16 / DV;
+  __m512* widened = scratch.rows.data();
+  RowCursor ahead_values = values;  // kAhead rows in front of `values`
+  prefetch_rows<T, DV>(ahead_values, std::min<int64_t>(kAhead, max_len));
+  for (int64_t c0 = 0; c0 < max_len; c0 += kValueChunk) {
+    const int m = static_cast<int>(std::min<int64_t>(kValueChunk, max_len - c0));
+    for (int i = 0; i < m; ++i) {
+      if (c0 + i + kAhead < max_len) prefetch_row<T, DV>(ahead_values.next());
+      load_row<T, DV>(values.next(), widened + i * DV);
+    }
+    for (int64_t t = std::max<int64_t>(0, c0 + 1 - first_len); t < tokens; ++t) {
+      const int mt = static_cast<int>(std::min<int64_t>(m, first_len + t - c0));
+      for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
+        const int64_t th = t * group + h0;
+        const float* w = scores + th * stride + c0;
+        __m512* acc = scratch.acc.data() + th * DV;
+        switch (std::min<int64_t>(kMaxHeads, group - h0)) {
+          case 1: accumulate_chunk<DV, 1>(widened, mt, w, stride, acc); break;
+          case 2: accumulate_chunk<DV, 2>(widened, mt, w, stride, acc); break;
+          case 3: accumulate_chunk<DV, 3>(widened, mt, w, stride, acc); break;
+          default: accumulate_chunk<DV, kMaxHeads>(widened, mt, w, stride, acc); break;
+        }
+      }
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < group; ++h) {
+      const int64_t th = t * group + h;
+      const __m512 inv = _mm512_set1_ps(1.0f / scratch.totals[th]);
+      float* o = out + t * out_stride + h * 16 * DV;
+      for (int d = 0; d < DV; ++d)
+        _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(scratch.acc[th * DV + d], inv));
+    }
+}
 
 }  // namespace
 #endif
@@ -299,3 +437,80 @@ void paged_decode_attention(
   });
 }
 
+
+void paged_prefill_as_decodes(
+    const torch::Tensor& q,            // as paged_decode_attention's
+    const torch::Tensor& k_cache,      // the slice's new keys and values written already
+    const torch::Tensor& v_cache,
+    const torch::Tensor& block_table,  // int32 [blocks], the slice's sequence
+    int64_t q_start, int64_t q_len,    // the slice's rows of q and out
+    int64_t first_pos,                 // the position of its first token
+    torch::Tensor& out, double scale) {
+  TORCH_CHECK(block_table.dim() == 1 && first_pos >= 0 && q_len >= 0 &&
+              q_start + q_len <= q.size(0) &&
+              (first_pos + q_len + k_cache.size(1) - 1) / k_cache.size(1) <= block_table.size(0),
+              "paged_prefill_as_decodes: the block table must cover positions [0, ",
+              first_pos + q_len, ")");
+  if (q_len == 0) return;
+  const int64_t head_dim = q.size(2);
+#if defined(__AVX512F__)
+  if (head_dim == 64 || head_dim == 128) {
+    const paged::Rows kind = paged::check_attention_args("paged_prefill_as_decodes", q, k_cache,
+                                                         v_cache, out, block_table);
+    const int64_t num_heads = q.size(1);
+    const int64_t block_size = k_cache.size(1);
+    const int64_t num_kv_heads = k_cache.size(2);
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
+    const int64_t token_stride = num_kv_heads * row_bytes;
+    const float* q_ptr = q.data_ptr<float>();
+    const char* k_ptr = static_cast<const char*>(k_cache.data_ptr());
+    const char* v_ptr = static_cast<const char*>(v_cache.data_ptr());
+    const int32_t* table = block_table.data_ptr<int32_t>();
+    float* out_ptr = out.data_ptr<float>();
+    const int64_t q_stride = q.stride(0), out_stride = num_heads * head_dim;
+    const float fscale = static_cast<float>(scale);
+    // Tiles of up to kTile tokens, small enough to leave each thread several tasks. The tiles'
+    // work grows with their position: short and long ones alternate, so that the contiguous
+    // ranges the threads get carry equal work.
+    constexpr int64_t kTile = 16;
+    const int64_t threads = at::get_num_threads();
+    const int64_t tile = std::clamp<int64_t>(q_len * num_kv_heads / (4 * threads), 1, kTile);
+    const int64_t tiles = (q_len + tile - 1) / tile;
+    at::parallel_for(0, tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      TileScratch scratch;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t j = task / num_kv_heads, kv = task % num_kv_heads;
+        const int64_t i = j % 2 == 0 ? j / 2 : tiles - 1 - j / 2;
+        const int64_t t0 = i * tile, tokens = std::min(tile, q_len - t0);
+        const int64_t h = kv * group;
+        const float* qh = q_ptr + (q_start + t0) * q_stride + h * head_dim;
+        float* o = out_ptr + (q_start + t0) * out_stride + h * head_dim;
+        const RowCursor keys{k_ptr + kv * row_bytes, table, block_size, token_stride};
+        const RowCursor values{v_ptr + kv * row_bytes, table, block_size, token_stride};
+        const int64_t first_len = first_pos + t0 + 1;
+        auto run = [&](auto dv) {
+          constexpr int DV = decltype(dv)::value;
+          if (kind == paged::Rows::Int8)
+            decode_tile<int8_t, DV>(qh, q_stride, group, fscale, keys, values, first_len, tokens,
+                                    o, out_stride, scratch);
+          else if (kind == paged::Rows::BF16)
+            decode_tile<c10::BFloat16, DV>(qh, q_stride, group, fscale, keys, values, first_len,
+                                           tokens, o, out_stride, scratch);
+          else
+            decode_tile<float, DV>(qh, q_stride, group, fscale, keys, values, first_len, tokens,
+                                   o, out_stride, scratch);
+        };
+        if (head_dim == 64) run(std::integral_constant<int, 4>{});
+        else run(std::integral_constant<int, 8>{});
+      }
+    });
+    return;
+  }
+#endif
+  // Elsewhere each token is a row of the decode kernel, over the table repeated (stride 0).
+  const auto t = torch::arange(q_len, torch::kLong);
+  const auto order = torch::where(t % 2 == 0, t.div(2, "floor"), q_len - 1 - t.div(2, "floor"));
+  paged_decode_attention(q, k_cache, v_cache, block_table.unsqueeze(0).expand({q_len, -1}),
+                         (order + (first_pos + 1)).to(torch::kInt), order + q_start, out, scale);
+}

@@ -448,6 +448,50 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
+# head_dim 64 and 128 take the tiles (groups 1, 3, 5, 7: every case of the value sums); 32 and 96
+# the decode kernel's portable path, a row per token.
+@pytest.mark.parametrize("head_dim,group,block", [(32, 3, 16), (64, 1, 16), (64, 3, 16),
+                                                  (64, 5, 8), (96, 3, 16), (128, 3, 32),
+                                                  (128, 7, 16)])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, group, block, kv):
+    """What a batch-invariant model's prefill runs: each token's output has the bits the decode
+    kernel gives that token alone, whatever the slice's length, its cached context, the tiles it
+    falls in, or how many threads share it."""
+    kv_heads = 2
+    heads = group * kv_heads
+    gen = torch.Generator().manual_seed(head_dim + group + block)
+    slices = PREFILL_SLICES + [(3, 300)]
+    lens = [cached + new for cached, new in slices]
+    k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, kv, gen)
+    total = sum(new for _, new in slices)
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))
+    threads = torch.get_num_threads()
+    for num_threads in sorted({1, threads, 3}):
+        torch.set_num_threads(num_threads)
+        try:
+            out = torch.full((total, heads, head_dim), float("nan"))
+            alone = torch.full_like(out, float("nan"))
+            q_start = 0
+            for (cached, new), table in zip(slices, tables):
+                blocks = torch.tensor(table[:-(-(cached + new) // block)], dtype=torch.int32)
+                k.paged_prefill_as_decodes(q, k_cache, v_cache, blocks, q_start, new, cached, out,
+                                           0.1)
+                for t in range(new):
+                    k.paged_decode_attention(q, k_cache, v_cache, blocks[None], torch.tensor(
+                        [cached + t + 1], dtype=torch.int32), torch.tensor([q_start + t]), alone,
+                        0.1)
+                q_start += new
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(out, alone), f"{num_threads} threads: " \
+            f"{(out != alone).any(-1).any(-1).nonzero().flatten().tolist()[:10]} differ"
+    with pytest.raises(RuntimeError, match=rf"block table must cover positions \[0, {2 * block}\)"):
+        k.paged_prefill_as_decodes(q, k_cache, v_cache, torch.tensor([1], dtype=torch.int32), 0,
+                                   block, block, out, 0.1)
+
+
 def test_paged_prefill_attention_names_what_it_refuses(k):
     if not k.prefill_attention_kernel():
         pytest.skip("the prefill kernel needs AVX-512")

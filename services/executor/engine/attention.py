@@ -51,10 +51,6 @@ class PrefillSlice:
     # to the fresh K/V only
     block_ids: torch.Tensor | None
     first_pos: int = 0  # position of the first new token (tokens before it are cached)
-    # With a batch-invariant backend, the tokens as rows of the decode kernel: each one's
-    # context length (int32) and row of q (int64).
-    decode_lens: torch.Tensor | None = None
-    decode_rows: torch.Tensor | None = None
     _mask: torch.Tensor | None = None
 
     def mask(self, block_size: int) -> torch.Tensor:
@@ -106,8 +102,9 @@ class TorchBackend:
                                and self.cpu_kernels.prefill_attention_kernel())
         # A bf16 model on the kernels' bf16 dot products is batch-invariant: its matmuls give a
         # row the same bits at every row count (linear.py), and each prefill token's attention
-        # runs as the decode kernel would run it, one row of the decode call, rather than in the
-        # prefill kernel's tiles (which sum in another order). A prefix recomputed after a
+        # gets the bits the decode kernel gives it (paged_prefill_as_decodes, which shares the
+        # key and value reads of a tile of tokens), not the prefill kernel's (whose flash tiles
+        # sum in another order). A prefix recomputed after a
         # preemption, or resumed on another executor, then gets the very numbers its decodes
         # got: bf16 rounds the cache, so a difference in the last bit of fp32 could otherwise
         # grow into another token.
@@ -151,9 +148,6 @@ class TorchBackend:
                 s.q_start, s.q_len,
                 torch.tensor(s.block_table[:num_blocks], dtype=torch.int32, device=device),
                 first_pos=s.context_len - s.q_len))
-            if self.batch_invariant:
-                prefills[-1].decode_lens, prefills[-1].decode_rows = decode_rows(
-                    s.q_start, s.context_len - s.q_len, s.q_len)
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_groups=groups, paged_decodes=paged, prefills=prefills)
@@ -217,12 +211,12 @@ class TorchBackend:
             out[group.q_index] = o.squeeze(2)
         prefills = meta.prefills
         if self.batch_invariant:
-            # Each token a decode (at any head_dim: the decode kernel's portable path too), the
-            # slice's block table repeated.
+            # Each token as the decode kernel attends it, to the bits (at any head_dim: the
+            # decode kernel's portable path too).
             for p in prefills:
-                self.cpu_kernels.paged_decode_attention(
-                    q, k_cache, v_cache, p.block_ids.expand(p.q_len, -1), p.decode_lens,
-                    p.decode_rows, out, scale)
+                self.cpu_kernels.paged_prefill_as_decodes(q, k_cache, v_cache, p.block_ids,
+                                                          p.q_start, p.q_len, p.first_pos, out,
+                                                          scale)
             prefills = []
         if self.prefill_kernel and q.shape[2] in (64, 128):
             for p in prefills:
@@ -245,16 +239,6 @@ class TorchBackend:
                                                scale=scale, enable_gqa=True)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
-
-
-def decode_rows(q_start: int, first_pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """n consecutive tokens of a prefill as rows of the decode kernel: token t (row q_start + t)
-    attends to positions [0, first_pos + t]; each one's context length (int32) and row (int64).
-    Short and long rows alternate, so that the contiguous ranges the kernel gives each thread
-    carry equal work."""
-    t = torch.arange(n)
-    t = torch.where(t % 2 == 0, t // 2, n - 1 - t // 2)
-    return (first_pos + 1 + t).int(), q_start + t
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
