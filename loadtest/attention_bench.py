@@ -130,7 +130,11 @@ def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int,
             kernels.paged_prefill_as_decodes(q, caches.k[layer], caches.v[layer], table, 0,
                                              tokens, cached, out, scale)
 
-    lens, rows = cached + 1 + torch.arange(tokens, dtype=torch.int32), torch.arange(tokens)
+    # (short and long rows alternating, as the engine ran them: each thread's contiguous share
+    # of the rows then carries equal work)
+    order = torch.arange(tokens)
+    order = torch.where(order % 2 == 0, order // 2, tokens - 1 - order // 2)
+    lens, rows = (cached + 1 + order).int(), order
 
     def as_decode_rows():
         for layer in range(layers):

@@ -46,6 +46,11 @@ enum class Rows { F32, BF16, Int8 };
 inline Rows check_attention_args(const char* op, const torch::Tensor& q,
                                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  const torch::Tensor& out, const torch::Tensor& block_table) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(1) == q.size(1) &&
+              out.size(2) == q.size(2) && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.size(1) > 0 && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, op,
+              ": q and out [tokens, heads, head_dim], the caches [blocks, block_size, kv_heads, "
+              "row] with heads a multiple of kv_heads");
   const auto type = k_cache.scalar_type();
   const Rows kind = type == torch::kInt8 ? Rows::Int8
                     : type == torch::kBFloat16 ? Rows::BF16 : Rows::F32;
@@ -64,6 +69,19 @@ inline Rows check_attention_args(const char* op, const torch::Tensor& q,
               (!int8 || q.size(2) % int8_group(q.size(2)) == 0), op, ": cache rows of ",
               k_cache.size(3), " for head_dim ", q.size(2));
   return kind;
+}
+
+// A prefill slice's checks: rows [q_start, q_start + q_len) of q and out, and a block table of
+// one sequence covering positions [0, first_pos + q_len).
+inline void check_slice(const char* op, const torch::Tensor& q, const torch::Tensor& out,
+                        const torch::Tensor& block_table, int64_t block_size, int64_t q_start,
+                        int64_t q_len, int64_t first_pos) {
+  TORCH_CHECK(q_start >= 0 && q_len >= 0 && q_start + q_len <= q.size(0) &&
+              q_start + q_len <= out.size(0), op, ": rows [", q_start, ", ", q_start + q_len,
+              ") are not rows of q and out");
+  TORCH_CHECK(block_table.dim() == 1 && first_pos >= 0 &&
+              block_table.size(0) * block_size >= first_pos + q_len, op,
+              ": the block table must cover positions [0, ", first_pos + q_len, ")");
 }
 
 // One cache value as fp32, for the portable paths.

@@ -325,6 +325,21 @@ void paged_decode_attention(
   const paged::Rows kind =
       paged::check_attention_args("paged_decode_attention", q, k_cache, v_cache, out, block_tables);
   const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && q_rows.scalar_type() == torch::kLong &&
+              seq_lens.is_contiguous() && q_rows.is_contiguous() && q_rows.size(0) == num_seqs &&
+              block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+              "paged_decode_attention: one int32 length, int64 row and block table row per "
+              "sequence");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* rows = q_rows.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {  // (a loop: a tensor reduction costs microseconds)
+    const int64_t row = rows[i], len = lens[i];
+    max_len = std::max(max_len, len);
+    TORCH_CHECK(row >= 0 && row < q.size(0) && row < out.size(0) && len >= 0 &&
+                len <= block_tables.size(1) * k_cache.size(1), "paged_decode_attention: sequence ",
+                i, "'s row ", row, " or length ", len, " is past q, out or its block table");
+  }
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1);
@@ -336,8 +351,6 @@ void paged_decode_attention(
   const char* k_ptr = static_cast<const char*>(k_cache.data_ptr());
   const char* v_ptr = static_cast<const char*>(v_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* rows = q_rows.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t q_stride = q.stride(0);  // q is usually a view into the fused QKV output
   const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();  // one (token, KV head)
@@ -348,7 +361,6 @@ void paged_decode_attention(
   if (head_dim == 64 || head_dim == 128) {
     // One task per (sequence, KV head): its keys and values cross the memory bus once for all
     // the query heads that share them.
-    const int64_t max_len = num_seqs ? seq_lens.max().item<int32_t>() : 0;
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(group * (max_len + 16));
       for (int64_t task = begin; task < end; ++task) {
@@ -446,17 +458,14 @@ void paged_prefill_as_decodes(
     int64_t q_start, int64_t q_len,    // the slice's rows of q and out
     int64_t first_pos,                 // the position of its first token
     torch::Tensor& out, double scale) {
-  TORCH_CHECK(block_table.dim() == 1 && first_pos >= 0 && q_len >= 0 &&
-              q_start + q_len <= q.size(0) &&
-              (first_pos + q_len + k_cache.size(1) - 1) / k_cache.size(1) <= block_table.size(0),
-              "paged_prefill_as_decodes: the block table must cover positions [0, ",
-              first_pos + q_len, ")");
+  const paged::Rows kind = paged::check_attention_args("paged_prefill_as_decodes", q, k_cache,
+                                                       v_cache, out, block_table);
+  paged::check_slice("paged_prefill_as_decodes", q, out, block_table, k_cache.size(1), q_start,
+                     q_len, first_pos);
   if (q_len == 0) return;
   const int64_t head_dim = q.size(2);
 #if defined(__AVX512F__)
   if (head_dim == 64 || head_dim == 128) {
-    const paged::Rows kind = paged::check_attention_args("paged_prefill_as_decodes", q, k_cache,
-                                                         v_cache, out, block_table);
     const int64_t num_heads = q.size(1);
     const int64_t block_size = k_cache.size(1);
     const int64_t num_kv_heads = k_cache.size(2);

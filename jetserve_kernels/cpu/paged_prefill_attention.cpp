@@ -126,8 +126,8 @@ void paged_prefill_attention(
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
-  TORCH_CHECK(block_table.size(0) * block_size >= first_pos + q_len,
-              "paged_prefill_attention: the block table is shorter than the slice");
+  paged::check_slice("paged_prefill_attention", q, out, block_table, block_size, q_start, q_len,
+                     first_pos);
 #if defined(__AVX512F__)
   TORCH_CHECK(head_dim == 64 || head_dim == 128,
               "paged_prefill_attention: head_dim 64 or 128, not ", head_dim);

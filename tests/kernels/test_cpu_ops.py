@@ -448,16 +448,16 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
-# head_dim 64 and 128 take the tiles (groups 1, 3, 5, 7: every case of the value sums); 32 and 96
-# the decode kernel's portable path, a row per token.
-@pytest.mark.parametrize("head_dim,group,block", [(32, 3, 16), (64, 1, 16), (64, 3, 16),
-                                                  (64, 5, 8), (96, 3, 16), (128, 3, 32),
-                                                  (128, 7, 16)])
+# head_dim 64 and 128 take the tiles where AVX-512 is built in (groups 1, 2, 3, 5, 7: every case
+# of the value sums); 32 and 96, and any head_dim elsewhere, a row of the decode kernel per token.
+@pytest.mark.parametrize("head_dim,group,block", [(32, 3, 16), (64, 1, 16), (64, 2, 16),
+                                                  (64, 3, 16), (64, 5, 8), (96, 3, 16),
+                                                  (128, 3, 32), (128, 7, 16)])
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
 def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, group, block, kv):
     """What a batch-invariant model's prefill runs: each token's output has the bits the decode
     kernel gives that token alone, whatever the slice's length, its cached context, the tiles it
-    falls in, or how many threads share it."""
+    falls in, or how many threads share it; and no row outside the slice is written."""
     kv_heads = 2
     heads = group * kv_heads
     gen = torch.Generator().manual_seed(head_dim + group + block)
@@ -465,15 +465,16 @@ def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, grou
     lens = [cached + new for cached, new in slices]
     k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, kv, gen)
     total = sum(new for _, new in slices)
-    qkv = torch.randn(total, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    pad = 3  # rows before and after the slices', which must stay as they are
+    qkv = torch.randn(total + 2 * pad, (heads + 2 * kv_heads) * head_dim, generator=gen)
     q = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))
     threads = torch.get_num_threads()
     for num_threads in sorted({1, threads, 3}):
         torch.set_num_threads(num_threads)
         try:
-            out = torch.full((total, heads, head_dim), float("nan"))
+            out = torch.full((total + 2 * pad, heads, head_dim), float("nan"))
             alone = torch.full_like(out, float("nan"))
-            q_start = 0
+            q_start = pad
             for (cached, new), table in zip(slices, tables):
                 blocks = torch.tensor(table[:-(-(cached + new) // block)], dtype=torch.int32)
                 k.paged_prefill_as_decodes(q, k_cache, v_cache, blocks, q_start, new, cached, out,
@@ -485,11 +486,24 @@ def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, grou
                 q_start += new
         finally:
             torch.set_num_threads(threads)
-        assert torch.equal(out, alone), f"{num_threads} threads: " \
-            f"{(out != alone).any(-1).any(-1).nonzero().flatten().tolist()[:10]} differ"
+        assert out[:pad].isnan().all() and out[-pad:].isnan().all()
+        rows = slice(pad, pad + total)
+        same = (out[rows].view(torch.int32) == alone[rows].view(torch.int32)).all(-1).all(-1)
+        assert same.all(), f"{num_threads} threads: rows {(~same).nonzero().flatten()[:10]} differ"
     with pytest.raises(RuntimeError, match=rf"block table must cover positions \[0, {2 * block}\)"):
         k.paged_prefill_as_decodes(q, k_cache, v_cache, torch.tensor([1], dtype=torch.int32), 0,
                                    block, block, out, 0.1)
+    with pytest.raises(RuntimeError, match="rows of q and out"):
+        k.paged_prefill_as_decodes(q, k_cache, v_cache, blocks, -1, 2, 0, out, 0.1)
+    with pytest.raises(RuntimeError, match="rows of q and out"):
+        k.paged_prefill_as_decodes(q, k_cache, v_cache, blocks, 0, 2, 0, out[:1], 0.1)
+
+
+def test_the_tiles_run_where_avx512_is_built_in(k):
+    """The test above compares the tiles with the decode kernel only where the tiles are built:
+    on this machine they are, if it has AVX-512."""
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    assert k.prefill_attention_kernel() == ("avx512f" in flags.split(":")[1].split())
 
 
 def test_paged_prefill_attention_names_what_it_refuses(k):
@@ -502,9 +516,30 @@ def test_paged_prefill_attention_names_what_it_refuses(k):
                                   torch.empty_like(q), 0.1)
     q = torch.randn(20, 2, 64)
     cache = torch.randn(2, 16, 1, 64)
-    with pytest.raises(RuntimeError, match="block table is shorter than the slice"):
+    with pytest.raises(RuntimeError, match=r"block table must cover positions \[0, 20\)"):
         k.paged_prefill_attention(q, cache, cache, torch.tensor([1], dtype=torch.int32), 0, 20, 0,
                                   torch.empty_like(q), 0.1)
+
+
+def test_paged_decode_attention_names_what_it_refuses(k):
+    q = torch.randn(2, 2, 64)
+    cache = torch.randn(2, 16, 1, 64)
+    out = torch.empty_like(q)
+
+    def call(lens, rows, cache=cache):
+        k.paged_decode_attention(q, cache, cache, torch.ones(len(lens), 1, dtype=torch.int32),
+                                 torch.tensor(lens, dtype=torch.int32), torch.tensor(rows), out,
+                                 0.1)
+
+    call([16, 3], [0, 1])
+    with pytest.raises(RuntimeError, match="sequence 1's row 2 or length 1 is past"):
+        call([1, 1], [0, 2])
+    with pytest.raises(RuntimeError, match="sequence 0's row -1"):
+        call([1, 1], [-1, 0])
+    with pytest.raises(RuntimeError, match="sequence 0's row 0 or length 17 is past"):
+        call([17, 1], [0, 1])
+    with pytest.raises(RuntimeError, match="heads a multiple of kv_heads"):
+        call([1, 1], [0, 1], cache=torch.randn(2, 16, 3, 64))  # 2 query heads, 3 KV heads
 
 
 def test_dense_linear_packs_what_the_kernel_takes_and_leaves_the_rest_to_torch(k):
