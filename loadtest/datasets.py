@@ -33,6 +33,20 @@ def engine_workload(num_requests: int, seed: int, vocab_size: int,
             for i, r in enumerate(requests)]
 
 
+LONG_PROMPT_OUTPUT = 16
+
+
+def long_prompts(lengths: list[int], seed: int, vocab_size: int) -> list[GenerateRequest]:
+    """One random-token prompt of each length, LONG_PROMPT_OUTPUT tokens out (`ignore_eos`),
+    greedy, ids `long-<i>`: a prompt near the context limit, alone, whose TTFT is its prefill.
+    engine_bench and peer_bench draw the same ones."""
+    rng = random.Random(seed)
+    return [GenerateRequest(
+        prompt_token_ids=[rng.randrange(FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(n)],
+        max_tokens=LONG_PROMPT_OUTPUT, ignore_eos=True, temperature=0.0, request_id=f"long-{i}")
+        for i, n in enumerate(lengths)]
+
+
 def shared_prefix_dataset(n: int, groups: int, prefix_len: int, suffix_range: tuple[int, int],
                           output_range: tuple[int, int], vocab_size: int,
                           rng: random.Random) -> list[GenerateRequest]:

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from loadtest.datasets import engine_workload
+from loadtest.datasets import LONG_PROMPT_OUTPUT, engine_workload, long_prompts
 from loadtest.metrics import nearest_rank, write_result
 from loadtest.quant_quality import completions
 from services.executor.engine.llm_engine import Engine
@@ -42,7 +42,6 @@ CHAT_PROMPTS = [
     "Explain why the sky is blue in simple words.",
 ]
 SINGLE_STREAM_TOKENS = 256
-LONG_PROMPT_OUTPUT = 16
 
 
 def workload_flops(config: ModelConfig, requests: list[GenerateRequest]) -> float:
@@ -130,23 +129,20 @@ async def _single_stream(engine: Engine) -> dict:
 
 
 async def _long_prompts(engine: Engine, lengths: list[int], seed: int) -> list[dict]:
-    """One prompt of each length alone (random token ids): its TTFT (the prefill) and TPOT. A
-    length past the model's context (with the output) is cut to what fits."""
-    gen = torch.Generator().manual_seed(seed)
+    """One prompt of each length alone (`datasets.long_prompts`): its TTFT (the prefill) and
+    TPOT. A length past the model's context (with the output) is cut to what fits."""
+    fit = engine.max_model_len - LONG_PROMPT_OUTPUT
     runs = []
-    for length in lengths:
-        length = min(length, engine.max_model_len - LONG_PROMPT_OUTPUT)
-        ids = torch.randint(0, engine.model_config.vocab_size, (length,), generator=gen)
-        request = GenerateRequest(prompt_token_ids=ids.tolist(), temperature=0.0,
-                                  max_tokens=LONG_PROMPT_OUTPUT, ignore_eos=True)
+    for request in long_prompts([min(n, fit) for n in lengths], seed,
+                                engine.model_config.vocab_size):
         [completion] = await completions(engine, [request])
-        runs.append({"prompt_tokens": length, "ttft_ms": completion.metrics.ttft_ms,
-                     "tpot_ms": completion.metrics.tpot_ms})
+        runs.append({"prompt_tokens": len(request.prompt_token_ids),
+                     "ttft_ms": completion.metrics.ttft_ms, "tpot_ms": completion.metrics.tpot_ms})
     return runs
 
 
 def run_engine(config: EngineConfig, points: dict[int, list[GenerateRequest]],
-               single_stream: bool, long_prompts: list[int] = (), seed: int = 0) -> dict:
+               single_stream: bool, long_lengths: list[int] = (), seed: int = 0) -> dict:
     """One engine through the single-stream prompts, then every sweep point in turn."""
     async def go():
         start = time.perf_counter()
@@ -154,7 +150,7 @@ def run_engine(config: EngineConfig, points: dict[int, list[GenerateRequest]],
             result = {"load_s": time.perf_counter() - start}
             if single_stream:
                 result["single_stream"] = await _single_stream(engine)
-                result["long_prompts"] = await _long_prompts(engine, long_prompts, seed)
+                result["long_prompts"] = await _long_prompts(engine, long_lengths, seed)
             result["points"] = {}
             for n, requests in points.items():
                 point = result["points"][n] = await _run_point(engine, requests)
@@ -277,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, config in variants.items():
         print(f"{name} ...", flush=True)
         runs[name] = run_engine(config, points, single_stream=not args.skip_single_stream,
-                                long_prompts=args.long_prompts, seed=args.seed)
+                                long_lengths=args.long_prompts, seed=args.seed)
     if not args.skip_hf:
         print(f"transformers static batching (batch {args.hf_batch_size}, fp32) ...", flush=True)
         runs["hf_static"] = on_own_thread(run_hf_static, points, args.hf_batch_size)

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     int8_activations = kernels.int8_dot_products()
     quads = {bits: [pack_for_int8_activations(w) for w in quantized[bits]]
              for bits in (8, 4)} if int8_activations else {}
-    bf16_panels = [pack_panels(w.bfloat16()) for w in dense]
+    dense16 = [w.bfloat16() for w in dense]
+    bf16_panels = [pack_panels(w) for w in dense16]
     bf16_pairs = [pack_pairs(w.bfloat16()) for w in dense] if kernels.bf16_dot_products() else []
 
     def run_int8_activations(bits: int, xs: dict, second_byte: bool = False):
@@ -91,10 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(dense)} matmuls ({args.shape}), ms for all of them, best of {args.repeats}")
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k in {k for _, k in layer_shapes(shape)}}
+        xs16 = {k: x.bfloat16() for k, x in xs.items()}
         row = {"rows": m,
                "fp32": best_ms(lambda: [kernels.linear_f32(xs[p.shape[1]], p) for p in panels],
                                args.repeats),
                "blas_fp32": best_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
+                                    args.repeats),
+               # torch's own bf16 matmul (oneDNN: what a peer's bf16 model runs; its outputs
+               # rounded to bf16)
+               "blas_bf16": best_ms(lambda: [F.linear(xs16[w.shape[1]], w) for w in dense16],
                                     args.repeats)}
         for bits in (8, 4):
             for precision in precisions:

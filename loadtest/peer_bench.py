@@ -6,7 +6,8 @@ engine_bench feeds jetserve's engine) to JSONL, runs the peer's runner script wi
 python and the environment its docs advise, and summarizes what the runner wrote back.
 
 - vllm: for each `--num-requests` N, all N requests at t=0 in one `LLM.generate` (throughput),
-  then the first `--single-count` requests alone (TTFT, TPOT). fp32 weights (`--dtype bfloat16`:
+  then the first `--single-count` requests alone (TTFT, TPOT), then `--long-prompts` alone (the
+  long prompts engine_bench times: `datasets.long_prompts`). fp32 weights (`--dtype bfloat16`:
   bf16, its results kept beside fp32's as `vllm_bfloat16`), the HF directory the default GGUF
   converts to: the weights jetserve's engine runs.
 - llamacpp: the first `--single-count` requests one after another, as a local chat app serves
@@ -30,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loadtest.datasets import engine_workload
+from loadtest.datasets import LONG_PROMPT_OUTPUT, engine_workload, long_prompts
 from loadtest.metrics import percentile
 from shared.model_files import default_gguf_path, load_model_config
 
@@ -68,6 +69,10 @@ def run_peer(args, workload: Path, out: Path) -> None:
         command = [str(python), str(RUNNERS / "vllm_runner.py"), "--model", str(model_dir),
                    "--batch-sizes", *map(str, args.num_requests),
                    "--single-count", str(args.single_count), "--dtype", args.dtype]
+        if args.long_prompts:
+            command += ["--long-count", str(len(args.long_prompts)),
+                        "--max-model-len", str(max(2048, max(args.long_prompts)
+                                                   + LONG_PROMPT_OUTPUT))]
         if args.max_num_seqs:
             command += ["--max-num-seqs", str(args.max_num_seqs)]
         if args.max_num_batched_tokens:
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="workload sizes; vllm runs a batch of each (llamacpp: none)")
     parser.add_argument("--single-count", type=int, default=4,
                         help="requests served one at a time (0: none)")
+    parser.add_argument("--long-prompts", type=int, nargs="*", default=[],
+                        help="vllm: also these prompt lengths alone, after the rest")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--max-num-seqs", type=int, help="vllm: its scheduler's default if unset")
@@ -136,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer == "llamacpp":
         if args.single_count < 1:
             parser.error("llamacpp serves requests one at a time: --single-count must be >= 1")
+        if args.long_prompts:
+            parser.error("--long-prompts: vllm only")
         args.num_requests = []  # no batch runs
 
     model_config, _ = load_model_config(args.model, weights=False)
@@ -143,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     # requests of the largest workload are exactly the N-request workload: one file serves all.
     size = max(args.num_requests + [args.single_count])
     requests = engine_workload(size, args.seed, model_config.vocab_size)
+    if args.long_prompts and args.peer == "vllm":  # after the rest: the runner takes the last
+        requests += long_prompts(args.long_prompts, args.seed, model_config.vocab_size)
     requests_by_id = {r.request_id: r for r in requests}
 
     with tempfile.TemporaryDirectory(prefix="peer_bench-") as tmp:
@@ -156,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = raw.pop("modes")
     batches = {n: summarize(run, requests_by_id) for n, run in modes.get("batch", {}).items()}
     single = summarize(modes["single"], requests_by_id) if "single" in modes else None
+    long = [{"prompt_tokens": len(requests_by_id[r["request_id"]].prompt_token_ids),
+             "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"]}
+            for r in modes.get("long", {}).get("requests", [])]
     if single and batches:
         # Batch invariance: the same request alone and in the largest batch (which holds the
         # most of the single run's requests: every batch starts at the workload's first request).
@@ -173,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<14}{run['elapsed_s']:>9.1f}{run['output_tok_per_s']:>11.1f}"
               f"{ttft if ttft is not None else float('nan'):>13.0f}"
               f"{tpot if tpot is not None else float('nan'):>13.1f}")
+    for run in long:
+        print(f"{run['prompt_tokens']:>6}-token prompt alone: TTFT {run['ttft_ms']:7.1f} ms   "
+              f"TPOT {run['tpot_ms']:5.1f} ms")
     if single and "same_tokens_as_batch" in single:
         print(f"single vs batch: identical greedy outputs for "
               f"{single['same_tokens_as_batch']}/{single['compared_with_batch']} requests")
@@ -191,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "peer": raw,  # versions, engine arguments, tuning environment, start-up time
         "batch": batches,
         "single": single,
+        "long_prompts": long,
     }
     path.write_text(json.dumps(result, indent=2))
     outputs = path.with_name(f"{path.stem}_{name}_outputs.json")

@@ -2,7 +2,8 @@
 by part with the torch profiler on the calling thread.
 
 Each case is one step shape: `B` decodes at a given context (batch 1, 8, 64, and the tail of a
-run, a few long sequences), a short chat prompt's prefill, and a full 512-token chunk. Every
+run, a few long sequences), a short chat prompt's prefill, a full 512-token chunk, and a long
+prompt's last 512-token chunk (after 1,536 cached tokens: the chunk that attends the most). Every
 matmul, attention and element-wise op of the model is wrapped in a `record_function` label for
 the run (here, not in the engine), so the parts are the model's own calls; what the labels do not
 cover is Python and dispatch between ops.
@@ -41,6 +42,7 @@ CASES = [
     ("prefill 40 tokens (chat)", 0, 0, 40),
     ("prefill chunk 512 + 16 decodes", 16, 256, 496),
     ("full: 384-token chunk + 128 decodes", 128, 300, 384),  # a many-request run's steady state
+    ("long prompt: chunk 512 after 1,536", 0, 0, 512, 1536),  # a 2,048-token prompt's last
 ]
 PARTS = {
     "qkv_proj": "matmuls", "o_proj": "matmuls", "gate_up_proj": "matmuls", "down_proj": "matmuls",
@@ -82,13 +84,15 @@ def labelled(model):
                 setattr(owner, attr, own)
 
 
-def step_inputs(engine: Engine, decodes: int, context: int, prefill: int):
-    """Tensors of one step: `decodes` sequences at `context`, then one prefill of `prefill`."""
+def step_inputs(engine: Engine, decodes: int, context: int, prefill: int, cached: int = 0):
+    """Tensors of one step: `decodes` sequences at `context`, then one prefill of `prefill`
+    tokens after `cached` ones (whose cache holds whatever the pool holds: the time is the
+    same)."""
     runner, bs = engine.runner, engine.config.kv_cache.block_size
     vocab = engine.model_config.vocab_size
     next_block = 0
     slices, slots, ids, positions, logits_rows = [], [], [], [], []
-    shapes = [(context - 1, 1)] * decodes + ([(0, prefill)] if prefill else [])
+    shapes = [(context - 1, 1)] * decodes + ([(cached, prefill)] if prefill else [])
     for start, n in shapes:
         blocks = -(-(start + n) // bs)
         table = list(range(next_block, next_block + blocks))
@@ -105,9 +109,10 @@ def step_inputs(engine: Engine, decodes: int, context: int, prefill: int):
                                                       [None] * len(logits_rows)))
 
 
-def run_case(engine: Engine, decodes: int, context: int, prefill: int, repeats: int) -> dict:
+def run_case(engine: Engine, decodes: int, context: int, prefill: int, repeats: int,
+             cached: int = 0) -> dict:
     model, runner = engine.runner.model, engine.runner
-    ids, positions, meta, rows, sampling = step_inputs(engine, decodes, context, prefill)
+    ids, positions, meta, rows, sampling = step_inputs(engine, decodes, context, prefill, cached)
 
     def step():
         logits = model.forward(ids, positions, [KvSegment(meta, runner.kv_caches)], rows)
@@ -133,7 +138,7 @@ def run_case(engine: Engine, decodes: int, context: int, prefill: int, repeats: 
     parts["python and dispatch between ops"] = profiled_ms - sum(parts.values())
     step_ms = statistics.median(walls)
     tokens = decodes + prefill
-    return {"decodes": decodes, "context": context, "prefill_tokens": prefill,
+    return {"decodes": decodes, "context": context, "prefill_tokens": prefill, "cached": cached,
             "step_ms": round(step_ms, 2), "profiled_step_ms": round(profiled_ms, 2),
             "tokens_per_s": round(tokens / step_ms * 1e3, 1),
             "parts_ms": {k: round(v, 2) for k, v in parts.items()}}
@@ -159,9 +164,10 @@ def main() -> None:
         rows = []
         variant = quantization if dtype == "auto" else f"{dtype} {quantization}"
         print(f"\n{variant} (threads: {torch.get_num_threads()})")
-        for name, decodes, context, prefill in CASES:
+        for name, decodes, context, prefill, *cached in CASES:
             # On the engine's model thread, as the engine runs steps: one OpenMP team.
-            row = engine.on_model_thread(run_case, engine, decodes, context, prefill, args.repeats)
+            row = engine.on_model_thread(run_case, engine, decodes, context, prefill, args.repeats,
+                                         *cached)
             row["case"] = name
             rows.append(row)
             parts = ", ".join(f"{k} {v:.1f}" for k, v in row["parts_ms"].items())

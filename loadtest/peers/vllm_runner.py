@@ -8,6 +8,7 @@ serves, after one short warm-up request, two modes:
 - `batch`: the first N requests (for each N of `--batch-sizes`) handed to one `LLM.generate` call
   at t=0 (vLLM schedules them itself): wall-clock time.
 - `single`: the first `--single-count` requests one at a time, as a lone user sees them.
+- `long`: the last `--long-count` requests (long prompts) one at a time, after the others.
 
 Each request's TTFT and TPOT come from its RequestOutput's `metrics` (vLLM's RequestStateStats,
 kept because stats logging is on): TTFT is `first_token_latency` (arrival to first token,
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--long-count", type=int, default=0,
+                        help="the last K requests are long prompts, run one at a time")
     parser.add_argument("--max-model-len", type=int, default=2048)
     # vLLM's CPU default compiles the model with inductor: here ~20% more batch throughput than
     # eager for ~20 s more start-up once its compile cache is warm (the first start: ~90 s).
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM
 
     requests = read_workload(args.workload)
+    long = requests[len(requests) - args.long_count:] if args.long_count else []
+    requests = requests[:len(requests) - len(long)]
     llm_args = {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
                 "enforce_eager": args.enforce_eager, "seed": 0,
                 # Off: the single run repeats prompts the batch runs cached, which would make
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         modes["batch"] = {str(n): run_batch(llm, requests[:n]) for n in args.batch_sizes}
     if args.single_count:
         modes["single"] = run_single(llm, requests[:args.single_count])
+    if long:
+        modes["long"] = run_single(llm, long)
 
     result = {
         "peer": "vllm",

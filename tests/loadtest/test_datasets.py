@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from loadtest.datasets import (jsonl_dataset, random_dataset, sharegpt_dataset,
-                               shared_prefix_dataset, with_ids)
+from loadtest.datasets import (LONG_PROMPT_OUTPUT, jsonl_dataset, long_prompts, random_dataset,
+                               sharegpt_dataset, shared_prefix_dataset, with_ids)
 
 
 def test_random_lengths_are_in_range_and_exact():
@@ -13,6 +13,17 @@ def test_random_lengths_are_in_range_and_exact():
                for r in requests)
     assert all(17 <= t < 1000 for r in requests for t in r.prompt_token_ids)
     assert random_dataset(50, (4, 8), (2, 3), 1000, random.Random(0)) == requests  # seeded
+
+
+def test_long_prompts_have_their_lengths_and_are_the_same_for_every_bench():
+    requests = long_prompts([2048, 5, 2048], 0, 1000)
+    assert [len(r.prompt_token_ids) for r in requests] == [2048, 5, 2048]
+    assert [r.request_id for r in requests] == ["long-0", "long-1", "long-2"]
+    assert all(r.max_tokens == LONG_PROMPT_OUTPUT and r.ignore_eos and r.temperature == 0.0
+               for r in requests)
+    assert all(17 <= t < 1000 for r in requests for t in r.prompt_token_ids)
+    assert requests[0].prompt_token_ids != requests[2].prompt_token_ids
+    assert long_prompts([2048, 5, 2048], 0, 1000) == requests  # engine_bench's and peer_bench's
 
 
 def test_shared_prefix_groups():

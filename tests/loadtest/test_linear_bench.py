@@ -18,7 +18,7 @@ def test_every_format_and_row_count_is_timed(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [r["rows"] for r in results] == [1, 9]
     for row in results:
-        columns = {"fp32", "blas_fp32", "int8_fp32", "int4_fp32", "bf16_panels",
+        columns = {"fp32", "blas_fp32", "blas_bf16", "int8_fp32", "int4_fp32", "bf16_panels",
                    "fp32_gflop_per_s"} | ({"bf16_pairs"} if cpu_ops.native_bf16() else set())
         assert columns <= set(row)
         assert all(row[c] > 0 for c in columns), row

@@ -12,8 +12,9 @@ async def test_parts_cover_the_step_and_the_model_is_restored():
     model = engine.runner.model
     linear = model.layers[0].qkv_proj
     try:
-        for decodes, context, prefill in ((3, 40, 0), (2, 20, 24)):
-            row = run_case(engine, decodes, context, prefill, repeats=2)
+        for decodes, context, prefill, cached in ((3, 40, 0, 0), (2, 20, 24, 0), (0, 0, 16, 40)):
+            row = run_case(engine, decodes, context, prefill, repeats=2, cached=cached)
+            assert row["cached"] == cached
             parts = row["parts_ms"]
             assert set(parts) == set(PARTS.values()) | {"python and dispatch between ops"}
             assert all(ms > 0 for ms in parts.values()), parts
