@@ -25,6 +25,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import torch
 
 from loadtest.datasets import LONG_PROMPT_OUTPUT, engine_workload, long_prompts
@@ -130,11 +131,12 @@ async def _single_stream(engine: Engine) -> dict:
 
 async def _long_prompts(engine: Engine, lengths: list[int], seed: int) -> list[dict]:
     """One prompt of each length alone (`datasets.long_prompts`): its TTFT (the prefill) and
-    TPOT. A length past the model's context (with the output) is cut to what fits."""
+    TPOT. A prompt past the model's context (with the output) is cut to what fits, the others
+    left as peer_bench has them."""
     fit = engine.max_model_len - LONG_PROMPT_OUTPUT
     runs = []
-    for request in long_prompts([min(n, fit) for n in lengths], seed,
-                                engine.model_config.vocab_size):
+    for request in long_prompts(lengths, seed, engine.model_config.vocab_size):
+        request = msgspec.structs.replace(request, prompt_token_ids=request.prompt_token_ids[:fit])
         [completion] = await completions(engine, [request])
         runs.append({"prompt_tokens": len(request.prompt_token_ids),
                      "ttft_ms": completion.metrics.ttft_ms, "tpot_ms": completion.metrics.tpot_ms})

@@ -122,12 +122,13 @@ def same_tokens(a: dict, b: dict) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer", choices=["vllm", "llamacpp"], required=True)
-    parser.add_argument("--num-requests", type=int, nargs="+", default=[128],
+    parser.add_argument("--num-requests", type=int, nargs="*", default=[128],
                         help="workload sizes; vllm runs a batch of each (llamacpp: none)")
     parser.add_argument("--single-count", type=int, default=4,
                         help="requests served one at a time (0: none)")
     parser.add_argument("--long-prompts", type=int, nargs="*", default=[],
-                        help="vllm: also these prompt lengths alone, after the rest")
+                        help="vllm: also these prompt lengths alone, after the rest (results "
+                        "kept as <peer>_long_prompts: vLLM's max_model_len grows to fit them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--max-num-seqs", type=int, help="vllm: its scheduler's default if unset")
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     model_config, _ = load_model_config(args.model, weights=False)
     # engine_workload draws request i after requests 0..i-1 from one generator, so the first N
     # requests of the largest workload are exactly the N-request workload: one file serves all.
-    size = max(args.num_requests + [args.single_count])
+    size = max(args.num_requests + [args.single_count, 1])
     requests = engine_workload(size, args.seed, model_config.vocab_size)
     if args.long_prompts and args.peer == "vllm":  # after the rest: the runner takes the last
         requests += long_prompts(args.long_prompts, args.seed, model_config.vocab_size)
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if path.exists():  # the other peer's entry stays
         result = json.loads(path.read_text())
     name = args.peer if args.dtype == "float32" else f"{args.peer}_{args.dtype}"
+    if args.long_prompts:  # another context length: kept beside the sweep's entry, not over it
+        name += "_long_prompts"
     result["peers"][name] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),

@@ -336,7 +336,7 @@ void paged_decode_attention(
   for (int64_t i = 0; i < num_seqs; ++i) {  // (a loop: a tensor reduction costs microseconds)
     const int64_t row = rows[i], len = lens[i];
     max_len = std::max(max_len, len);
-    TORCH_CHECK(row >= 0 && row < q.size(0) && row < out.size(0) && len >= 0 &&
+    TORCH_CHECK(row >= 0 && row < q.size(0) && row < out.size(0) && len >= 1 &&
                 len <= block_tables.size(1) * k_cache.size(1), "paged_decode_attention: sequence ",
                 i, "'s row ", row, " or length ", len, " is past q, out or its block table");
   }

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = llm.llm_engine.vllm_config.scheduler_config
     # One short request first, so neither mode pays for first-call work (lazy init, compiles).
     start = time.perf_counter()
-    warmup = {"request_id": "warmup", "prompt_token_ids": requests[0]["prompt_token_ids"][:16],
+    warmup = {"request_id": "warmup",
+              "prompt_token_ids": (requests or long)[0]["prompt_token_ids"][:16],
               "max_tokens": 4}
     generate(llm, [warmup])
     warmup_s = time.perf_counter() - start

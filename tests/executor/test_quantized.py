@@ -11,7 +11,7 @@ from shared.config import engine_config
 from shared.protocol import ChatMessage, GenerateRequest
 from tests.conftest import generate_all
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def test_perplexity_stays_close_to_fp32(fp32_perplexity, mode, bound, max_bytes,
 
 # int4 rounds the Q4_1 values a second time: it answers "L'Étoile (The City of Lights) is the
 # capital of France." and is left out here; its cost shows in the perplexity test above.
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("mode, activations", [
     ("auto", "float32"), ("int8", "float32"),
     pytest.param("auto", "int8", marks=int8_activations.marks)])

@@ -122,16 +122,17 @@ async def test_up_sigkilled_leaves_no_process_behind(tmp_path):
         assert len(processes_using(url)) == 6  # nats-server, four services, an executor
     finally:
         up.kill()
-    for _ in range(300):
-        if not processes_using(url):
-            break
-        await asyncio.sleep(0.1)
-    left = processes_using(url)
-    for pid in left:  # (only when the test fails: not to leave them running either)
-        os.kill(pid, signal.SIGKILL)
+        for _ in range(300):
+            if not processes_using(url):
+                break
+            await asyncio.sleep(0.1)
+        left = processes_using(url)
+        for pid in left:  # (only when the test fails: not to leave them running either)
+            os.kill(pid, signal.SIGKILL)
+        # Its children held its stdout: the pipe closes once they are gone. Read it to its end,
+        # not only wait for the exit (on Python 3.11 that returns with the pipe still open), and
+        # also when the test fails: a pipe left open when the test's loop closes raises from its
+        # finalizer later, in whichever test the garbage collector happens to run (once inside
+        # ast.parse, which it broke).
+        await asyncio.wait_for(up.communicate(), 30)
     assert left == []
-    # Its children held its stdout: the pipe closes once they are gone. Read it to its end, not
-    # only wait for the exit (on Python 3.11 that returns with the pipe still open): a pipe
-    # left open when the test's loop closes raises from its finalizer later, in whichever test
-    # the garbage collector happens to run (once inside ast.parse, which it broke).
-    await asyncio.wait_for(up.communicate(), 30)
