@@ -84,6 +84,31 @@ inline void check_slice(const char* op, const torch::Tensor& q, const torch::Ten
               ": the block table must cover positions [0, ", first_pos + q_len, ")");
 }
 
+// What the prefill kernels read of their tensors (checked first): the data, strides (q and out
+// in floats, cache rows in bytes) and the heads' layout.
+struct SliceView {
+  const float* q;
+  float* out;
+  const char* k;
+  const char* v;
+  const int32_t* table;
+  int64_t q_stride, out_stride, row_bytes, token_stride;
+  int64_t num_heads, head_dim, block_size, num_kv_heads, group;
+  float scale;
+
+  SliceView(const torch::Tensor& q_, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& block_table, torch::Tensor& out_, double scale_)
+      : q(q_.data_ptr<float>()), out(out_.data_ptr<float>()),
+        k(static_cast<const char*>(k_cache.data_ptr())),
+        v(static_cast<const char*>(v_cache.data_ptr())), table(block_table.data_ptr<int32_t>()),
+        q_stride(q_.stride(0)), out_stride(q_.size(1) * q_.size(2)),
+        row_bytes(k_cache.size(3) * k_cache.element_size()),
+        token_stride(k_cache.size(2) * k_cache.size(3) * k_cache.element_size()),
+        num_heads(q_.size(1)), head_dim(q_.size(2)), block_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)), group(q_.size(1) / k_cache.size(2)),
+        scale(static_cast<float>(scale_)) {}
+};
+
 // One cache value as fp32, for the portable paths.
 inline float bf16_at(const char* p) {
   c10::BFloat16 b;

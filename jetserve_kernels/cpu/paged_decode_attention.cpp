@@ -466,49 +466,33 @@ void paged_prefill_as_decodes(
   const int64_t head_dim = q.size(2);
 #if defined(__AVX512F__)
   if (head_dim == 64 || head_dim == 128) {
-    const int64_t num_heads = q.size(1);
-    const int64_t block_size = k_cache.size(1);
-    const int64_t num_kv_heads = k_cache.size(2);
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
-    const int64_t token_stride = num_kv_heads * row_bytes;
-    const float* q_ptr = q.data_ptr<float>();
-    const char* k_ptr = static_cast<const char*>(k_cache.data_ptr());
-    const char* v_ptr = static_cast<const char*>(v_cache.data_ptr());
-    const int32_t* table = block_table.data_ptr<int32_t>();
-    float* out_ptr = out.data_ptr<float>();
-    const int64_t q_stride = q.stride(0), out_stride = num_heads * head_dim;
-    const float fscale = static_cast<float>(scale);
+    const paged::SliceView s(q, k_cache, v_cache, block_table, out, scale);
     // Tiles of up to kTile tokens, small enough to leave each thread several tasks. The tiles'
     // work grows with their position: short and long ones alternate, so that the contiguous
     // ranges the threads get carry equal work.
     constexpr int64_t kTile = 16;
     const int64_t threads = at::get_num_threads();
-    const int64_t tile = std::clamp<int64_t>(q_len * num_kv_heads / (4 * threads), 1, kTile);
+    const int64_t tile = std::clamp<int64_t>(q_len * s.num_kv_heads / (4 * threads), 1, kTile);
     const int64_t tiles = (q_len + tile - 1) / tile;
-    at::parallel_for(0, tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tiles * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       TileScratch scratch;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t j = task / num_kv_heads, kv = task % num_kv_heads;
+        const int64_t j = task / s.num_kv_heads, kv = task % s.num_kv_heads;
         const int64_t i = j % 2 == 0 ? j / 2 : tiles - 1 - j / 2;
         const int64_t t0 = i * tile, tokens = std::min(tile, q_len - t0);
-        const int64_t h = kv * group;
-        const float* qh = q_ptr + (q_start + t0) * q_stride + h * head_dim;
-        float* o = out_ptr + (q_start + t0) * out_stride + h * head_dim;
-        const RowCursor keys{k_ptr + kv * row_bytes, table, block_size, token_stride};
-        const RowCursor values{v_ptr + kv * row_bytes, table, block_size, token_stride};
+        const int64_t h = kv * s.group;
+        const float* qh = s.q + (q_start + t0) * s.q_stride + h * head_dim;
+        float* o = s.out + (q_start + t0) * s.out_stride + h * head_dim;
+        const RowCursor keys{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
+        const RowCursor values{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
         const int64_t first_len = first_pos + t0 + 1;
         auto run = [&](auto dv) {
           constexpr int DV = decltype(dv)::value;
-          if (kind == paged::Rows::Int8)
-            decode_tile<int8_t, DV>(qh, q_stride, group, fscale, keys, values, first_len, tokens,
-                                    o, out_stride, scratch);
-          else if (kind == paged::Rows::BF16)
-            decode_tile<c10::BFloat16, DV>(qh, q_stride, group, fscale, keys, values, first_len,
-                                           tokens, o, out_stride, scratch);
-          else
-            decode_tile<float, DV>(qh, q_stride, group, fscale, keys, values, first_len, tokens,
-                                   o, out_stride, scratch);
+          auto tile_fn = kind == paged::Rows::Int8 ? decode_tile<int8_t, DV>
+                         : kind == paged::Rows::BF16 ? decode_tile<c10::BFloat16, DV>
+                                                     : decode_tile<float, DV>;
+          tile_fn(qh, s.q_stride, s.group, s.scale, keys, values, first_len, tokens, o,
+                  s.out_stride, scratch);
         };
         if (head_dim == 64) run(std::integral_constant<int, 4>{});
         else run(std::integral_constant<int, 8>{});

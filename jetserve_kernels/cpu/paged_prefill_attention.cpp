@@ -123,39 +123,28 @@ void paged_prefill_attention(
     double scale) {
   const paged::Rows kind =
       paged::check_attention_args("paged_prefill_attention", q, k_cache, v_cache, out, block_table);
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  paged::check_slice("paged_prefill_attention", q, out, block_table, block_size, q_start, q_len,
+  const paged::SliceView s(q, k_cache, v_cache, block_table, out, scale);
+  paged::check_slice("paged_prefill_attention", q, out, block_table, s.block_size, q_start, q_len,
                      first_pos);
 #if defined(__AVX512F__)
-  TORCH_CHECK(head_dim == 64 || head_dim == 128,
-              "paged_prefill_attention: head_dim 64 or 128, not ", head_dim);
-  const float* q_ptr = q.data_ptr<float>();
-  const char* k_ptr = static_cast<const char*>(k_cache.data_ptr());
-  const char* v_ptr = static_cast<const char*>(v_cache.data_ptr());
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const int64_t q_stride = q.stride(0), out_stride = num_heads * head_dim;
-  const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
-  const int64_t token_stride = num_kv_heads * row_bytes;
-  const int64_t num_rows = q_len * group, tiles = (num_rows + 15) / 16;
-  const float fscale = static_cast<float>(scale);
+  TORCH_CHECK(s.head_dim == 64 || s.head_dim == 128,
+              "paged_prefill_attention: head_dim 64 or 128, not ", s.head_dim);
+  const int64_t num_rows = q_len * s.group, tiles = (num_rows + 15) / 16;
   // Later tiles attend to more keys: tasks alternate between the first and the last tiles, so
   // the contiguous ranges parallel_for hands each thread carry equal work.
-  at::parallel_for(0, tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task % num_kv_heads, i = task / num_kv_heads;
+      const int64_t kv = task % s.num_kv_heads, i = task / s.num_kv_heads;
       const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
-      const float* qs = q_ptr + q_start * q_stride + kv * group * head_dim;
-      float* o = out_ptr + q_start * out_stride + kv * group * head_dim;
-      const RowCursor keys{k_ptr + kv * row_bytes, table, block_size, token_stride};
-      const RowCursor values{v_ptr + kv * row_bytes, table, block_size, token_stride};
+      const float* qs = s.q + q_start * s.q_stride + kv * s.group * s.head_dim;
+      float* o = s.out + q_start * s.out_stride + kv * s.group * s.head_dim;
+      const RowCursor keys{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
+      const RowCursor values{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
       auto run = [&](auto tile_fn) {
-        tile_fn(qs, q_stride, o, out_stride, tile * 16, num_rows, group, first_pos, fscale, keys,
-                values);
+        tile_fn(qs, s.q_stride, o, s.out_stride, tile * 16, num_rows, s.group, first_pos, s.scale,
+                keys, values);
       };
-      const bool d64 = head_dim == 64;
+      const bool d64 = s.head_dim == 64;
       if (kind == paged::Rows::Int8) run(d64 ? prefill_tile<int8_t, 4> : prefill_tile<int8_t, 8>);
       else if (kind == paged::Rows::BF16)
         run(d64 ? prefill_tile<c10::BFloat16, 4> : prefill_tile<c10::BFloat16, 8>);
