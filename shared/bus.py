@@ -269,7 +269,7 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
                 break
             except (NoRespondersError, ServiceUnavailableError, nats.errors.TimeoutError) as exc:
                 waited = loop.time() - start
-                if waited >= (JETSTREAM_WAKE_S if isinstance(exc, NoRespondersError)
+                if waited >= (JETSTREAM_WAKE_S if no_jetstream_responder(exc)
                               else config.nats.connect_wait_s):
                     raise StreamMismatch(
                         "JetStream is not enabled on the NATS server, or its cluster has no "
@@ -293,6 +293,15 @@ async def ensure_streams(js: JetStreamContext, config: JetserveConfig) -> None:
             raise StreamMismatch(
                 f"stream {stream.name} needs per-message TTLs (its ended requests' tombstones "
                 f"expire by them), which nats-server 2.11 and later keep: upgrade the server")
+
+
+def no_jetstream_responder(exc: Exception) -> bool:
+    """Whether nothing answered a JetStream API request: a server without JetStream, or one
+    whose JetStream is still starting (nats-py turns the server's no-responders status into a
+    ServiceUnavailableError without a code). A JetStream that answers 503 itself (a cluster
+    electing its leader) carries the code."""
+    return isinstance(exc, NoRespondersError) or (isinstance(exc, ServiceUnavailableError)
+                                                  and exc.code is None)
 
 
 async def while_electing(call: Callable[[], Awaitable], wait_s: float):

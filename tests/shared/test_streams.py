@@ -11,7 +11,8 @@ import pytest
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import ServiceUnavailableError
 
-from shared.bus import StreamMismatch, ensure_streams, while_electing
+from shared.bus import (JETSTREAM_WAKE_S, StreamMismatch, ensure_streams,
+                        no_jetstream_responder, while_electing)
 from shared.config import load_config
 from shared.subjects import REQUESTS_STREAM, RESULTS_STREAM
 from tests.nats_server import nats_server
@@ -46,9 +47,23 @@ async def test_a_setting_jetstream_cannot_change_is_named(tmp_path):
 
 
 async def test_jetstream_off_is_named(tmp_path):
+    """Said after the few seconds a starting JetStream may take, not after nats.connect_wait_s
+    (what a cluster electing its leader is given: its JetStream answers 503 itself)."""
+    config = load_config(None, {})
     async with nats_server(tmp_path, jetstream=False) as nc:
+        started = time.monotonic()
         with pytest.raises(StreamMismatch, match="JetStream is not enabled on the NATS server"):
-            await ensure_streams(nc.jetstream(), load_config(None, {}))
+            await ensure_streams(nc.jetstream(), config)
+    took = time.monotonic() - started
+    assert JETSTREAM_WAKE_S <= took < config.nats.connect_wait_s, took
+
+
+def test_no_responders_is_told_from_a_jetstream_that_answers_503():
+    assert no_jetstream_responder(nats.errors.NoRespondersError())
+    assert no_jetstream_responder(ServiceUnavailableError())  # nats-py's no-responders
+    assert not no_jetstream_responder(ServiceUnavailableError(
+        code=503, err_code=10008, description="JetStream system temporarily unavailable"))
+    assert not no_jetstream_responder(nats.errors.TimeoutError())
 
 
 async def test_a_call_jetstream_does_not_answer_is_tried_again_for_its_wait(tmp_path):
