@@ -39,6 +39,31 @@ inline void prefetch_rows(RowCursor& cursor, int64_t count) {
   for (int64_t i = 0; i < count; ++i) prefetch_row<T, DV>(cursor.next());
 }
 
+// A KV head's keys 16 rows at a time, widened to fp32, each row asked for kAhead positions
+// before its use.
+template <typename T, int DV>
+struct KeyChunks {
+  RowCursor keys, ahead;  // `ahead` runs kAhead positions in front of `keys`
+  int64_t len, ahead_pos;
+
+  KeyChunks(RowCursor first, int64_t len_)
+      : keys(first), ahead(first), len(len_), ahead_pos(std::min<int64_t>(kAhead, len_)) {
+    prefetch_rows<T, DV>(ahead, ahead_pos);
+  }
+
+  // The rows from position p0 (16, or fewer at the end) into key; returns how many.
+  int next(int64_t p0, __m512 (*key)[DV]) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
+    const char* rows[16];
+    for (int i = 0; i < n; ++i) rows[i] = keys.next();
+    const int64_t more = std::min<int64_t>(16, len - ahead_pos);
+    prefetch_rows<T, DV>(ahead, more);
+    ahead_pos += more;
+    for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
+    return n;
+  }
+};
+
 // One query head's 16 * DV values times the scale, as the scores take them.
 template <int DV>
 inline void scaled_query(const float* q, float scale, __m512* qv) {
@@ -66,19 +91,11 @@ template <typename T, int DV>
 void score_group(const float* q, int64_t group, float scale, RowCursor keys, int64_t len,
                  float* scores, int64_t stride, float* peak) {
   std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
-  const char* rows[16];
-  RowCursor ahead = keys;  // kAhead positions in front of `keys`
-  int64_t ahead_pos = std::min<int64_t>(kAhead, len);
-  prefetch_rows<T, DV>(ahead, ahead_pos);
+  KeyChunks<T, DV> chunks(keys, len);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
-    for (int i = 0; i < n; ++i) rows[i] = keys.next();
-    const int64_t more = std::min<int64_t>(16, len - ahead_pos);
-    prefetch_rows<T, DV>(ahead, more);
-    ahead_pos += more;
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     __m512 key[16][DV];  // the 16 rows as fp32, read once for the G heads
-    for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
+    const int n = chunks.next(p0, key);
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t h = 0; h < group; ++h) {
       __m512 qv[DV];
       scaled_query<DV>(q + h * 16 * DV, scale, qv);
@@ -215,18 +232,10 @@ void decode_tile(const float* q, int64_t q_stride, int64_t group, float scale, R
       scaled_query<DV>(q + t * q_stride + h * 16 * DV, scale, qv + (t * group + h) * DV);
 
   // Scores: 16 key rows at a time, for each token that reaches them.
-  const char* rows[16];
-  RowCursor ahead = keys;
-  int64_t ahead_pos = std::min<int64_t>(kAhead, max_len);
-  prefetch_rows<T, DV>(ahead, ahead_pos);
+  KeyChunks<T, DV> chunks(keys, max_len);
   __m512 key[16][DV];
   for (int64_t p0 = 0; p0 < max_len; p0 += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, max_len - p0));
-    for (int i = 0; i < n; ++i) rows[i] = keys.next();
-    const int64_t more = std::min<int64_t>(16, max_len - ahead_pos);
-    prefetch_rows<T, DV>(ahead, more);
-    ahead_pos += more;
-    for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
+    chunks.next(p0, key);
     for (int64_t t = std::max<int64_t>(0, p0 + 1 - first_len); t < tokens; ++t) {
       const int nt = static_cast<int>(std::min<int64_t>(16, first_len + t - p0));
       const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1);
