@@ -11,7 +11,8 @@ import pytest_asyncio
 
 from shared.client import JetserveClient
 from shared.protocol import Completion, Error, GenerateRequest
-from tests.integration.conftest import SMALL_EXECUTOR, running_stack, wait_for_stat
+from tests.integration.conftest import (SMALL_EXECUTOR, running_stack, service_stats,
+                                        wait_for_stat)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -55,11 +56,22 @@ async def test_past_its_concurrency_quota_or_queue_share_a_tenant_is_rate_limite
 
 async def test_past_its_share_of_the_durable_backlog_a_tenant_is_rate_limited(stack):
     async with await JetserveClient.connect(stack.url, tenant="heavy") as heavy, \
-            await JetserveClient.connect(stack.url, tenant="light") as light:
+            await JetserveClient.connect(stack.url, tenant="light") as light, \
+            await JetserveClient.connect(stack.url, tenant="busy") as busy:
+        # Both executor slots are taken until cancelled, so heavy's first four wait at priority
+        # (held, and counted toward its share) however slowly the excess is judged: on the tiny
+        # model a 400-token request ends in half a second, which a loaded host can outlast.
+        blockers = [asyncio.create_task(busy.generate(long(f"b{i}", 2000), timeout=120))
+                    for i in range(2)]
+        await wait_for_stat(busy, "executor", "running", 2)
         for i in range(QUEUE):  # the whole of LLM_REQUESTS
             await heavy.submit(long(f"h{i}"))
         results = await asyncio.gather(*(heavy.result(f"h{i}", timeout=120)
                                           for i in range(QUEUE // 2, QUEUE)))
+        held = (await service_stats(heavy, "admission"))["durable_held"]
+        for i in range(2):
+            await busy.cancel(f"b{i}")
+        blocked = await asyncio.gather(*blockers)
         # The excess was answered and its places freed: another tenant's request goes in.
         assert not (await light.submit(long("mine", 20))).duplicate
         mine = await light.result("mine", timeout=120)
@@ -71,8 +83,10 @@ async def test_past_its_share_of_the_durable_backlog_a_tenant_is_rate_limited(st
         await wait_for_stat(heavy, "admission", "durable_held", 0)
         again = await heavy.submit(long(f"h{QUEUE - 1}", 10))
         retried = await heavy.result(f"h{QUEUE - 1}", timeout=120)
+    assert held == QUEUE // 2
     assert all(isinstance(r, Error) and r.code == "rate_limited" and r.retry_after_ms == 1000.0
                and "durable_share 0.5" in r.message for r in results), results
+    assert all(isinstance(b, Completion) and b.finish_reason == "cancelled" for b in blocked)
     assert all(isinstance(r, Completion) for r in kept), kept
     assert isinstance(mine, Completion) and len(mine.token_ids) == 20
     assert not again.duplicate and isinstance(retried, Completion), retried
