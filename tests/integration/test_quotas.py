@@ -35,7 +35,9 @@ def long(request_id: str, max_tokens: int = 400) -> GenerateRequest:
 async def test_past_its_concurrency_quota_or_queue_share_a_tenant_is_rate_limited(stack):
     async with await JetserveClient.connect(stack.url, tenant="flood") as flood, \
             await JetserveClient.connect(stack.url, tenant="calm") as calm:
-        floods = [asyncio.create_task(flood.generate(long(f"f{i}"), timeout=120))
+        # 2,000 tokens (about 3 s on the tiny model): the first two still run while the rest
+        # of the flood, then calm's requests, are judged, on a loaded host too.
+        floods = [asyncio.create_task(flood.generate(long(f"f{i}", 2000), timeout=120))
                   for i in range(10)]
         await wait_for_stat(flood, "executor", "running", 2)
         calms = [asyncio.create_task(calm.generate(long(f"c{i}", 50), timeout=120))
