@@ -1,11 +1,12 @@
 """The CPU attention kernels on their own: decode batches and prefill chunks over a paged KV
 cache (fp32, or `--kv-dtype` bf16 or int8: jetserve_kernels/kv_int8.py) for every layer of a
 model (a cache per layer, blocks scattered, so it streams from memory as in the engine), against
-SDPA over the gathered blocks, as the torch backend runs without the kernels. A prefill also as
-a batch-invariant bf16 model runs it ("as decodes": each token with a decode's bits, a tile of
-tokens sharing the key and value reads), and as each token a row of the decode kernel ("as
-decode rows", what that model ran before). The median of `--repeats` runs, in ms for all the
-layers.
+SDPA over the gathered blocks, as the torch backend runs without the kernels. A decode runs in
+both of the decode kernel's orders: its own (an fp32 model's) and the batch-invariant one a bf16
+model's decodes share with the prefill kernel ("invariant"). A prefill runs on the prefill
+kernel, and as each token a row of the invariant decode kernel ("as decode rows": what a
+batch-invariant model's prefill costs without the prefill kernel's tiles). The median of
+`--repeats` runs, in ms for all the layers.
 
     python -m loadtest.attention_bench --decode 1:300 8:256 64:256 128:300 \
         --prefill 40:0 384:0 200:300 --result-json results/attention_bench.json
@@ -78,10 +79,10 @@ def decode_point(kernels, shape: dict, seqs: int, length: int, repeats: int,
     rows = torch.arange(seqs)
     scale = dim ** -0.5
 
-    def kernel():
+    def kernel(invariant: bool = False):
         for layer in range(layers):
             kernels.paged_decode_attention(q, caches.k[layer], caches.v[layer], caches.tables,
-                                           lens, rows, out, scale)
+                                           lens, rows, out, scale, invariant)
 
     def sdpa():  # every sequence at the same length: one batched call a layer
         for layer in range(layers):
@@ -92,6 +93,7 @@ def decode_point(kernels, shape: dict, seqs: int, length: int, repeats: int,
                                            enable_gqa=True)
 
     row = {"seqs": seqs, "context": length, "kernel_ms": median_ms(kernel, repeats),
+           "invariant_ms": median_ms(lambda: kernel(True), repeats),
            "sdpa_ms": median_ms(sdpa, repeats)}
     row["kernel_gb_per_s"] = caches.bytes / row["kernel_ms"] / 1e6
     return row
@@ -122,14 +124,7 @@ def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int,
                                            values.unsqueeze(0).transpose(1, 2), attn_mask=mask,
                                            scale=scale, enable_gqa=True)
 
-    # As a batch-invariant (bf16) model runs a prefill: each token with a decode's bits, the key
-    # and value reads shared by a tile of tokens; and, before that kernel, each token a row of
-    # the decode kernel (every token reading its whole context).
-    def as_decodes():
-        for layer in range(layers):
-            kernels.paged_prefill_as_decodes(q, caches.k[layer], caches.v[layer], table, 0,
-                                             tokens, cached, out, scale)
-
+    # Each token a row of the invariant decode kernel (every token reading its whole context).
     # (short and long rows alternating, as the engine ran them: each thread's contiguous share
     # of the rows then carries equal work)
     order = torch.arange(tokens)
@@ -139,10 +134,9 @@ def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int,
     def as_decode_rows():
         for layer in range(layers):
             kernels.paged_decode_attention(q, caches.k[layer], caches.v[layer],
-                                           table.expand(tokens, -1), lens, rows, out, scale)
+                                           table.expand(tokens, -1), lens, rows, out, scale, True)
 
     row = {"tokens": tokens, "cached": cached, "kernel_ms": median_ms(kernel, repeats),
-           "as_decodes_ms": median_ms(as_decodes, repeats),
            "as_decode_rows_ms": median_ms(as_decode_rows, repeats),
            "sdpa_ms": median_ms(sdpa, repeats)}
     flops = 4 * heads * dim * (tokens * cached + tokens * (tokens + 1) / 2) * layers
@@ -172,14 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         row = decode_point(kernels, shape, seqs, length, args.repeats, args.kv_dtype)
         decodes.append(row)
         print(f"  decode {seqs:4d} x {length:5d}: kernel {row['kernel_ms']:8.1f} "
-              f"({row['kernel_gb_per_s']:.1f} GB/s)  SDPA {row['sdpa_ms']:8.1f}", flush=True)
+              f"({row['kernel_gb_per_s']:.1f} GB/s)  invariant {row['invariant_ms']:8.1f}  "
+              f"SDPA {row['sdpa_ms']:8.1f}", flush=True)
     for tokens, cached in args.prefill:
         row = prefill_point(kernels, shape, tokens, cached, args.repeats, args.kv_dtype)
         prefills.append(row)
         print(f"  prefill {tokens:4d} after {cached:5d}: kernel {row['kernel_ms']:8.1f} "
-              f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  as decodes {row['as_decodes_ms']:8.1f}"
-              f" (as decode rows {row['as_decode_rows_ms']:8.1f})"
-              f"  SDPA {row['sdpa_ms']:8.1f}", flush=True)
+              f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  as decode rows "
+              f"{row['as_decode_rows_ms']:8.1f}  SDPA {row['sdpa_ms']:8.1f}", flush=True)
     write_result(args.result_json, "attention_bench", shape=args.shape, kv_dtype=args.kv_dtype,
                  threads=torch.get_num_threads(), decode=decodes, prefill=prefills)
     return 0

@@ -1,6 +1,7 @@
 // What the paged attention kernels share: their argument checks, the int8 row layout, and
-// (AVX-512 builds) vector helpers: a fast e^x for softmax, a 16-way horizontal sum, and reads of
-// fp32 or int8 cache rows through a block table.
+// (AVX-512 builds) vector helpers: a fast e^x for softmax, 16-way horizontal sums, a 16 x 16
+// transpose, reads of fp32, bf16 or int8 cache rows through a block table, and the order of
+// arithmetic that makes prefill and decode attention agree to the bit.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -163,6 +164,65 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
+// Transposes 16 vectors of 16: out[l]'s lane i is in[i * stride]'s lane l (four rounds of
+// unpacks and 128-bit shuffles; out must not overlap in).
+inline void transpose16(const __m512* in, int64_t stride, __m512* out) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: columns 4L, 4L+1 (lo) and 4L+2, 4L+3 (hi)
+    t[2 * i] = _mm512_unpacklo_ps(in[2 * i * stride], in[(2 * i + 1) * stride]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i * stride], in[(2 * i + 1) * stride]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + c], lane L: column 4L + c of rows 4i .. 4i+3
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]),
+                  c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {  // the four 128-bit lanes of rows 0-3, 4-7, 8-11, 12-15
+    const __m512 v = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+    const __m512 w = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 w2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    out[c] = _mm512_shuffle_f32x4(v, v2, 0x88);
+    out[4 + c] = _mm512_shuffle_f32x4(w, w2, 0x88);
+    out[8 + c] = _mm512_shuffle_f32x4(v, v2, 0xDD);
+    out[12 + c] = _mm512_shuffle_f32x4(w, w2, 0xDD);
+  }
+}
+
+// The sum of a vector's 16 lanes in one fixed tree (lane i with i^8, then i^4, i^2, i^1): the
+// attention kernels sum a softmax's lane totals through this alone, so they agree to the bit.
+inline float lane_sum(__m512 v) {
+  const __m512 a = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  const __m512 b = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0xB1));
+  const __m512 c = _mm512_add_ps(b, _mm512_permute_ps(b, 0x4E));
+  const __m512 d = _mm512_add_ps(c, _mm512_permute_ps(c, 0xB1));
+  return _mm512_cvtss_f32(d);
+}
+
+// --- The batch-invariant order -----------------------------------------------------------
+//
+// In this order a (token, query head) attends to positions [0, len) of its KV head the same
+// way in both kernels: the prefill tiles (paged_prefill_attention.cpp) and the decode kernel
+// asked for it (paged_decode_attention's `invariant`), so that a prefill's token gets the bits
+// it gets as a decode (a batch-invariant model):
+//   q' = q * scale, element by element (scaled_query);
+//   score[p] = one fused multiply-add chain over d = 0 .. head_dim - 1 from 0: s = q'[d] k[p][d] + s;
+//   e[p] = exp_nonpositive(score[p] - the largest score);
+//   total = lane_sum of 16 partial sums, partial j adding e[p] for p = j, j + 16, ... in order;
+//   out[d] = (a chain over p in order, from 0: acc = e[p] v[p][d] + acc) * (1 / total).
+// A tile scores with one (token, head) row per lane and one key per multiply-add; the decode
+// kernel transposes 16 keys (element d of each in one vector) to make the same chains.
+
+// One query head's 16 * DV values times the scale, into qs.
+template <int DV>
+inline void scaled_query(const float* q, float scale, float* qs) {
+  for (int d = 0; d < DV; ++d)
+    _mm512_storeu_ps(qs + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale)));
+}
+
 // Walks a sequence's positions block by block: the cache row of each position without a
 // division per position. Strides in bytes.
 struct RowCursor {
@@ -201,6 +261,18 @@ inline void load_row(const char* row, __m512* v) {
                                scale, offset);
     }
   }
+}
+
+// The next n rows of a cursor as fp32 (bf16 widened, int8 dequantized) into dst, zeros past them.
+template <typename T, int DV>
+inline void load_chunk_rows(RowCursor& cursor, int n, float (*dst)[16 * DV]) {
+  for (int i = 0; i < n; ++i) {
+    __m512 v[DV];
+    load_row<T, DV>(cursor.next(), v);
+    for (int d = 0; d < DV; ++d) _mm512_store_ps(dst[i] + 16 * d, v[d]);
+  }
+  for (int i = n; i < 16; ++i)
+    for (int d = 0; d < DV; ++d) _mm512_store_ps(dst[i] + 16 * d, _mm512_setzero_ps());
 }
 
 // Asks for a cache row's lines, into L2, ahead of their use: rows are scattered over blocks, so

@@ -3,11 +3,13 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged fp32, bf16 or int8 KV cache");
+        "decode attention over a paged fp32, bf16 or int8 KV cache (invariant: in the order "
+        "paged_prefill_attention keeps)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "a prefill slice's causal attention over a paged fp32, bf16 or int8 KV cache");
   m.def("paged_prefill_as_decodes", &paged_prefill_as_decodes,
-        "a prefill slice's tokens, each with the bits paged_decode_attention gives it alone");
+        "a prefill slice's tokens, each with the bits the invariant paged_decode_attention "
+        "gives it alone");
   m.def("prefill_attention_kernel", &prefill_attention_kernel,
         "whether paged_prefill_attention is built in (AVX-512)");
   m.def("linear_f32", &linear_f32, "x W^T, W fp32 packed in panels of 32 output columns");

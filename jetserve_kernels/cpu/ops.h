@@ -4,20 +4,23 @@
 
 #include <torch/extension.h>
 
+// invariant: in the batch-invariant order (attention_simd.h), which paged_prefill_attention
+// keeps too; otherwise in a cheaper one.
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, const torch::Tensor& q_rows,
-                            torch::Tensor& out, double scale);
+                            torch::Tensor& out, double scale, bool invariant);
 // A prefill slice's tokens (rows [q_start, q_start + q_len) of q, positions from first_pos), each
-// attended with the bits paged_decode_attention gives it as a decode: what a batch-invariant
-// (bf16) model runs. Keys and values are read once for a tile of tokens where AVX-512 is built
-// in (head_dim 64 or 128); elsewhere each token is a row of the decode kernel.
+// attended with the bits paged_decode_attention (invariant) gives it as a decode: what a
+// batch-invariant (bf16) model runs. paged_prefill_attention where it is built in (AVX-512,
+// head_dim 64 or 128); elsewhere each token is a row of the decode kernel.
 void paged_prefill_as_decodes(const torch::Tensor& q, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_table,
                               int64_t q_start, int64_t q_len, int64_t first_pos,
                               torch::Tensor& out, double scale);
 // A prefill slice's causal attention over its cached context and its own new tokens (written to
-// the cache already), for head_dim 64 or 128 where AVX-512 is built in (prefill_attention_kernel).
+// the cache already), for head_dim 64 or 128 where AVX-512 is built in (prefill_attention_kernel),
+// in the batch-invariant order.
 void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                              const torch::Tensor& v_cache, const torch::Tensor& block_table,
                              int64_t q_start, int64_t q_len, int64_t first_pos, torch::Tensor& out,

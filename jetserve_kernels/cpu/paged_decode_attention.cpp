@@ -3,14 +3,15 @@
 // offset for each 32 of them (value = scale * code + offset; jetserve_kernels/kv_int8.py).
 //
 // The query heads of one KV head are scored together against every cached key, then the softmax
-// weights accumulate the values. With AVX-512 (head_dim 64 or 128), 16 positions' scores are
-// summed in one transposing tree, the exponentials are vectorized and the next 16 rows are
-// prefetched; otherwise plain loops. Keys and values are read in place through the block table,
+// weights accumulate the values. With AVX-512 (head_dim 64 or 128), 16 key rows are transposed
+// and scored as one vector per query head, the exponentials are vectorized and the rows are
+// prefetched ahead of their use; otherwise plain loops. Keys and values are read in place through the block table,
 // once per step for all the query heads that share them: nothing is gathered into a contiguous
 // copy first.
 //
 // paged_prefill_as_decodes gives a prefill's tokens the bits this kernel gives each of them as
-// a decode (a batch-invariant model's prefill), with the reads of a tile of tokens shared.
+// a decode (a batch-invariant model's prefill), as flash-style tiles that read each key and value
+// once for 16 (token, query head) rows; both follow one order of arithmetic, set out below.
 
 #include "ops.h"
 #include "attention_simd.h"
@@ -39,8 +40,7 @@ inline void prefetch_rows(RowCursor& cursor, int64_t count) {
   for (int64_t i = 0; i < count; ++i) prefetch_row<T, DV>(cursor.next());
 }
 
-// A KV head's keys 16 rows at a time, widened to fp32, each row asked for kAhead positions
-// before its use.
+// A KV head's key rows 16 at a time, each asked for kAhead positions before its use.
 template <typename T, int DV>
 struct KeyChunks {
   RowCursor keys, ahead;  // `ahead` runs kAhead positions in front of `keys`
@@ -51,28 +51,108 @@ struct KeyChunks {
     prefetch_rows<T, DV>(ahead, ahead_pos);
   }
 
-  // The rows from position p0 (16, or fewer at the end) into key; returns how many.
-  int next(int64_t p0, __m512 (*key)[DV]) {
+  // The rows from position p0 (16, or fewer at the end: the last one repeats past them) into
+  // rows; returns how many.
+  int next(int64_t p0, const char** rows) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
-    const char* rows[16];
     for (int i = 0; i < n; ++i) rows[i] = keys.next();
+    for (int i = n; i < 16; ++i) rows[i] = rows[n - 1];
     const int64_t more = std::min<int64_t>(16, len - ahead_pos);
     prefetch_rows<T, DV>(ahead, more);
     ahead_pos += more;
-    for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
     return n;
   }
 };
 
-// One query head's 16 * DV values times the scale, as the scores take them.
-template <int DV>
-inline void scaled_query(const float* q, float scale, __m512* qv) {
-  for (int d = 0; d < DV; ++d) qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale));
+// Elements [16 b, 16 b + 16) of a cache row as fp32 (what load_row makes of them).
+template <typename T, int DV>
+inline __m512 load_block(const char* row, int b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * b);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b))), 16));
+  } else {
+    constexpr int kHeadDim = 16 * DV;
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                               reinterpret_cast<const __m128i*>(row + 16 * b)))),
+                           _mm512_set1_ps(group_scale(row, kHeadDim, b / 2)),
+                           _mm512_set1_ps(group_offset(row, kHeadDim, b / 2)));
+  }
 }
 
-// A query head's scores against key rows [0, n) of 16 (as fp32): element i is row i's dot
-// product (lane by lane products summed in d order, then the 16 lanes in one transposing tree);
-// elements from n on are 0. Both kernels below score through this, to the same bits.
+// The scores of HB query heads (scaled, qs[h * 16 * DV + d]) against 16 key rows, one chain
+// over d per head, the heads' chains interleaved. The rows are transposed 16 elements at a time
+// in registers (element d of the 16 keys in one vector); a bf16 cache's as pairs of elements
+// (32-bit lanes), each pair widened after: half the shuffles of widening first.
+template <typename T, int DV, int HB>
+inline void score_heads(const float* qs, const char* const* rows, __m512* s) {
+  constexpr int D = 16 * DV;
+  for (int h = 0; h < HB; ++h) s[h] = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int b = 0; b < DV / 2; ++b) {
+      __m512 raw[16], pairs[16];
+      for (int i = 0; i < 16; ++i) raw[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i]) + 16 * b);
+      transpose16(raw, 1, pairs);
+      for (int l = 0; l < 16; ++l) {
+        const int d = 2 * (16 * b + l);
+        const __m512i pair = _mm512_castps_si512(pairs[l]);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+        for (int h = 0; h < HB; ++h) s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d]), even, s[h]);
+        for (int h = 0; h < HB; ++h) s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d + 1]), odd, s[h]);
+      }
+    }
+  } else {
+    for (int b = 0; b < DV; ++b) {
+      __m512 block[16], kt[16];
+      for (int i = 0; i < 16; ++i) block[i] = load_block<T, DV>(rows[i], b);
+      transpose16(block, 1, kt);
+      for (int l = 0; l < 16; ++l)
+        for (int h = 0; h < HB; ++h)
+          s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + 16 * b + l]), kt[l], s[h]);
+    }
+  }
+}
+
+// The scores of G query heads against positions [0, len) of their KV head in the batch-invariant
+// order (attention_simd.h), into scores[h * stride + pos], with their maxima in peak[h]. Each 16
+// key rows are scored for up to four heads at a time (read from memory once for them).
+template <typename T, int DV>
+void score_group_invariant(const float* q, int64_t group, float scale, RowCursor keys, int64_t len,
+                 float* scores, int64_t stride, float* peak) {
+  constexpr int D = 16 * DV, kHeads = 4;
+  std::vector<float> qs(group * D);
+  for (int64_t h = 0; h < group; ++h) scaled_query<DV>(q + h * D, scale, qs.data() + h * D);
+  std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
+  KeyChunks<T, DV> chunks(keys, len);
+  for (int64_t p0 = 0; p0 < len; p0 += 16) {
+    const char* rows[16];
+    const int n = chunks.next(p0, rows);
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
+      __m512 s[kHeads];
+      const float* qh = qs.data() + h0 * D;
+      const int heads = static_cast<int>(std::min<int64_t>(kHeads, group - h0));
+      switch (heads) {
+        case 1: score_heads<T, DV, 1>(qh, rows, s); break;
+        case 2: score_heads<T, DV, 2>(qh, rows, s); break;
+        case 3: score_heads<T, DV, 3>(qh, rows, s); break;
+        default: score_heads<T, DV, kHeads>(qh, rows, s); break;
+      }
+      for (int i = 0; i < heads; ++i) {
+        _mm512_mask_storeu_ps(scores + (h0 + i) * stride + p0, valid, s[i]);
+        peaks[h0 + i] = _mm512_mask_max_ps(peaks[h0 + i], valid, peaks[h0 + i], s[i]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) peak[h] = _mm512_reduce_max_ps(peaks[h]);
+}
+
+// A query head's scores (scaled, qv[d]: its elements [16 d, 16 d + 16)) against key rows [0, n)
+// of 16 as fp32: element i is row i's dot product, lane by lane products summed in d order, then
+// the 16 lanes in one transposing tree; elements from n on are 0.
 template <int DV>
 inline __m512 score16(const __m512* qv, const __m512 (*key)[DV], int n) {
   __m512 partial[16];
@@ -84,22 +164,28 @@ inline __m512 score16(const __m512* qv, const __m512 (*key)[DV], int n) {
   return sum16(partial);
 }
 
-// The scores of G query heads against positions [0, len) of their KV head, into
-// scores[h * stride + pos], with their maxima in peak[h]. Each key row is read from memory once
-// for all G heads: 16 rows are scored against one head, then the next head finds them in L1.
+// score_group_invariant's scores in the cheaper order of score16 (no transposes), for a model
+// that is not batch-invariant: each 16 key rows are widened once, then scored against one head
+// after another (the next head finds them in L1).
 template <typename T, int DV>
 void score_group(const float* q, int64_t group, float scale, RowCursor keys, int64_t len,
                  float* scores, int64_t stride, float* peak) {
+  constexpr int D = 16 * DV;
+  std::vector<__m512> qv(group * DV);
+  for (int64_t h = 0; h < group; ++h)
+    scaled_query<DV>(q + h * D, scale, reinterpret_cast<float*>(qv.data() + h * DV));
   std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
   KeyChunks<T, DV> chunks(keys, len);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
+    const char* rows[16];
+    const int n = chunks.next(p0, rows);
     __m512 key[16][DV];  // the 16 rows as fp32, read once for the G heads
-    const int n = chunks.next(p0, key);
+    for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t h = 0; h < group; ++h) {
-      __m512 qv[DV];
-      scaled_query<DV>(q + h * 16 * DV, scale, qv);
-      const __m512 s = score16<DV>(qv, key, n);
+      __m512 qh[DV];  // in registers for the 16 rows (not a memory operand of each multiply-add)
+      for (int d = 0; d < DV; ++d) qh[d] = qv[h * DV + d];
+      const __m512 s = score16<DV>(qh, key, n);
       _mm512_mask_storeu_ps(scores + h * stride + p0, valid, s);
       peaks[h] = _mm512_mask_max_ps(peaks[h], valid, peaks[h], s);
     }
@@ -118,7 +204,7 @@ float exponentiate(float* scores, int64_t len, float peak) {
     _mm512_mask_storeu_ps(scores + p0, valid, e);
     total = _mm512_mask_add_ps(total, valid, total, e);
   }
-  return _mm512_reduce_add_ps(total);
+  return lane_sum(total);
 }
 
 // out[h] = sum over positions of weights[h][pos] * value[pos] / totals[h], for HB heads: each
@@ -147,14 +233,17 @@ void accumulate_values(const float* weights, int64_t stride, const float* totals
   }
 }
 
-// The query heads [0, group) that share one KV head, for one sequence. `scores` holds at least
-// group * (len + 16) floats.
-template <typename T, int DV>
+// The query heads [0, group) that share one KV head, for one sequence, in the batch-invariant
+// order or score16's. `scores` holds at least group * (len + 16) floats.
+template <typename T, int DV, bool Invariant>
 void decode_group(const float* q, int64_t group, float scale, RowCursor keys, RowCursor values,
                   int64_t len, float* scores, float* out) {
   const int64_t stride = len + 16;
   std::vector<float> peak(group), totals(group);
-  score_group<T, DV>(q, group, scale, keys, len, scores, stride, peak.data());
+  if constexpr (Invariant)
+    score_group_invariant<T, DV>(q, group, scale, keys, len, scores, stride, peak.data());
+  else
+    score_group<T, DV>(q, group, scale, keys, len, scores, stride, peak.data());
   RowCursor first_values = values;
   prefetch_rows<T, DV>(first_values, std::min<int64_t>(kAhead, len));
   for (int64_t h = 0; h < group; ++h) totals[h] = exponentiate(scores + h * stride, len, peak[h]);
@@ -174,121 +263,6 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
   }
 }
 
-
-// --- A prefill's tokens as decodes, a tile of them at a time -------------------------------
-//
-// Token t of a tile attends to positions [0, first_len + t), and gets the bits decode_group gives
-// it alone: its scores come from score16 over the same rows, its softmax from exponentiate, its
-// value sums from the same fused multiply-adds in position order. Only the reads are shared: each
-// 16 key rows are widened once for every token of the tile, each value row once per 64 positions.
-
-constexpr int kValueChunk = 64;  // value rows widened at a time (16 KB of fp32 at head_dim 64)
-
-// acc[h] += weights[h][i] * rows[i] for i in [0, n), for HB heads, in i order: per element the
-// chain accumulate_values makes over the same positions.
-template <int DV, int HB>
-inline void accumulate_chunk(const __m512* rows, int n, const float* weights, int64_t stride,
-                             __m512* acc) {
-  __m512 a[HB][DV];
-  for (int h = 0; h < HB; ++h)
-    for (int d = 0; d < DV; ++d) a[h][d] = acc[h * DV + d];
-  for (int i = 0; i < n; ++i) {
-    for (int h = 0; h < HB; ++h) {
-      const __m512 w = _mm512_set1_ps(weights[h * stride + i]);
-      for (int d = 0; d < DV; ++d) a[h][d] = _mm512_fmadd_ps(w, rows[i * DV + d], a[h][d]);
-    }
-  }
-  for (int h = 0; h < HB; ++h)
-    for (int d = 0; d < DV; ++d) acc[h * DV + d] = a[h][d];
-}
-
-// Per thread, reused across its tasks.
-struct TileScratch {
-  std::vector<float> scores;
-  std::vector<__m512> query, acc, peaks, rows;
-  std::vector<float> peak, totals;
-};
-
-// `tokens` consecutive tokens of one sequence for the query heads [0, group) of one KV head:
-// token t's query heads at q + t * q_stride, its output at out + t * out_stride.
-template <typename T, int DV>
-void decode_tile(const float* q, int64_t q_stride, int64_t group, float scale, RowCursor keys,
-                 RowCursor values, int64_t first_len, int64_t tokens, float* out,
-                 int64_t out_stride, TileScratch& scratch) {
-  const int64_t max_len = first_len + tokens - 1;
-  const int64_t stride = max_len + 16;
-  const int64_t heads = tokens * group;  // (token, head) pairs, token-major
-  scratch.scores.resize(heads * stride);
-  scratch.query.resize(heads * DV);
-  scratch.acc.assign(heads * DV, _mm512_setzero_ps());
-  scratch.peaks.assign(heads, _mm512_set1_ps(-INFINITY));
-  scratch.rows.resize(kValueChunk * DV);
-  scratch.peak.resize(heads);
-  scratch.totals.resize(heads);
-  float* scores = scratch.scores.data();
-  __m512* qv = scratch.query.data();
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < group; ++h)
-      scaled_query<DV>(q + t * q_stride + h * 16 * DV, scale, qv + (t * group + h) * DV);
-
-  // Scores: 16 key rows at a time, for each token that reaches them.
-  KeyChunks<T, DV> chunks(keys, max_len);
-  __m512 key[16][DV];
-  for (int64_t p0 = 0; p0 < max_len; p0 += 16) {
-    chunks.next(p0, key);
-    for (int64_t t = std::max<int64_t>(0, p0 + 1 - first_len); t < tokens; ++t) {
-      const int nt = static_cast<int>(std::min<int64_t>(16, first_len + t - p0));
-      const __mmask16 valid = static_cast<__mmask16>((1u << nt) - 1);
-      for (int64_t h = 0; h < group; ++h) {
-        const int64_t th = t * group + h;
-        const __m512 s = score16<DV>(qv + th * DV, key, nt);
-        _mm512_mask_storeu_ps(scores + th * stride + p0, valid, s);
-        scratch.peaks[th] = _mm512_mask_max_ps(scratch.peaks[th], valid, scratch.peaks[th], s);
-      }
-    }
-  }
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < group; ++h) {
-      const int64_t th = t * group + h;
-      scratch.totals[th] = exponentiate(scores + th * stride, first_len + t,
-                                        _mm512_reduce_max_ps(scratch.peaks[th]));
-    }
-
-  // Values: kValueChunk rows widened at a time, then each token's heads run over them.
-  constexpr int kMaxHeads = 16 / DV;
-  __m512* widened = scratch.rows.data();
-  RowCursor ahead_values = values;  // kAhead rows in front of `values`
-  prefetch_rows<T, DV>(ahead_values, std::min<int64_t>(kAhead, max_len));
-  for (int64_t c0 = 0; c0 < max_len; c0 += kValueChunk) {
-    const int m = static_cast<int>(std::min<int64_t>(kValueChunk, max_len - c0));
-    for (int i = 0; i < m; ++i) {
-      if (c0 + i + kAhead < max_len) prefetch_row<T, DV>(ahead_values.next());
-      load_row<T, DV>(values.next(), widened + i * DV);
-    }
-    for (int64_t t = std::max<int64_t>(0, c0 + 1 - first_len); t < tokens; ++t) {
-      const int mt = static_cast<int>(std::min<int64_t>(m, first_len + t - c0));
-      for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
-        const int64_t th = t * group + h0;
-        const float* w = scores + th * stride + c0;
-        __m512* acc = scratch.acc.data() + th * DV;
-        switch (std::min<int64_t>(kMaxHeads, group - h0)) {
-          case 1: accumulate_chunk<DV, 1>(widened, mt, w, stride, acc); break;
-          case 2: accumulate_chunk<DV, 2>(widened, mt, w, stride, acc); break;
-          case 3: accumulate_chunk<DV, 3>(widened, mt, w, stride, acc); break;
-          default: accumulate_chunk<DV, kMaxHeads>(widened, mt, w, stride, acc); break;
-        }
-      }
-    }
-  }
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < group; ++h) {
-      const int64_t th = t * group + h;
-      const __m512 inv = _mm512_set1_ps(1.0f / scratch.totals[th]);
-      float* o = out + t * out_stride + h * 16 * DV;
-      for (int d = 0; d < DV; ++d)
-        _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(scratch.acc[th * DV + d], inv));
-    }
-}
 
 }  // namespace
 #endif
@@ -330,7 +304,8 @@ void paged_decode_attention(
     const torch::Tensor& seq_lens,      // int32 [num_seqs], keys to attend, the new one included
     const torch::Tensor& q_rows,        // int64 [num_seqs], the row of q holding each query
     torch::Tensor& out,                 // [num_tokens, num_heads, head_dim]
-    double scale) {
+    double scale,
+    bool invariant) {                   // in the batch-invariant order (attention_simd.h)
   const paged::Rows kind =
       paged::check_attention_args("paged_decode_attention", q, k_cache, v_cache, out, block_tables);
   const int64_t num_seqs = seq_lens.size(0);
@@ -381,17 +356,20 @@ void paged_decode_attention(
         const RowCursor keys{k_ptr + kv * row_bytes, table, block_size, token_stride};
         const RowCursor values{v_ptr + kv * row_bytes, table, block_size, token_stride};
         float* sc = scores.data();
-        auto run = [&](auto dv) {
+        auto run = [&](auto dv, auto order) {
           constexpr int DV = decltype(dv)::value;
-          if (kind == paged::Rows::Int8)
-            decode_group<int8_t, DV>(qh, group, fscale, keys, values, lens[seq], sc, o);
-          else if (kind == paged::Rows::BF16)
-            decode_group<c10::BFloat16, DV>(qh, group, fscale, keys, values, lens[seq], sc, o);
-          else
-            decode_group<float, DV>(qh, group, fscale, keys, values, lens[seq], sc, o);
+          constexpr bool kInvariant = decltype(order)::value;
+          auto group_fn = kind == paged::Rows::Int8 ? decode_group<int8_t, DV, kInvariant>
+                          : kind == paged::Rows::BF16 ? decode_group<c10::BFloat16, DV, kInvariant>
+                                                      : decode_group<float, DV, kInvariant>;
+          group_fn(qh, group, fscale, keys, values, lens[seq], sc, o);
         };
-        if (head_dim == 64) run(std::integral_constant<int, 4>{});
-        else run(std::integral_constant<int, 8>{});
+        auto sized = [&](auto order) {
+          if (head_dim == 64) run(std::integral_constant<int, 4>{}, order);
+          else run(std::integral_constant<int, 8>{}, order);
+        };
+        if (invariant) sized(std::true_type{});
+        else sized(std::false_type{});
       }
     });
     return;
@@ -467,52 +445,20 @@ void paged_prefill_as_decodes(
     int64_t q_start, int64_t q_len,    // the slice's rows of q and out
     int64_t first_pos,                 // the position of its first token
     torch::Tensor& out, double scale) {
-  const paged::Rows kind = paged::check_attention_args("paged_prefill_as_decodes", q, k_cache,
-                                                       v_cache, out, block_table);
+  paged::check_attention_args("paged_prefill_as_decodes", q, k_cache, v_cache, out, block_table);
   paged::check_slice("paged_prefill_as_decodes", q, out, block_table, k_cache.size(1), q_start,
                      q_len, first_pos);
   if (q_len == 0) return;
-  const int64_t head_dim = q.size(2);
-#if defined(__AVX512F__)
-  if (head_dim == 64 || head_dim == 128) {
-    const paged::SliceView s(q, k_cache, v_cache, block_table, out, scale);
-    // Tiles of up to kTile tokens, small enough to leave each thread several tasks. The tiles'
-    // work grows with their position: short and long ones alternate, so that the contiguous
-    // ranges the threads get carry equal work.
-    constexpr int64_t kTile = 16;
-    const int64_t threads = at::get_num_threads();
-    const int64_t tile = std::clamp<int64_t>(q_len * s.num_kv_heads / (4 * threads), 1, kTile);
-    const int64_t tiles = (q_len + tile - 1) / tile;
-    at::parallel_for(0, tiles * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      TileScratch scratch;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t j = task / s.num_kv_heads, kv = task % s.num_kv_heads;
-        const int64_t i = j % 2 == 0 ? j / 2 : tiles - 1 - j / 2;
-        const int64_t t0 = i * tile, tokens = std::min(tile, q_len - t0);
-        const int64_t h = kv * s.group;
-        const float* qh = s.q + (q_start + t0) * s.q_stride + h * head_dim;
-        float* o = s.out + (q_start + t0) * s.out_stride + h * head_dim;
-        const RowCursor keys{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
-        const RowCursor values{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
-        const int64_t first_len = first_pos + t0 + 1;
-        auto run = [&](auto dv) {
-          constexpr int DV = decltype(dv)::value;
-          auto tile_fn = kind == paged::Rows::Int8 ? decode_tile<int8_t, DV>
-                         : kind == paged::Rows::BF16 ? decode_tile<c10::BFloat16, DV>
-                                                     : decode_tile<float, DV>;
-          tile_fn(qh, s.q_stride, s.group, s.scale, keys, values, first_len, tokens, o,
-                  s.out_stride, scratch);
-        };
-        if (head_dim == 64) run(std::integral_constant<int, 4>{});
-        else run(std::integral_constant<int, 8>{});
-      }
-    });
+  // The prefill kernel's tiles keep the batch-invariant order where they are built in.
+  if (prefill_attention_kernel() && (q.size(2) == 64 || q.size(2) == 128)) {
+    paged_prefill_attention(q, k_cache, v_cache, block_table, q_start, q_len, first_pos, out,
+                            scale);
     return;
   }
-#endif
   // Elsewhere each token is a row of the decode kernel, over the table repeated (stride 0).
   const auto t = torch::arange(q_len, torch::kLong);
   const auto order = torch::where(t % 2 == 0, t.div(2, "floor"), q_len - 1 - t.div(2, "floor"));
   paged_decode_attention(q, k_cache, v_cache, block_table.unsqueeze(0).expand({q_len, -1}),
-                         (order + (first_pos + 1)).to(torch::kInt), order + q_start, out, scale);
+                         (order + (first_pos + 1)).to(torch::kInt), order + q_start, out, scale,
+                         true);
 }

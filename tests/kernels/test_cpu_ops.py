@@ -395,7 +395,8 @@ def scattered_cache(lens: list[int], block: int, kv_heads: int, head_dim: int, k
 @pytest.mark.parametrize("head_dim,group,block", [
     (32, 3, 16), (64, 1, 16), (64, 3, 16), (64, 5, 8), (128, 3, 16), (128, 7, 32)])
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
-def test_paged_decode_attention_matches_reference(k, head_dim, group, block, kv):
+@pytest.mark.parametrize("invariant", [False, True])
+def test_paged_decode_attention_matches_reference(k, head_dim, group, block, kv, invariant):
     kv_heads = 2
     heads = group * kv_heads
     lens = [1, 15, 16, 17, 33, 200]
@@ -404,7 +405,8 @@ def test_paged_decode_attention_matches_reference(k, head_dim, group, block, kv)
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
     out = torch.empty_like(q)
     k.paged_decode_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
-                             torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens)), out, 0.1)
+                             torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens)), out, 0.1,
+                             invariant)
     cu_seqlens = torch.arange(len(lens) + 1)
     if kv == "bf16":  # the reference over the same values, widened
         k_cache, v_cache = k_cache.float(), v_cache.float()
@@ -448,16 +450,18 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
-# head_dim 64 and 128 take the tiles where AVX-512 is built in (groups 1, 2, 3, 5, 7: every case
-# of the value sums); 32 and 96, and any head_dim elsewhere, a row of the decode kernel per token.
+# head_dim 64 and 128 take the prefill kernel's tiles where AVX-512 is built in (groups 1 to 7:
+# the decode kernel's head blocks of 1 to 4 and two of them); 32 and 96, and any head_dim
+# elsewhere, a row of the decode kernel per token.
 @pytest.mark.parametrize("head_dim,group,block", [(32, 3, 16), (64, 1, 16), (64, 2, 16),
-                                                  (64, 3, 16), (64, 5, 8), (96, 3, 16),
-                                                  (128, 3, 32), (128, 7, 16)])
+                                                  (64, 3, 16), (64, 4, 16), (64, 5, 8),
+                                                  (96, 3, 16), (128, 3, 32), (128, 7, 16)])
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
 def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, group, block, kv):
     """What a batch-invariant model's prefill runs: each token's output has the bits the decode
-    kernel gives that token alone, whatever the slice's length, its cached context, the tiles it
-    falls in, or how many threads share it; and no row outside the slice is written."""
+    kernel (in the invariant order) gives that token alone, whatever the slice's length, its
+    cached context, the tiles it falls in, or how many threads share it; and no row outside the
+    slice is written."""
     kv_heads = 2
     heads = group * kv_heads
     gen = torch.Generator().manual_seed(head_dim + group + block)
@@ -482,7 +486,7 @@ def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, grou
                 for t in range(new):
                     k.paged_decode_attention(q, k_cache, v_cache, blocks[None], torch.tensor(
                         [cached + t + 1], dtype=torch.int32), torch.tensor([q_start + t]), alone,
-                        0.1)
+                        0.1, True)
                 q_start += new
         finally:
             torch.set_num_threads(threads)
@@ -531,7 +535,7 @@ def test_paged_decode_attention_names_what_it_refuses(k):
     def call(lens, rows, cache=cache):
         k.paged_decode_attention(q, cache, cache, torch.ones(len(lens), 1, dtype=torch.int32),
                                  torch.tensor(lens, dtype=torch.int32), torch.tensor(rows), out,
-                                 0.1)
+                                 0.1, False)
 
     call([16, 3], [0, 1])
     with pytest.raises(RuntimeError, match="sequence 1's row 2 or length 1 is past"):

@@ -197,7 +197,7 @@ class TorchBackend:
         if meta.paged_decodes is not None:
             d = meta.paged_decodes
             self.cpu_kernels.paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens,
-                                                   d.q_rows, out, scale)
+                                                   d.q_rows, out, scale, self.batch_invariant)
         for group in meta.decode_groups:
             size = group.q_index.shape[0]
             keys = _gather_blocks(k_cache, group.block_ids, q.dtype)
