@@ -84,7 +84,8 @@ inline __m512 load_block(const char* row, int b) {
 // The scores of HB query heads (scaled, qs[h * 16 * DV + d]) against 16 key rows, one chain
 // over d per head, the heads' chains interleaved. The rows are transposed 16 elements at a time
 // in registers (element d of the 16 keys in one vector); a bf16 cache's as pairs of elements
-// (32-bit lanes), each pair widened after: half the shuffles of widening first.
+// (32-bit lanes), each pair widened after (half the shuffles of widening first), an int8
+// cache's as quads of codes.
 template <typename T, int DV, int HB>
 inline void score_heads(const float* qs, const char* const* rows, __m512* s) {
   constexpr int D = 16 * DV;
@@ -102,6 +103,35 @@ inline void score_heads(const float* qs, const char* const* rows, __m512* s) {
         const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
         for (int h = 0; h < HB; ++h) s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d]), even, s[h]);
         for (int h = 0; h < HB; ++h) s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d + 1]), odd, s[h]);
+      }
+    }
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    // The codes transposed as quads (32-bit lanes), each code then sign-extended in place and
+    // dequantized with its group's scale and offset, gathered for the 16 rows: one transpose
+    // per 64 elements instead of one per 16.
+    const __m512i base = _mm512_set1_epi64(reinterpret_cast<int64_t>(rows[0]));
+    const __m512i lo = _mm512_sub_epi64(_mm512_loadu_si512(rows), base);
+    const __m512i hi = _mm512_sub_epi64(_mm512_loadu_si512(rows + 8), base);
+    for (int c = 0; c < DV / 4; ++c) {
+      __m512 raw[16], quads[16];
+      for (int i = 0; i < 16; ++i) raw[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i] + 64 * c));
+      transpose16(raw, 1, quads);
+      for (int half = 0; half < 2; ++half) {  // groups of 32: elements 64 c + 32 half ...
+        const char* at = rows[0] + D + 4 * (2 * c + half);  // the group's fp16 scale, offset
+        const __m512i both = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm512_i64gather_epi32(lo, at, 1)),
+            _mm512_i64gather_epi32(hi, at, 1), 1);
+        const __m512 scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(both));
+        const __m512 offset = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
+        for (int l = 8 * half; l < 8 * half + 8; ++l) {
+          const __m512i quad = _mm512_castps_si512(quads[l]);
+          for (int k = 0; k < 4; ++k) {
+            const int d = 64 * c + 4 * l + k;
+            const __m512i code = _mm512_srai_epi32(_mm512_slli_epi32(quad, 24 - 8 * k), 24);
+            const __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale, offset);
+            for (int h = 0; h < HB; ++h) s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d]), value, s[h]);
+          }
+        }
       }
     }
   } else {
