@@ -102,12 +102,12 @@ class TorchBackend:
                                and self.cpu_kernels.prefill_attention_kernel())
         # A bf16 model on the kernels' bf16 dot products is batch-invariant: its matmuls give a
         # row the same bits at every row count (linear.py), and each prefill token's attention
-        # gets the bits the decode kernel gives it (paged_prefill_as_decodes, which shares the
-        # key and value reads of a tile of tokens), not the prefill kernel's (whose flash tiles
-        # sum in another order). A prefix recomputed after a
-        # preemption, or resumed on another executor, then gets the very numbers its decodes
-        # got: bf16 rounds the cache, so a difference in the last bit of fp32 could otherwise
-        # grow into another token.
+        # gets the bits the decode kernel gives it (the decode kernel runs in the prefill
+        # tiles' order of arithmetic, `invariant`; paged_prefill_as_decodes is those tiles, or
+        # decode rows where they are not built). A prefix recomputed after a preemption, or
+        # resumed on another executor, then gets the very numbers its decodes got: bf16 rounds
+        # the cache, so a difference in the last bit of fp32 could otherwise grow into another
+        # token.
         self.batch_invariant = (self.cpu_kernels is not None and dtype == torch.bfloat16
                                 and self.cpu_kernels.bf16_dot_products())
 
