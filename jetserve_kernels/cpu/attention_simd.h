@@ -202,6 +202,10 @@ inline float lane_sum(__m512 v) {
   return _mm512_cvtss_f32(d);
 }
 
+// 1 / x, rounded once (a division written as `1.0f / x` may become an approximate reciprocal
+// under -ffast-math once the compiler vectorizes it; this one stays a single divss).
+inline float reciprocal(float x) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), _mm_set_ss(x))); }
+
 // --- The batch-invariant order -----------------------------------------------------------
 //
 // In this order a (token, query head) attends to positions [0, len) of its KV head the same
@@ -209,10 +213,11 @@ inline float lane_sum(__m512 v) {
 // asked for it (paged_decode_attention's `invariant`), so that a prefill's token gets the bits
 // it gets as a decode (a batch-invariant model):
 //   q' = q * scale, element by element (scaled_query);
-//   score[p] = one fused multiply-add chain over d = 0 .. head_dim - 1 from 0: s = q'[d] k[p][d] + s;
+//   score[p] = one fused multiply-add chain over d = 0 .. head_dim - 1, from 0:
+//              s = q'[d] k[p][d] + s;
 //   e[p] = exp_nonpositive(score[p] - the largest score);
 //   total = lane_sum of 16 partial sums, partial j adding e[p] for p = j, j + 16, ... in order;
-//   out[d] = (a chain over p in order, from 0: acc = e[p] v[p][d] + acc) * (1 / total).
+//   out[d] = (a chain over p in order, from 0: acc = e[p] v[p][d] + acc) * reciprocal(total).
 // A tile scores with one (token, head) row per lane and one key per multiply-add; the decode
 // kernel transposes 16 keys (element d of each in one vector) to make the same chains.
 
@@ -220,7 +225,8 @@ inline float lane_sum(__m512 v) {
 template <int DV>
 inline void scaled_query(const float* q, float scale, float* qs) {
   for (int d = 0; d < DV; ++d)
-    _mm512_storeu_ps(qs + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale)));
+    _mm512_storeu_ps(qs + 16 * d,
+                     _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale)));
 }
 
 // Walks a sequence's positions block by block: the cache row of each position without a

@@ -3,15 +3,18 @@
 // offset for each 32 of them (value = scale * code + offset; jetserve_kernels/kv_int8.py).
 //
 // The query heads of one KV head are scored together against every cached key, then the softmax
-// weights accumulate the values. With AVX-512 (head_dim 64 or 128), 16 key rows are transposed
-// and scored as one vector per query head, the exponentials are vectorized and the rows are
-// prefetched ahead of their use; otherwise plain loops. Keys and values are read in place through the block table,
-// once per step for all the query heads that share them: nothing is gathered into a contiguous
-// copy first.
+// weights accumulate the values. With AVX-512 (head_dim 64 or 128) the exponentials are
+// vectorized and the rows prefetched ahead of their use, and the scores come in one of two
+// orders: 16 products summed lane by lane, then across lanes in one tree (an fp32 model's), or
+// the batch-invariant order of attention_simd.h (`invariant`: a bf16 model's), for which 16 key
+// rows are transposed in registers and scored as one vector per query head. Elsewhere plain
+// loops, in one order whatever `invariant` says. Keys and values are read in place through the
+// block table, once per step for all the query heads that share them: nothing is gathered into a
+// contiguous copy first.
 //
-// paged_prefill_as_decodes gives a prefill's tokens the bits this kernel gives each of them as
-// a decode (a batch-invariant model's prefill), as flash-style tiles that read each key and value
-// once for 16 (token, query head) rows; both follow one order of arithmetic, set out below.
+// paged_prefill_as_decodes gives a prefill's tokens the bits the invariant kernel gives each of
+// them as a decode (a batch-invariant model's prefill): the prefill kernel's tiles, which keep
+// the same order, or else a row of this kernel per token.
 
 #include "ops.h"
 #include "attention_simd.h"
@@ -64,23 +67,6 @@ struct KeyChunks {
   }
 };
 
-// Elements [16 b, 16 b + 16) of a cache row as fp32 (what load_row makes of them).
-template <typename T, int DV>
-inline __m512 load_block(const char* row, int b) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * b);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b))), 16));
-  } else {
-    constexpr int kHeadDim = 16 * DV;
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                               reinterpret_cast<const __m128i*>(row + 16 * b)))),
-                           _mm512_set1_ps(group_scale(row, kHeadDim, b / 2)),
-                           _mm512_set1_ps(group_offset(row, kHeadDim, b / 2)));
-  }
-}
-
 // The scores of HB query heads (scaled, qs[h * 16 * DV + d]) against 16 key rows, one chain
 // over d per head, the heads' chains interleaved. The rows are transposed 16 elements at a time
 // in registers (element d of the 16 keys in one vector); a bf16 cache's as pairs of elements
@@ -94,15 +80,18 @@ inline void score_heads(const float* qs, const char* const* rows, __m512* s) {
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int b = 0; b < DV / 2; ++b) {
       __m512 raw[16], pairs[16];
-      for (int i = 0; i < 16; ++i) raw[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i]) + 16 * b);
+      for (int i = 0; i < 16; ++i)
+        raw[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i]) + 16 * b);
       transpose16(raw, 1, pairs);
       for (int l = 0; l < 16; ++l) {
         const int d = 2 * (16 * b + l);
         const __m512i pair = _mm512_castps_si512(pairs[l]);
         const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
         const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
-        for (int h = 0; h < HB; ++h) s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d]), even, s[h]);
-        for (int h = 0; h < HB; ++h) s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d + 1]), odd, s[h]);
+        for (int h = 0; h < HB; ++h)
+          s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d]), even, s[h]);
+        for (int h = 0; h < HB; ++h)
+          s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d + 1]), odd, s[h]);
       }
     }
   } else if constexpr (std::is_same_v<T, int8_t>) {
@@ -114,7 +103,8 @@ inline void score_heads(const float* qs, const char* const* rows, __m512* s) {
     const __m512i hi = _mm512_sub_epi64(_mm512_loadu_si512(rows + 8), base);
     for (int c = 0; c < DV / 4; ++c) {
       __m512 raw[16], quads[16];
-      for (int i = 0; i < 16; ++i) raw[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i] + 64 * c));
+      for (int i = 0; i < 16; ++i)
+        raw[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i] + 64 * c));
       transpose16(raw, 1, quads);
       for (int half = 0; half < 2; ++half) {  // groups of 32: elements 64 c + 32 half ...
         const char* at = rows[0] + D + 4 * (2 * c + half);  // the group's fp16 scale, offset
@@ -122,22 +112,26 @@ inline void score_heads(const float* qs, const char* const* rows, __m512* s) {
             _mm512_castsi256_si512(_mm512_i64gather_epi32(lo, at, 1)),
             _mm512_i64gather_epi32(hi, at, 1), 1);
         const __m512 scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(both));
-        const __m512 offset = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
+        const __m512 offset =
+            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
         for (int l = 8 * half; l < 8 * half + 8; ++l) {
           const __m512i quad = _mm512_castps_si512(quads[l]);
           for (int k = 0; k < 4; ++k) {
             const int d = 64 * c + 4 * l + k;
             const __m512i code = _mm512_srai_epi32(_mm512_slli_epi32(quad, 24 - 8 * k), 24);
             const __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale, offset);
-            for (int h = 0; h < HB; ++h) s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d]), value, s[h]);
+            for (int h = 0; h < HB; ++h)
+              s[h] = _mm512_fmadd_ps(_mm512_set1_ps(qs[h * D + d]), value, s[h]);
           }
         }
       }
     }
   } else {
+    static_assert(std::is_same_v<T, float>);
     for (int b = 0; b < DV; ++b) {
       __m512 block[16], kt[16];
-      for (int i = 0; i < 16; ++i) block[i] = load_block<T, DV>(rows[i], b);
+      for (int i = 0; i < 16; ++i)
+        block[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i]) + 16 * b);
       transpose16(block, 1, kt);
       for (int l = 0; l < 16; ++l)
         for (int h = 0; h < HB; ++h)
@@ -146,16 +140,32 @@ inline void score_heads(const float* qs, const char* const* rows, __m512* s) {
   }
 }
 
+// A thread's working space, reused by its tasks (sized by `fit`): the scores of G query heads
+// at scores[h * stride + pos], their scaled queries, maxima (per lane, then each) and totals.
+struct GroupScratch {
+  std::vector<float> scores, qs, peak, totals;
+  std::vector<__m512> peaks;
+
+  void fit(int64_t group, int64_t head_dim, int64_t stride) {
+    if (static_cast<int64_t>(scores.size()) < group * stride) scores.resize(group * stride);
+    qs.resize(group * head_dim);
+    peak.resize(group);
+    totals.resize(group);
+    peaks.assign(group, _mm512_set1_ps(-INFINITY));
+  }
+};
+
 // The scores of G query heads against positions [0, len) of their KV head in the batch-invariant
-// order (attention_simd.h), into scores[h * stride + pos], with their maxima in peak[h]. Each 16
-// key rows are scored for up to four heads at a time (read from memory once for them).
+// order (attention_simd.h), into w.scores, with their maxima in w.peak. Each 16 key rows are
+// transposed and scored for up to four heads at a time (for G over four, again for the next
+// four).
 template <typename T, int DV>
-void score_group_invariant(const float* q, int64_t group, float scale, RowCursor keys, int64_t len,
-                 float* scores, int64_t stride, float* peak) {
+void score_group_invariant(const float* q, int64_t group, float scale, RowCursor keys,
+                           int64_t len, int64_t stride, GroupScratch& w) {
   constexpr int D = 16 * DV, kHeads = 4;
-  std::vector<float> qs(group * D);
-  for (int64_t h = 0; h < group; ++h) scaled_query<DV>(q + h * D, scale, qs.data() + h * D);
-  std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
+  float* scores = w.scores.data();
+  for (int64_t h = 0; h < group; ++h) scaled_query<DV>(q + h * D, scale, w.qs.data() + h * D);
+  __m512* peaks = w.peaks.data();
   KeyChunks<T, DV> chunks(keys, len);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const char* rows[16];
@@ -163,7 +173,7 @@ void score_group_invariant(const float* q, int64_t group, float scale, RowCursor
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
       __m512 s[kHeads];
-      const float* qh = qs.data() + h0 * D;
+      const float* qh = w.qs.data() + h0 * D;
       const int heads = static_cast<int>(std::min<int64_t>(kHeads, group - h0));
       switch (heads) {
         case 1: score_heads<T, DV, 1>(qh, rows, s); break;
@@ -177,7 +187,7 @@ void score_group_invariant(const float* q, int64_t group, float scale, RowCursor
       }
     }
   }
-  for (int64_t h = 0; h < group; ++h) peak[h] = _mm512_reduce_max_ps(peaks[h]);
+  for (int64_t h = 0; h < group; ++h) w.peak[h] = _mm512_reduce_max_ps(peaks[h]);
 }
 
 // A query head's scores (scaled, qv[d]: its elements [16 d, 16 d + 16)) against key rows [0, n)
@@ -199,12 +209,11 @@ inline __m512 score16(const __m512* qv, const __m512 (*key)[DV], int n) {
 // after another (the next head finds them in L1).
 template <typename T, int DV>
 void score_group(const float* q, int64_t group, float scale, RowCursor keys, int64_t len,
-                 float* scores, int64_t stride, float* peak) {
+                 int64_t stride, GroupScratch& w) {
   constexpr int D = 16 * DV;
-  std::vector<__m512> qv(group * DV);
-  for (int64_t h = 0; h < group; ++h)
-    scaled_query<DV>(q + h * D, scale, reinterpret_cast<float*>(qv.data() + h * DV));
-  std::vector<__m512> peaks(group, _mm512_set1_ps(-INFINITY));
+  float* scores = w.scores.data();
+  for (int64_t h = 0; h < group; ++h) scaled_query<DV>(q + h * D, scale, w.qs.data() + h * D);
+  __m512* peaks = w.peaks.data();
   KeyChunks<T, DV> chunks(keys, len);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const char* rows[16];
@@ -214,13 +223,13 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t h = 0; h < group; ++h) {
       __m512 qh[DV];  // in registers for the 16 rows (not a memory operand of each multiply-add)
-      for (int d = 0; d < DV; ++d) qh[d] = qv[h * DV + d];
+      for (int d = 0; d < DV; ++d) qh[d] = _mm512_loadu_ps(w.qs.data() + h * D + 16 * d);
       const __m512 s = score16<DV>(qh, key, n);
       _mm512_mask_storeu_ps(scores + h * stride + p0, valid, s);
       peaks[h] = _mm512_mask_max_ps(peaks[h], valid, peaks[h], s);
     }
   }
-  for (int64_t h = 0; h < group; ++h) peak[h] = _mm512_reduce_max_ps(peaks[h]);
+  for (int64_t h = 0; h < group; ++h) w.peak[h] = _mm512_reduce_max_ps(peaks[h]);
 }
 
 // e^(score - peak) in place; returns the sum.
@@ -258,36 +267,39 @@ void accumulate_values(const float* weights, int64_t stride, const float* totals
     }
   }
   for (int h = 0; h < HB; ++h) {
-    const __m512 inv = _mm512_set1_ps(1.0f / totals[h]);
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + h * 16 * DV + 16 * d, _mm512_mul_ps(acc[h][d], inv));
+    const __m512 inv = _mm512_set1_ps(reciprocal(totals[h]));
+    for (int d = 0; d < DV; ++d)
+      _mm512_storeu_ps(out + h * 16 * DV + 16 * d, _mm512_mul_ps(acc[h][d], inv));
   }
 }
 
 // The query heads [0, group) that share one KV head, for one sequence, in the batch-invariant
-// order or score16's. `scores` holds at least group * (len + 16) floats.
+// order or score16's.
 template <typename T, int DV, bool Invariant>
 void decode_group(const float* q, int64_t group, float scale, RowCursor keys, RowCursor values,
-                  int64_t len, float* scores, float* out) {
+                  int64_t len, GroupScratch& w, float* out) {
   const int64_t stride = len + 16;
-  std::vector<float> peak(group), totals(group);
+  w.fit(group, 16 * DV, stride);
   if constexpr (Invariant)
-    score_group_invariant<T, DV>(q, group, scale, keys, len, scores, stride, peak.data());
+    score_group_invariant<T, DV>(q, group, scale, keys, len, stride, w);
   else
-    score_group<T, DV>(q, group, scale, keys, len, scores, stride, peak.data());
+    score_group<T, DV>(q, group, scale, keys, len, stride, w);
+  float* scores = w.scores.data();
+  float* totals = w.totals.data();
   RowCursor first_values = values;
   prefetch_rows<T, DV>(first_values, std::min<int64_t>(kAhead, len));
-  for (int64_t h = 0; h < group; ++h) totals[h] = exponentiate(scores + h * stride, len, peak[h]);
+  for (int64_t h = 0; h < group; ++h) totals[h] = exponentiate(scores + h * stride, len, w.peak[h]);
   // Up to 16 accumulators (HB * DV) stay in registers beside the value row.
   constexpr int kMaxHeads = 16 / DV;
   for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
-    const float* w = scores + h0 * stride;
+    const float* weights = scores + h0 * stride;
     float* o = out + h0 * 16 * DV;
     switch (std::min<int64_t>(kMaxHeads, group - h0)) {
-      case 1: accumulate_values<T, DV, 1>(w, stride, totals.data() + h0, values, len, o); break;
-      case 2: accumulate_values<T, DV, 2>(w, stride, totals.data() + h0, values, len, o); break;
-      case 3: accumulate_values<T, DV, 3>(w, stride, totals.data() + h0, values, len, o); break;
+      case 1: accumulate_values<T, DV, 1>(weights, stride, totals + h0, values, len, o); break;
+      case 2: accumulate_values<T, DV, 2>(weights, stride, totals + h0, values, len, o); break;
+      case 3: accumulate_values<T, DV, 3>(weights, stride, totals + h0, values, len, o); break;
       default:
-        accumulate_values<T, DV, kMaxHeads>(w, stride, totals.data() + h0, values, len, o);
+        accumulate_values<T, DV, kMaxHeads>(weights, stride, totals + h0, values, len, o);
         break;
     }
   }
@@ -376,7 +388,8 @@ void paged_decode_attention(
     // One task per (sequence, KV head): its keys and values cross the memory bus once for all
     // the query heads that share them.
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(group * (max_len + 16));
+      GroupScratch scratch;
+      scratch.scores.resize(group * (max_len + 16));
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task / num_kv_heads, kv = task % num_kv_heads;
         const int64_t h = kv * group;  // the group's first query head
@@ -385,14 +398,13 @@ void paged_decode_attention(
         const int32_t* table = tables + seq * table_stride;
         const RowCursor keys{k_ptr + kv * row_bytes, table, block_size, token_stride};
         const RowCursor values{v_ptr + kv * row_bytes, table, block_size, token_stride};
-        float* sc = scores.data();
         auto run = [&](auto dv, auto order) {
           constexpr int DV = decltype(dv)::value;
           constexpr bool kInvariant = decltype(order)::value;
           auto group_fn = kind == paged::Rows::Int8 ? decode_group<int8_t, DV, kInvariant>
                           : kind == paged::Rows::BF16 ? decode_group<c10::BFloat16, DV, kInvariant>
                                                       : decode_group<float, DV, kInvariant>;
-          group_fn(qh, group, fscale, keys, values, lens[seq], sc, o);
+          group_fn(qh, group, fscale, keys, values, lens[seq], scratch, o);
         };
         auto sized = [&](auto order) {
           if (head_dim == 64) run(std::integral_constant<int, 4>{}, order);

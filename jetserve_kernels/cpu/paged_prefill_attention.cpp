@@ -125,9 +125,10 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
   for (int b = 0; b < DV; ++b) transpose16(ot + 16 * b, 1, outs + 16 * b);
   for (int lane = 0; lane < live; ++lane) {
     const int64_t r = r0 + lane;
-    const __m512 inv = _mm512_set1_ps(1.0f / lane_sum(partials[lane]));
+    const __m512 inv = _mm512_set1_ps(reciprocal(lane_sum(partials[lane])));
     float* dst = out + (r / group) * out_stride + (r % group) * D;
-    for (int b = 0; b < DV; ++b) _mm512_storeu_ps(dst + 16 * b, _mm512_mul_ps(outs[16 * b + lane], inv));
+    for (int b = 0; b < DV; ++b)
+      _mm512_storeu_ps(dst + 16 * b, _mm512_mul_ps(outs[16 * b + lane], inv));
   }
 }
 

@@ -451,13 +451,16 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv
 
 
 # head_dim 64 and 128 take the prefill kernel's tiles where AVX-512 is built in (groups 1 to 7:
-# the decode kernel's head blocks of 1 to 4 and two of them); 32 and 96, and any head_dim
-# elsewhere, a row of the decode kernel per token.
-@pytest.mark.parametrize("head_dim,group,block", [(32, 3, 16), (64, 1, 16), (64, 2, 16),
-                                                  (64, 3, 16), (64, 4, 16), (64, 5, 8),
-                                                  (96, 3, 16), (128, 3, 32), (128, 7, 16)])
+# the invariant decode's blocks of 1 to 4 heads, alone and after a block of 4); 32 and 96, and
+# any head_dim elsewhere, a row of the decode kernel per token. A scale of 4 spreads the scores
+# far enough for weights near e^-87 (the exponential's floor) and below fp32's normal range.
+@pytest.mark.parametrize("head_dim,group,block,scale", [
+    (32, 3, 16, 0.1), (64, 1, 16, 0.1), (64, 2, 16, 0.1), (64, 3, 16, 0.1), (64, 3, 16, 4.0),
+    (64, 4, 16, 0.1), (64, 5, 8, 0.1), (64, 6, 16, 4.0), (96, 3, 16, 0.1), (128, 3, 32, 0.1),
+    (128, 7, 16, 4.0)])
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
-def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, group, block, kv):
+def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, group, block, scale,
+                                                               kv):
     """What a batch-invariant model's prefill runs: each token's output has the bits the decode
     kernel (in the invariant order) gives that token alone, whatever the slice's length, its
     cached context, the tiles it falls in, or how many threads share it; and no row outside the
@@ -482,11 +485,11 @@ def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, grou
             for (cached, new), table in zip(slices, tables):
                 blocks = torch.tensor(table[:-(-(cached + new) // block)], dtype=torch.int32)
                 k.paged_prefill_as_decodes(q, k_cache, v_cache, blocks, q_start, new, cached, out,
-                                           0.1)
+                                           scale)
                 for t in range(new):
                     k.paged_decode_attention(q, k_cache, v_cache, blocks[None], torch.tensor(
                         [cached + t + 1], dtype=torch.int32), torch.tensor([q_start + t]), alone,
-                        0.1, True)
+                        scale, True)
                 q_start += new
         finally:
             torch.set_num_threads(threads)
