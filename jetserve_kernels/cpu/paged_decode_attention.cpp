@@ -155,41 +155,6 @@ struct GroupScratch {
   }
 };
 
-// The scores of G query heads against positions [0, len) of their KV head in the batch-invariant
-// order (attention_simd.h), into w.scores, with their maxima in w.peak. Each 16 key rows are
-// transposed and scored for up to four heads at a time (for G over four, again for the next
-// four).
-template <typename T, int DV>
-void score_group_invariant(const float* q, int64_t group, float scale, RowCursor keys,
-                           int64_t len, int64_t stride, GroupScratch& w) {
-  constexpr int D = 16 * DV, kHeads = 4;
-  float* scores = w.scores.data();
-  for (int64_t h = 0; h < group; ++h) scaled_query<DV>(q + h * D, scale, w.qs.data() + h * D);
-  __m512* peaks = w.peaks.data();
-  KeyChunks<T, DV> chunks(keys, len);
-  for (int64_t p0 = 0; p0 < len; p0 += 16) {
-    const char* rows[16];
-    const int n = chunks.next(p0, rows);
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
-      __m512 s[kHeads];
-      const float* qh = w.qs.data() + h0 * D;
-      const int heads = static_cast<int>(std::min<int64_t>(kHeads, group - h0));
-      switch (heads) {
-        case 1: score_heads<T, DV, 1>(qh, rows, s); break;
-        case 2: score_heads<T, DV, 2>(qh, rows, s); break;
-        case 3: score_heads<T, DV, 3>(qh, rows, s); break;
-        default: score_heads<T, DV, kHeads>(qh, rows, s); break;
-      }
-      for (int i = 0; i < heads; ++i) {
-        _mm512_mask_storeu_ps(scores + (h0 + i) * stride + p0, valid, s[i]);
-        peaks[h0 + i] = _mm512_mask_max_ps(peaks[h0 + i], valid, peaks[h0 + i], s[i]);
-      }
-    }
-  }
-  for (int64_t h = 0; h < group; ++h) w.peak[h] = _mm512_reduce_max_ps(peaks[h]);
-}
-
 // A query head's scores (scaled, qv[d]: its elements [16 d, 16 d + 16)) against key rows [0, n)
 // of 16 as fp32: element i is row i's dot product, lane by lane products summed in d order, then
 // the 16 lanes in one transposing tree; elements from n on are 0.
@@ -204,29 +169,49 @@ inline __m512 score16(const __m512* qv, const __m512 (*key)[DV], int n) {
   return sum16(partial);
 }
 
-// score_group_invariant's scores in the cheaper order of score16 (no transposes), for a model
-// that is not batch-invariant: each 16 key rows are widened once, then scored against one head
-// after another (the next head finds them in L1).
-template <typename T, int DV>
+// The scores of G query heads against positions [0, len) of their KV head, into w.scores (head
+// h's at h * stride), with their maxima in w.peak. In the batch-invariant order
+// (attention_simd.h): each 16 key rows transposed and scored for up to four heads at a time (for
+// G over four, again for the next four). Otherwise in score16's cheaper order: each 16 rows
+// widened once, then scored against one head after another (the next head finds them in L1).
+template <typename T, int DV, bool Invariant>
 void score_group(const float* q, int64_t group, float scale, RowCursor keys, int64_t len,
                  int64_t stride, GroupScratch& w) {
-  constexpr int D = 16 * DV;
+  constexpr int D = 16 * DV, kHeads = 4;
   float* scores = w.scores.data();
+  const float* qs = w.qs.data();
   for (int64_t h = 0; h < group; ++h) scaled_query<DV>(q + h * D, scale, w.qs.data() + h * D);
   __m512* peaks = w.peaks.data();
   KeyChunks<T, DV> chunks(keys, len);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const char* rows[16];
     const int n = chunks.next(p0, rows);
-    __m512 key[16][DV];  // the 16 rows as fp32, read once for the G heads
-    for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    for (int64_t h = 0; h < group; ++h) {
-      __m512 qh[DV];  // in registers for the 16 rows (not a memory operand of each multiply-add)
-      for (int d = 0; d < DV; ++d) qh[d] = _mm512_loadu_ps(w.qs.data() + h * D + 16 * d);
-      const __m512 s = score16<DV>(qh, key, n);
+    auto keep = [&](int64_t h, __m512 s) {
       _mm512_mask_storeu_ps(scores + h * stride + p0, valid, s);
       peaks[h] = _mm512_mask_max_ps(peaks[h], valid, peaks[h], s);
+    };
+    if constexpr (Invariant) {
+      for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
+        __m512 s[kHeads];
+        const float* qh = qs + h0 * D;
+        const int heads = static_cast<int>(std::min<int64_t>(kHeads, group - h0));
+        switch (heads) {
+          case 1: score_heads<T, DV, 1>(qh, rows, s); break;
+          case 2: score_heads<T, DV, 2>(qh, rows, s); break;
+          case 3: score_heads<T, DV, 3>(qh, rows, s); break;
+          default: score_heads<T, DV, kHeads>(qh, rows, s); break;
+        }
+        for (int i = 0; i < heads; ++i) keep(h0 + i, s[i]);
+      }
+    } else {
+      __m512 key[16][DV];  // the 16 rows as fp32, read once for the G heads
+      for (int i = 0; i < n; ++i) load_row<T, DV>(rows[i], key[i]);
+      for (int64_t h = 0; h < group; ++h) {
+        __m512 qh[DV];  // in registers for the 16 rows (not a memory operand of each FMA)
+        for (int e = 0; e < DV; ++e) qh[e] = _mm512_loadu_ps(qs + h * D + 16 * e);
+        keep(h, score16<DV>(qh, key, n));
+      }
     }
   }
   for (int64_t h = 0; h < group; ++h) w.peak[h] = _mm512_reduce_max_ps(peaks[h]);
@@ -280,10 +265,7 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
                   int64_t len, GroupScratch& w, float* out) {
   const int64_t stride = len + 16;
   w.fit(group, 16 * DV, stride);
-  if constexpr (Invariant)
-    score_group_invariant<T, DV>(q, group, scale, keys, len, stride, w);
-  else
-    score_group<T, DV>(q, group, scale, keys, len, stride, w);
+  score_group<T, DV, Invariant>(q, group, scale, keys, len, stride, w);
   float* scores = w.scores.data();
   float* totals = w.totals.data();
   RowCursor first_values = values;
