@@ -86,7 +86,9 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
         e[j] = exp_nonpositive(_mm512_sub_ps(kept[c0 + j], peak));
-        part[j] = _mm512_add_ps(part[j], e[j]);
+        // A masked add, as the decode's partials take (a plain vector add is open to
+        // -ffast-math's reassociation, were this loop ever unrolled over positions).
+        part[j] = _mm512_mask_add_ps(part[j], 0xFFFF, part[j], e[j]);
       }
       for (int d0 = 0; d0 < D; d0 += 8) {
         __m512 o[8];

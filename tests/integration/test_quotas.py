@@ -60,9 +60,10 @@ async def test_past_its_share_of_the_durable_backlog_a_tenant_is_rate_limited(st
     async with await JetserveClient.connect(stack.url, tenant="heavy") as heavy, \
             await JetserveClient.connect(stack.url, tenant="light") as light, \
             await JetserveClient.connect(stack.url, tenant="busy") as busy:
-        # Both executor slots are taken until cancelled, so heavy's first four wait at priority
-        # (held, and counted toward its share) however slowly the excess is judged: on the tiny
-        # model a 400-token request ends in half a second, which a loaded host can outlast.
+        # Both executor slots are taken until cancelled (2,000 tokens, ~3 s on the tiny model),
+        # so heavy's first four wait at priority, held and counted toward its share, while the
+        # excess is judged: a 400-token request ends in half a second, which a loaded host can
+        # outlast.
         blockers = [asyncio.create_task(busy.generate(long(f"b{i}", 2000), timeout=120))
                     for i in range(2)]
         await wait_for_stat(busy, "executor", "running", 2)
@@ -85,10 +86,13 @@ async def test_past_its_share_of_the_durable_backlog_a_tenant_is_rate_limited(st
         await wait_for_stat(heavy, "admission", "durable_held", 0)
         again = await heavy.submit(long(f"h{QUEUE - 1}", 10))
         retried = await heavy.result(f"h{QUEUE - 1}", timeout=120)
+    # First the premise: the blockers ran until cancelled (a host too slow for 2,000 tokens to
+    # outlast the judging fails here, not below).
+    assert all(isinstance(b, Completion) and b.finish_reason == "cancelled" for b in blocked), \
+        blocked
     assert held == QUEUE // 2
     assert all(isinstance(r, Error) and r.code == "rate_limited" and r.retry_after_ms == 1000.0
                and "durable_share 0.5" in r.message for r in results), results
-    assert all(isinstance(b, Completion) and b.finish_reason == "cancelled" for b in blocked)
     assert all(isinstance(r, Completion) for r in kept), kept
     assert isinstance(mine, Completion) and len(mine.token_ids) == 20
     assert not again.duplicate and isinstance(retried, Completion), retried

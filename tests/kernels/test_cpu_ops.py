@@ -453,7 +453,8 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv
 # head_dim 64 and 128 take the prefill kernel's tiles where AVX-512 is built in (groups 1 to 7:
 # the invariant decode's blocks of 1 to 4 heads, alone and after a block of 4); 32 and 96, and
 # any head_dim elsewhere, a row of the decode kernel per token. A scale of 4 spreads the scores
-# far enough for weights near e^-87 (the exponential's floor) and below fp32's normal range.
+# far enough for weights at e^-87 (the exponential's floor) and products of them below fp32's
+# normal range.
 @pytest.mark.parametrize("head_dim,group,block,scale", [
     (32, 3, 16, 0.1), (64, 1, 16, 0.1), (64, 2, 16, 0.1), (64, 3, 16, 0.1), (64, 3, 16, 4.0),
     (64, 4, 16, 0.1), (64, 5, 8, 0.1), (64, 6, 16, 4.0), (96, 3, 16, 0.1), (128, 3, 32, 0.1),
