@@ -126,6 +126,8 @@ inline float bf16_at(const char* p) {
 #include <cstring>
 #include <type_traits>
 
+#include "bf16_simd.h"
+
 namespace paged {
 
 // e^x for x <= 0 (scores minus their max): 2^(x log2 e) as 2^n * 2^f, with 2^f = e^(f ln 2) from
@@ -220,6 +222,24 @@ inline float reciprocal(float x) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.
 //   out[d] = (a chain over p in order, from 0: acc = e[p] v[p][d] + acc) * reciprocal(total).
 // A tile scores with one (token, head) row per lane and one key per multiply-add; the decode
 // kernel transposes 16 keys (element d of each in one vector) to make the same chains.
+//
+// Over a bf16 cache, where the CPU has AVX512-BF16 (`bf16_products`), the products are bf16
+// dot products (vdpbf16ps: twice the products of an FMA), and so q' and the weights are rounded
+// to bf16 (nearest, ties to even) first; the keys and values are bf16 already:
+//   score[p] = one chain over the pairs d = (0, 1), (2, 3), ... from 0: s = dot_pairs(s, q', k);
+//   e[p] = bf16(exp_nonpositive(score[p] - the largest score)), the total summing these;
+//   out[d] = (a chain over the pairs of positions (0, 1), (2, 3), ... from 0:
+//             acc = dot_pairs(acc, (e[p], e[p + 1]), (v[p][d], v[p + 1][d]))) * reciprocal(total);
+//   a position past those attended to weighs 0 against a value of 0 or a cached one.
+// (The sum in a lane is the instruction's; both kernels hand it the same pairs in the same
+// halves.)
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Products = true;
+#else
+constexpr bool kBf16Products = false;
+#endif
+template <typename T>
+constexpr bool bf16_products = kBf16Products && std::is_same_v<T, c10::BFloat16>;
 
 // One query head's 16 * DV values times the scale, into qs.
 template <int DV>
@@ -280,6 +300,33 @@ inline void load_chunk_rows(RowCursor& cursor, int n, float (*dst)[16 * DV]) {
   for (int i = n; i < 16; ++i)
     for (int d = 0; d < DV; ++d) _mm512_store_ps(dst[i] + 16 * d, _mm512_setzero_ps());
 }
+
+#if defined(__AVX512BF16__)
+// The next n bf16 rows of a cursor as they are, each 16 * DV values as 8 * DV pairs of
+// elements, into dst[i][0 .. 8 DV); zeros past them.
+template <int DV>
+inline void load_chunk_raw(RowCursor& cursor, int n, uint32_t (*dst)[16 * DV]) {
+  for (int i = 0; i < 16; ++i) {
+    const char* row = i < n ? cursor.next() : nullptr;
+    for (int b = 0; b < DV / 2; ++b)
+      _mm512_store_si512(dst[i] + 16 * b, row ? _mm512_loadu_si512(row + 64 * b)
+                                               : _mm512_setzero_si512());
+  }
+}
+
+// The next n bf16 rows of a cursor in pairs of rows: dst[m][d] = (row 2m's d, row 2m + 1's d),
+// a row of zeros past them.
+template <int DV>
+inline void load_chunk_pairs(RowCursor& cursor, int n, uint32_t (*dst)[16 * DV]) {
+  alignas(64) static const uint16_t zeros[16 * DV] = {};
+  for (int m = 0; m < 8; ++m) {
+    const char* a = 2 * m < n ? cursor.next() : reinterpret_cast<const char*>(zeros);
+    const char* b = 2 * m + 1 < n ? cursor.next() : reinterpret_cast<const char*>(zeros);
+    for (int d = 0; d < DV; ++d)
+      _mm512_store_si512(dst[m] + 16 * d, interleave_bf16(a + 32 * d, b + 32 * d));
+  }
+}
+#endif
 
 // Asks for a cache row's lines, into L2, ahead of their use: rows are scattered over blocks, so
 // the hardware prefetcher alone leaves the loads waiting on memory.

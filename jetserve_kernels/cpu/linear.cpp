@@ -37,6 +37,7 @@
 // the next-token KL the activations add.
 
 #include "ops.h"
+#include "bf16_simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -348,13 +349,6 @@ void panels_run(const Panels& w, const float* x, int64_t x_stride, float* y, int
 // bfloat16 dot products (vdpbf16ps: 32 products into 16 fp32 sums, where an FMA makes 16): for
 // many rows of x against quantized weights, which are rounded already. Both operands hold pairs
 // of consecutive k in each 32-bit lane: a weight lane is (w[2p, c], w[2p + 1, c]).
-
-// Two steps of k, as fp32 vectors of one half of the columns, into a vector of bf16 pairs.
-inline __m512i bf16_pairs(__m512 even, __m512 odd) {
-  const __m512i e = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even)));
-  const __m512i o = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd)));
-  return _mm512_or_si512(e, _mm512_slli_epi32(o, 16));
-}
 
 // A quantized panel as bf16 pairs: out[p * 32 + c] = (w[2p, c], w[2p + 1, c]).
 template <Format F>

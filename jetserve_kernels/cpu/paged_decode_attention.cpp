@@ -72,10 +72,29 @@ struct KeyChunks {
 // in registers (element d of the 16 keys in one vector); a bf16 cache's as pairs of elements
 // (32-bit lanes), each pair widened after (half the shuffles of widening first), an int8
 // cache's as quads of codes.
+// With bf16 products (attention_simd.h) a bf16 cache's pairs are not widened: each meets the
+// head's pair of elements rounded to bf16 (qp[h * 8 * DV + i]: elements 2i, 2i + 1).
 template <typename T, int DV, int HB>
-inline void score_heads(const float* qs, const char* const* rows, __m512* s) {
+inline void score_heads(const float* qs, const uint32_t* qp, const char* const* rows, __m512* s) {
   constexpr int D = 16 * DV;
   for (int h = 0; h < HB; ++h) s[h] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (bf16_products<T>) {
+    for (int b = 0; b < DV / 2; ++b) {
+      __m512 raw[16], pairs[16];
+      for (int i = 0; i < 16; ++i)
+        raw[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i]) + 16 * b);
+      transpose16(raw, 1, pairs);
+      for (int l = 0; l < 16; ++l) {
+        const __m512i pair = _mm512_castps_si512(pairs[l]);
+        for (int h = 0; h < HB; ++h)
+          s[h] = dot_pairs(s[h], _mm512_set1_epi32(static_cast<int>(qp[h * D / 2 + 16 * b + l])),
+                           pair);
+      }
+    }
+    return;
+  }
+#endif
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int b = 0; b < DV / 2; ++b) {
@@ -144,11 +163,13 @@ inline void score_heads(const float* qs, const char* const* rows, __m512* s) {
 // at scores[h * stride + pos], their scaled queries, maxima (per lane, then each) and totals.
 struct GroupScratch {
   std::vector<float> scores, qs, peak, totals;
+  std::vector<uint16_t> qbf16;  // with bf16 products: qs rounded to bf16
   std::vector<__m512> peaks;
 
   void fit(int64_t group, int64_t head_dim, int64_t stride) {
     if (static_cast<int64_t>(scores.size()) < group * stride) scores.resize(group * stride);
     qs.resize(group * head_dim);
+    qbf16.resize(group * head_dim);
     peak.resize(group);
     totals.resize(group);
     peaks.assign(group, _mm512_set1_ps(-INFINITY));
@@ -181,6 +202,13 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
   float* scores = w.scores.data();
   const float* qs = w.qs.data();
   for (int64_t h = 0; h < group; ++h) scaled_query<DV>(q + h * D, scale, w.qs.data() + h * D);
+#if defined(__AVX512BF16__)
+  if constexpr (Invariant && bf16_products<T>)
+    for (int64_t i = 0; i < group * D; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.qbf16.data() + i),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(qs + i))));
+#endif
+  const uint32_t* qp = reinterpret_cast<const uint32_t*>(w.qbf16.data());
   __m512* peaks = w.peaks.data();
   KeyChunks<T, DV> chunks(keys, len);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
@@ -195,12 +223,13 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
       for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
         __m512 s[kHeads];
         const float* qh = qs + h0 * D;
+        const uint32_t* ph = qp + h0 * D / 2;
         const int heads = static_cast<int>(std::min<int64_t>(kHeads, group - h0));
         switch (heads) {
-          case 1: score_heads<T, DV, 1>(qh, rows, s); break;
-          case 2: score_heads<T, DV, 2>(qh, rows, s); break;
-          case 3: score_heads<T, DV, 3>(qh, rows, s); break;
-          default: score_heads<T, DV, kHeads>(qh, rows, s); break;
+          case 1: score_heads<T, DV, 1>(qh, ph, rows, s); break;
+          case 2: score_heads<T, DV, 2>(qh, ph, rows, s); break;
+          case 3: score_heads<T, DV, 3>(qh, ph, rows, s); break;
+          default: score_heads<T, DV, kHeads>(qh, ph, rows, s); break;
         }
         for (int i = 0; i < heads; ++i) keep(h0 + i, s[i]);
       }
@@ -217,23 +246,37 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
   for (int64_t h = 0; h < group; ++h) w.peak[h] = _mm512_reduce_max_ps(peaks[h]);
 }
 
-// e^(score - peak) in place; returns the sum.
+// e^(score - peak) in place (Rounded: rounded to bf16, and a 0 after the last); returns the sum.
+template <bool Rounded>
 float exponentiate(float* scores, int64_t len, float peak) {
   const __m512 top = _mm512_set1_ps(peak);
   __m512 total = _mm512_setzero_ps();
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + p0), top));
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + p0), top));
+#if defined(__AVX512BF16__)
+    if constexpr (Rounded) e = bf16_rounded(e);
+#endif
     _mm512_mask_storeu_ps(scores + p0, valid, e);
     total = _mm512_mask_add_ps(total, valid, total, e);
   }
+  if constexpr (Rounded) scores[len] = 0.0f;
   return lane_sum(total);
+}
+
+// The weights of positions p and p + 1 (rounded to bf16 already) as one bf16 pair.
+inline uint32_t weight_pair(const float* w) {
+  uint32_t a, b;
+  std::memcpy(&a, w, 4);
+  std::memcpy(&b, w + 1, 4);
+  return (a >> 16) | (b & 0xFFFF0000u);
 }
 
 // out[h] = sum over positions of weights[h][pos] * value[pos] / totals[h], for HB heads: each
 // value row is loaded once into registers for all of them.
-template <typename T, int DV, int HB>
+// With bf16 products (Pairs) the positions go in pairs (p, p + 1), a row of zeros after the last.
+template <typename T, int DV, int HB, bool Pairs>
 void accumulate_values(const float* weights, int64_t stride, const float* totals, RowCursor values,
                        int64_t len, float* out) {
   __m512 acc[HB][DV];
@@ -241,6 +284,24 @@ void accumulate_values(const float* weights, int64_t stride, const float* totals
     for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
   RowCursor ahead = values;  // its first kAhead rows were prefetched with the scores
   for (int64_t i = 0; i < std::min<int64_t>(kAhead, len); ++i) ahead.next();
+#if defined(__AVX512BF16__)
+  if constexpr (Pairs) {
+    alignas(64) static const uint16_t zeros[16 * DV] = {};
+    for (int64_t pos = 0; pos < len; pos += 2) {
+      const char* a = values.next();
+      const char* b = pos + 1 < len ? values.next() : reinterpret_cast<const char*>(zeros);
+      for (int64_t p = pos; p < std::min(pos + 2, len); ++p)
+        if (p + kAhead < len) prefetch_row<T, DV>(ahead.next());
+      __m512i v[DV];
+      for (int d = 0; d < DV; ++d) v[d] = interleave_bf16(a + 32 * d, b + 32 * d);
+      for (int h = 0; h < HB; ++h) {
+        const __m512i w =
+            _mm512_set1_epi32(static_cast<int>(weight_pair(weights + h * stride + pos)));
+        for (int d = 0; d < DV; ++d) acc[h][d] = dot_pairs(acc[h][d], w, v[d]);
+      }
+    }
+  } else
+#endif
   for (int64_t pos = 0; pos < len; ++pos) {
     const char* row = values.next();
     if (pos + kAhead < len) prefetch_row<T, DV>(ahead.next());
@@ -265,24 +326,27 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
                   int64_t len, GroupScratch& w, float* out) {
   const int64_t stride = len + 16;
   w.fit(group, 16 * DV, stride);
+  constexpr bool kPairs = Invariant && bf16_products<T>;
   score_group<T, DV, Invariant>(q, group, scale, keys, len, stride, w);
   float* scores = w.scores.data();
   float* totals = w.totals.data();
   RowCursor first_values = values;
   prefetch_rows<T, DV>(first_values, std::min<int64_t>(kAhead, len));
-  for (int64_t h = 0; h < group; ++h) totals[h] = exponentiate(scores + h * stride, len, w.peak[h]);
+  for (int64_t h = 0; h < group; ++h)
+    totals[h] = exponentiate<kPairs>(scores + h * stride, len, w.peak[h]);
   // Up to 16 accumulators (HB * DV) stay in registers beside the value row.
   constexpr int kMaxHeads = 16 / DV;
   for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
-    const float* weights = scores + h0 * stride;
-    float* o = out + h0 * 16 * DV;
+    auto heads = [&](auto hb) {
+      accumulate_values<T, DV, decltype(hb)::value, kPairs>(scores + h0 * stride, stride,
+                                                            totals + h0, values, len,
+                                                            out + h0 * 16 * DV);
+    };
     switch (std::min<int64_t>(kMaxHeads, group - h0)) {
-      case 1: accumulate_values<T, DV, 1>(weights, stride, totals + h0, values, len, o); break;
-      case 2: accumulate_values<T, DV, 2>(weights, stride, totals + h0, values, len, o); break;
-      case 3: accumulate_values<T, DV, 3>(weights, stride, totals + h0, values, len, o); break;
-      default:
-        accumulate_values<T, DV, kMaxHeads>(weights, stride, totals + h0, values, len, o);
-        break;
+      case 1: heads(std::integral_constant<int, 1>{}); break;
+      case 2: heads(std::integral_constant<int, 2>{}); break;
+      case 3: heads(std::integral_constant<int, 3>{}); break;
+      default: heads(std::integral_constant<int, kMaxHeads>{}); break;
     }
   }
 }

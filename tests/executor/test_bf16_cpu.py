@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from jetserve_kernels import cpu_ops
+from jetserve_kernels import cpu_ops, reference
 from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
 from shared.config import engine_config
@@ -94,12 +94,14 @@ def test_a_bf16_prefill_attends_as_its_decodes_would(head_dim):
         meta = backend.prepare([SeqSlice(0, 1, first + t + 1, table)], [0])
         alone = backend.attention(q[t:t + 1], unused, unused, k_cache, v_cache, 0.125, meta)
         assert torch.equal(alone[0], together[t]), f"token {t}"
-    keys = k_cache[table].flatten(0, 1).float().transpose(0, 1)  # [KVH, positions, D]
-    values = v_cache[table].flatten(0, 1).float().transpose(0, 1)
-    mask = torch.arange(len(table) * 16)[None, :] <= first + torch.arange(new)[:, None]
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=mask, scale=0.125, enable_gqa=True)
-    torch.testing.assert_close(together, expected.transpose(0, 1), atol=1e-5, rtol=1e-4)
+    # The vectorized kernels (head_dim 64, 128) over a bf16 cache take bf16 dot products
+    # (AVX512-BF16, which a batch-invariant backend has): q * scale and the softmax's weights
+    # rounded to bf16.
+    products = head_dim in (64, 128)
+    expected = reference.paged_attention(q, k_cache.float(), v_cache.float(), torch.tensor([table]),
+                                         torch.tensor([0, new]), torch.tensor([context]), 0.125,
+                                         bf16_products=products)
+    reference.assert_attention_close(together, expected, products)
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
