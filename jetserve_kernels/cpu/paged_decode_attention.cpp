@@ -7,7 +7,8 @@
 // vectorized and the rows prefetched ahead of their use, and the scores come in one of two
 // orders: 16 products summed lane by lane, then across lanes in one tree (an fp32 model's), or
 // the batch-invariant order of attention_simd.h (`invariant`: a bf16 model's), for which 16 key
-// rows are transposed in registers and scored as one vector per query head. Elsewhere plain
+// rows are transposed in registers and scored as one vector per query head (over a bf16 cache,
+// where the CPU has AVX512-BF16, in bf16 dot products, the values too). Elsewhere plain
 // loops, in one order whatever `invariant` says. Keys and values are read in place through the
 // block table, once per step for all the query heads that share them: nothing is gathered into a
 // contiguous copy first.
@@ -70,10 +71,10 @@ struct KeyChunks {
 // The scores of HB query heads (scaled, qs[h * 16 * DV + d]) against 16 key rows, one chain
 // over d per head, the heads' chains interleaved. The rows are transposed 16 elements at a time
 // in registers (element d of the 16 keys in one vector); a bf16 cache's as pairs of elements
-// (32-bit lanes), each pair widened after (half the shuffles of widening first), an int8
-// cache's as quads of codes.
-// With bf16 products (attention_simd.h) a bf16 cache's pairs are not widened: each meets the
-// head's pair of elements rounded to bf16 (qp[h * 8 * DV + i]: elements 2i, 2i + 1).
+// (32-bit lanes), each pair widened after (half the shuffles of widening first), or, with bf16
+// products (attention_simd.h), not widened: each pair meets the head's pair of elements rounded
+// to bf16 (qp[h * 8 * DV + i]: elements 2i, 2i + 1) in one dot product. An int8 cache's as
+// quads of codes.
 template <typename T, int DV, int HB>
 inline void score_heads(const float* qs, const uint32_t* qp, const char* const* rows, __m512* s) {
   constexpr int D = 16 * DV;
