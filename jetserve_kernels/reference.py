@@ -97,14 +97,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def assert_attention_close(out: torch.Tensor, expected: torch.Tensor, bf16_products: bool):
-    """A kernel's attention against paged_attention's. With bf16 products the weights are
-    rounded to bf16 after an exponential that differs from torch's in the last bits of fp32, so
-    now and then a weight rounds to the neighbouring bf16 value (2^-8 of itself away) and its row
-    moves by up to 2^-8 of that weight's share of the values: almost every element within the
-    usual tolerance, every one within that."""
+    """A kernel's attention [tokens, heads, head_dim] against paged_attention's. With bf16
+    products the weights are rounded to bf16 after scores and an exponential that differ from
+    torch's in the last bits of fp32, so now and then a weight rounds to the neighbouring bf16
+    value (2^-8 of itself away), which moves its (token, head) row by up to 2^-8 of that weight's
+    share of the values: at most 1% of the rows off the usual tolerance, none by more than
+    that. (A wrong element, pair or sequence moves most of its rows.)"""
     if not bf16_products:
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
         return
-    close = torch.isclose(out, expected, atol=2e-5, rtol=1e-4)
-    assert close.float().mean() >= 0.995, f"{(~close).sum()} of {close.numel()} elements differ"
+    rows_close = torch.isclose(out, expected, atol=2e-5, rtol=1e-4).all(-1)
+    assert rows_close.float().mean() >= 0.99, \
+        f"{(~rows_close).sum()} of {rows_close.numel()} rows differ"
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=0)

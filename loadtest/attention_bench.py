@@ -4,7 +4,9 @@ model (a cache per layer, blocks scattered, so it streams from memory as in the 
 SDPA over the gathered blocks, as the torch backend runs without the kernels. A decode runs in
 both of the decode kernel's orders: its own (an fp32 model's) and the batch-invariant one a bf16
 model's decodes share with the prefill kernel ("invariant"). A prefill runs on the prefill
-kernel, and as each token a row of the invariant decode kernel ("as decode rows": what a
+kernel, called as an fp32 model calls it and as a batch-invariant one does ("invariant": over a
+bf16 cache, bf16 dot products where the CPU has them; the same tiles over fp32 and int8 caches),
+and as each token a row of the invariant decode kernel ("as decode rows": what a
 batch-invariant model's prefill costs without the prefill kernel's tiles). The median of
 `--repeats` runs, in ms for all the layers.
 
@@ -111,10 +113,10 @@ def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int,
     scale = dim ** -0.5
     mask = torch.arange(length)[None, :] <= (cached + torch.arange(tokens))[:, None]
 
-    def kernel():
+    def kernel(invariant: bool = False):
         for layer in range(layers):
             kernels.paged_prefill_attention(q, caches.k[layer], caches.v[layer], table, 0, tokens,
-                                            cached, out, scale)
+                                            cached, out, scale, invariant)
 
     def sdpa():
         query = q.transpose(0, 1).unsqueeze(0)
@@ -137,10 +139,12 @@ def prefill_point(kernels, shape: dict, tokens: int, cached: int, repeats: int,
                                            table.expand(tokens, -1), lens, rows, out, scale, True)
 
     row = {"tokens": tokens, "cached": cached, "kernel_ms": median_ms(kernel, repeats),
+           "invariant_ms": median_ms(lambda: kernel(True), repeats),
            "as_decode_rows_ms": median_ms(as_decode_rows, repeats),
            "sdpa_ms": median_ms(sdpa, repeats)}
     flops = 4 * heads * dim * (tokens * cached + tokens * (tokens + 1) / 2) * layers
     row["kernel_gflop_per_s"] = flops / row["kernel_ms"] / 1e6
+    row["invariant_gflop_per_s"] = flops / row["invariant_ms"] / 1e6
     return row
 
 
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         row = prefill_point(kernels, shape, tokens, cached, args.repeats, args.kv_dtype)
         prefills.append(row)
         print(f"  prefill {tokens:4d} after {cached:5d}: kernel {row['kernel_ms']:8.1f} "
-              f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  as decode rows "
+              f"({row['kernel_gflop_per_s']:.0f} GFLOP/s)  invariant {row['invariant_ms']:8.1f} "
+              f"({row['invariant_gflop_per_s']:.0f} GFLOP/s)  as decode rows "
               f"{row['as_decode_rows_ms']:8.1f}  SDPA {row['sdpa_ms']:8.1f}", flush=True)
     write_result(args.result_json, "attention_bench", shape=args.shape, kv_dtype=args.kv_dtype,
                  threads=torch.get_num_threads(), decode=decodes, prefill=prefills)

@@ -232,7 +232,9 @@ inline float reciprocal(float x) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.
 //             acc = dot_pairs(acc, (e[p], e[p + 1]), (v[p][d], v[p + 1][d]))) * reciprocal(total);
 //   a position past those attended to weighs 0 against a value of 0 or a cached one.
 // (The sum in a lane is the instruction's; both kernels hand it the same pairs in the same
-// halves.)
+// halves.) The same bits assume finite cached values (0 times a later token's infinite value
+// would be NaN in a tile, 0 in a decode: a model that overflowed), and a zero output may
+// differ in its sign (vdpbf16ps flushes tiny sums to zero), which no later sum can tell.
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Products = true;
 #else

@@ -14,6 +14,9 @@ inline __m512i bf16_pairs(__m512 even, __m512 odd) {
   return _mm512_or_si512(e, _mm512_slli_epi32(o, 16));
 }
 
+// 16 values rounded to bf16 (nearest, ties to even), in order: 8 pairs.
+inline __m256i bf16_bits(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
+
 // x rounded to bf16 as bf16_pairs rounds it, kept as fp32.
 inline __m512 bf16_rounded(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(

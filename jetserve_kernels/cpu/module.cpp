@@ -6,7 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged fp32, bf16 or int8 KV cache (invariant: in the order "
         "paged_prefill_attention keeps)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "a prefill slice's causal attention over a paged fp32, bf16 or int8 KV cache");
+        "a prefill slice's causal attention over a paged fp32, bf16 or int8 KV cache "
+        "(invariant: over a bf16 cache in the products the invariant decode takes)");
   m.def("paged_prefill_as_decodes", &paged_prefill_as_decodes,
         "a prefill slice's tokens, each with the bits the invariant paged_decode_attention "
         "gives it alone");

@@ -21,11 +21,12 @@ void paged_prefill_as_decodes(const torch::Tensor& q, const torch::Tensor& k_cac
                               torch::Tensor& out, double scale);
 // A prefill slice's causal attention over its cached context and its own new tokens (written to
 // the cache already), for head_dim 64 or 128 where AVX-512 is built in (prefill_attention_kernel),
-// in the batch-invariant order.
+// in the batch-invariant order: invariant, as paged_decode_attention's (over a bf16 cache, bf16
+// products where the CPU has them); otherwise fp32 products over a bf16 cache too.
 void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                              const torch::Tensor& v_cache, const torch::Tensor& block_table,
                              int64_t q_start, int64_t q_len, int64_t first_pos, torch::Tensor& out,
-                             double scale);
+                             double scale, bool invariant);
 bool prefill_attention_kernel();
 
 // Weights packed in panels of 32 output columns (services/executor/engine/linear.py, linear.cpp):

@@ -164,13 +164,16 @@ inline void score_heads(const float* qs, const uint32_t* qp, const char* const* 
 // at scores[h * stride + pos], their scaled queries, maxima (per lane, then each) and totals.
 struct GroupScratch {
   std::vector<float> scores, qs, peak, totals;
-  std::vector<uint16_t> qbf16;  // with bf16 products: qs rounded to bf16
+  // With bf16 products: qs rounded to bf16, and the weights (of positions 2i, 2i + 1 at
+  // h * stride / 2 + i), as bf16 pairs.
+  std::vector<uint32_t> qpairs, wpairs;
   std::vector<__m512> peaks;
 
   void fit(int64_t group, int64_t head_dim, int64_t stride) {
     if (static_cast<int64_t>(scores.size()) < group * stride) scores.resize(group * stride);
+    if (static_cast<int64_t>(wpairs.size()) < group * stride / 2) wpairs.resize(group * stride / 2);
     qs.resize(group * head_dim);
-    qbf16.resize(group * head_dim);
+    qpairs.resize(group * head_dim / 2);
     peak.resize(group);
     totals.resize(group);
     peaks.assign(group, _mm512_set1_ps(-INFINITY));
@@ -205,11 +208,11 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
   for (int64_t h = 0; h < group; ++h) scaled_query<DV>(q + h * D, scale, w.qs.data() + h * D);
 #if defined(__AVX512BF16__)
   if constexpr (Invariant && bf16_products<T>)
-    for (int64_t i = 0; i < group * D; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.qbf16.data() + i),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(qs + i))));
+    for (int64_t i = 0; i < group * D; i += 16)  // 16 values: 8 pairs
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.qpairs.data() + i / 2),
+                          bf16_bits(_mm512_loadu_ps(qs + i)));
 #endif
-  const uint32_t* qp = reinterpret_cast<const uint32_t*>(w.qbf16.data());
+  const uint32_t* qp = w.qpairs.data();
   __m512* peaks = w.peaks.data();
   KeyChunks<T, DV> chunks(keys, len);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
@@ -247,9 +250,12 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
   for (int64_t h = 0; h < group; ++h) w.peak[h] = _mm512_reduce_max_ps(peaks[h]);
 }
 
-// e^(score - peak) in place (Rounded: rounded to bf16, and a 0 after the last); returns the sum.
-template <bool Rounded>
-float exponentiate(float* scores, int64_t len, float peak) {
+// e^(score - peak) in place; returns the sum. Pairs (bf16 products): each rounded to bf16 (the
+// sum of the rounded ones) and written as bf16 pairs of positions into pairs instead, zeros
+// after the last.
+template <bool Pairs>
+float exponentiate(float* scores, int64_t len, float peak, uint32_t* pairs) {
+  static_assert(!Pairs || kBf16Products);
   const __m512 top = _mm512_set1_ps(peak);
   __m512 total = _mm512_setzero_ps();
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
@@ -257,29 +263,24 @@ float exponentiate(float* scores, int64_t len, float peak) {
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + p0), top));
 #if defined(__AVX512BF16__)
-    if constexpr (Rounded) e = bf16_rounded(e);
+    if constexpr (Pairs) {
+      e = bf16_rounded(_mm512_maskz_mov_ps(valid, e));  // zeros past the last
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + p0 / 2), bf16_bits(e));
+    }
 #endif
-    _mm512_mask_storeu_ps(scores + p0, valid, e);
+    if constexpr (!Pairs) _mm512_mask_storeu_ps(scores + p0, valid, e);
     total = _mm512_mask_add_ps(total, valid, total, e);
   }
-  if constexpr (Rounded) scores[len] = 0.0f;
   return lane_sum(total);
-}
-
-// The weights of positions p and p + 1 (rounded to bf16 already) as one bf16 pair.
-inline uint32_t weight_pair(const float* w) {
-  uint32_t a, b;
-  std::memcpy(&a, w, 4);
-  std::memcpy(&b, w + 1, 4);
-  return (a >> 16) | (b & 0xFFFF0000u);
 }
 
 // out[h] = sum over positions of weights[h][pos] * value[pos] / totals[h], for HB heads: each
 // value row is loaded once into registers for all of them.
-// With bf16 products (Pairs) the positions go in pairs (p, p + 1), a row of zeros after the last.
+// With bf16 products (Pairs) the positions go in pairs (p, p + 1), their weights' pairs from
+// pairs[h * stride / 2 + p / 2], a row of zeros after the last position.
 template <typename T, int DV, int HB, bool Pairs>
-void accumulate_values(const float* weights, int64_t stride, const float* totals, RowCursor values,
-                       int64_t len, float* out) {
+void accumulate_values(const float* weights, const uint32_t* pairs, int64_t stride,
+                       const float* totals, RowCursor values, int64_t len, float* out) {
   __m512 acc[HB][DV];
   for (int h = 0; h < HB; ++h)
     for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
@@ -296,8 +297,7 @@ void accumulate_values(const float* weights, int64_t stride, const float* totals
       __m512i v[DV];
       for (int d = 0; d < DV; ++d) v[d] = interleave_bf16(a + 32 * d, b + 32 * d);
       for (int h = 0; h < HB; ++h) {
-        const __m512i w =
-            _mm512_set1_epi32(static_cast<int>(weight_pair(weights + h * stride + pos)));
+        const __m512i w = _mm512_set1_epi32(static_cast<int>(pairs[h * stride / 2 + pos / 2]));
         for (int d = 0; d < DV; ++d) acc[h][d] = dot_pairs(acc[h][d], w, v[d]);
       }
     }
@@ -325,7 +325,7 @@ void accumulate_values(const float* weights, int64_t stride, const float* totals
 template <typename T, int DV, bool Invariant>
 void decode_group(const float* q, int64_t group, float scale, RowCursor keys, RowCursor values,
                   int64_t len, GroupScratch& w, float* out) {
-  const int64_t stride = len + 16;
+  const int64_t stride = (len + 17) & ~int64_t{1};  // even: whole pairs of positions
   w.fit(group, 16 * DV, stride);
   constexpr bool kPairs = Invariant && bf16_products<T>;
   score_group<T, DV, Invariant>(q, group, scale, keys, len, stride, w);
@@ -334,14 +334,15 @@ void decode_group(const float* q, int64_t group, float scale, RowCursor keys, Ro
   RowCursor first_values = values;
   prefetch_rows<T, DV>(first_values, std::min<int64_t>(kAhead, len));
   for (int64_t h = 0; h < group; ++h)
-    totals[h] = exponentiate<kPairs>(scores + h * stride, len, w.peak[h]);
+    totals[h] = exponentiate<kPairs>(scores + h * stride, len, w.peak[h],
+                                     w.wpairs.data() + h * stride / 2);
   // Up to 16 accumulators (HB * DV) stay in registers beside the value row.
   constexpr int kMaxHeads = 16 / DV;
   for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
     auto heads = [&](auto hb) {
-      accumulate_values<T, DV, decltype(hb)::value, kPairs>(scores + h0 * stride, stride,
-                                                            totals + h0, values, len,
-                                                            out + h0 * 16 * DV);
+      accumulate_values<T, DV, decltype(hb)::value, kPairs>(
+          scores + h0 * stride, w.wpairs.data() + h0 * stride / 2, stride, totals + h0, values,
+          len, out + h0 * 16 * DV);
     };
     switch (std::min<int64_t>(kMaxHeads, group - h0)) {
       case 1: heads(std::integral_constant<int, 1>{}); break;
@@ -436,7 +437,7 @@ void paged_decode_attention(
     // the query heads that share them.
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       GroupScratch scratch;
-      scratch.scores.resize(group * (max_len + 16));
+      scratch.scores.resize(group * (max_len + 17));
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task / num_kv_heads, kv = task % num_kv_heads;
         const int64_t h = kv * group;  // the group's first query head
@@ -541,7 +542,7 @@ void paged_prefill_as_decodes(
   // The prefill kernel's tiles keep the batch-invariant order where they are built in.
   if (prefill_attention_kernel() && (q.size(2) == 64 || q.size(2) == 128)) {
     paged_prefill_attention(q, k_cache, v_cache, block_table, q_start, q_len, first_pos, out,
-                            scale);
+                            scale, true);
     return;
   }
   // Elsewhere each token is a row of the decode kernel, over the table repeated (stride 0).

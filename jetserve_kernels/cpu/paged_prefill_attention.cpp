@@ -30,13 +30,14 @@ using namespace paged;
 // head's first query head. Two passes rather than an online softmax (which would rescale the
 // sums as the maximum grows, in an order no decode keeps): first every key's scores, kept in
 // `kept`, with each lane's maximum; then the exponentials, the lanes' 16 partial totals and the
-// value sums, in position order.
-template <typename T, int DV>
+// value sums, in position order (in pairs of positions with bf16 products: Pairs, over a bf16
+// cache where the CPU has AVX512-BF16).
+template <typename T, int DV, bool Pairs>
 void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t r0,
                   int64_t num_rows, int64_t group, int64_t first_pos, float scale, RowCursor keys,
                   RowCursor values, std::vector<__m512>& kept) {
   constexpr int D = 16 * DV;
-  constexpr bool kPairs = bf16_products<T>;
+  constexpr bool kPairs = Pairs && bf16_products<T>;
   const int live = static_cast<int>(std::min<int64_t>(16, num_rows - r0));
   __m512 rows[16][DV], qt[D];  // the tile's scaled queries; transposed, one vector per d
   alignas(64) float lane_pos[16];
@@ -62,8 +63,10 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
   alignas(64) float buf[16][D];
   __m512 peak = _mm512_set1_ps(-INFINITY);
 #if defined(__AVX512BF16__)
-  __m512i qp[D / 2];  // bf16 products: the scaled queries as bf16 pairs of elements
-  alignas(64) uint32_t pairs[16][D];  // a chunk's keys (pairs of elements) or values (of rows)
+  // bf16 products: the scaled queries as bf16 pairs of elements; a chunk's keys (pairs of
+  // elements) or values (pairs of rows).
+  __m512i qp[kPairs ? D / 2 : 1];
+  alignas(64) uint32_t pairs[kPairs ? 16 : 1][D];
   if constexpr (kPairs)
     for (int i = 0; i < D / 2; ++i) qp[i] = bf16_pairs(qt[2 * i], qt[2 * i + 1]);
 #endif
@@ -201,7 +204,9 @@ void paged_prefill_attention(
     int64_t q_start, int64_t q_len,    // the slice's rows of q and out
     int64_t first_pos,                 // the position of its first token (cached tokens before)
     torch::Tensor& out,                // [num_tokens, num_heads, head_dim]
-    double scale) {
+    double scale,
+    bool invariant) {                  // bf16 products over a bf16 cache, as the decode kernel's
+                                       // invariant order (attention_simd.h)
   const paged::Rows kind =
       paged::check_attention_args("paged_prefill_attention", q, k_cache, v_cache, out, block_table);
   const paged::SliceView s(q, k_cache, v_cache, block_table, out, scale);
@@ -227,10 +232,13 @@ void paged_prefill_attention(
                 keys, values, kept);
       };
       const bool d64 = s.head_dim == 64;
-      if (kind == paged::Rows::Int8) run(d64 ? prefill_tile<int8_t, 4> : prefill_tile<int8_t, 8>);
+      if (kind == paged::Rows::Int8)
+        run(d64 ? prefill_tile<int8_t, 4, false> : prefill_tile<int8_t, 8, false>);
+      else if (kind == paged::Rows::BF16 && invariant)
+        run(d64 ? prefill_tile<c10::BFloat16, 4, true> : prefill_tile<c10::BFloat16, 8, true>);
       else if (kind == paged::Rows::BF16)
-        run(d64 ? prefill_tile<c10::BFloat16, 4> : prefill_tile<c10::BFloat16, 8>);
-      else run(d64 ? prefill_tile<float, 4> : prefill_tile<float, 8>);
+        run(d64 ? prefill_tile<c10::BFloat16, 4, false> : prefill_tile<c10::BFloat16, 8, false>);
+      else run(d64 ? prefill_tile<float, 4, false> : prefill_tile<float, 8, false>);
     }
   });
 #else

@@ -428,7 +428,8 @@ PREFILL_SLICES = [(0, 40), (37, 20), (5, 13), (64, 1), (0, 150), (100, 77)]
 @pytest.mark.parametrize("head_dim,group,block", [(64, 1, 16), (64, 3, 16), (64, 5, 8),
                                                   (128, 3, 32), (128, 7, 16)])
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
-def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv):
+@pytest.mark.parametrize("invariant", [False, True])
+def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv, invariant):
     kv_heads = 2
     heads = group * kv_heads
     gen = torch.Generator().manual_seed(head_dim + group)
@@ -443,10 +444,11 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv
     q_start = 0
     for (cached, new), table in zip(PREFILL_SLICES, tables):
         blocks = torch.tensor(table[:-(-(cached + new) // block)], dtype=torch.int32)
-        k.paged_prefill_attention(q, k_cache, v_cache, blocks, q_start, new, cached, out, 0.1)
+        k.paged_prefill_attention(q, k_cache, v_cache, blocks, q_start, new, cached, out, 0.1,
+                                  invariant)
         q_start += new
     cu_seqlens = torch.tensor([0] + new_tokens).cumsum(0)
-    products = kv == "bf16" and k.bf16_dot_products()  # the tiles' bf16 products
+    products = kv == "bf16" and invariant and k.bf16_dot_products()  # the tiles' bf16 products
     if kv == "bf16":
         k_cache, v_cache = k_cache.float(), v_cache.float()
     expected = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu_seqlens,
@@ -527,12 +529,12 @@ def test_paged_prefill_attention_names_what_it_refuses(k):
     cache = torch.randn(2, 16, 1, 32)
     with pytest.raises(RuntimeError, match="head_dim 64 or 128, not 32"):
         k.paged_prefill_attention(q, cache, cache, torch.tensor([1], dtype=torch.int32), 0, 4, 0,
-                                  torch.empty_like(q), 0.1)
+                                  torch.empty_like(q), 0.1, False)
     q = torch.randn(20, 2, 64)
     cache = torch.randn(2, 16, 1, 64)
     with pytest.raises(RuntimeError, match=r"block table must cover positions \[0, 20\)"):
         k.paged_prefill_attention(q, cache, cache, torch.tensor([1], dtype=torch.int32), 0, 20, 0,
-                                  torch.empty_like(q), 0.1)
+                                  torch.empty_like(q), 0.1, False)
 
 
 def test_paged_decode_attention_names_what_it_refuses(k):

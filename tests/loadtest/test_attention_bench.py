@@ -22,5 +22,5 @@ def test_every_point_is_timed(tmp_path):
     assert [(r["tokens"], r["cached"]) for r in result["prefill"]] == [(24, 0), (17, 30)]
     for row in result["decode"] + result["prefill"]:
         assert row["kernel_ms"] > 0 and row["sdpa_ms"] > 0, row
-    assert all(row["invariant_ms"] > 0 for row in result["decode"])
+    assert all(row["invariant_ms"] > 0 for row in result["decode"] + result["prefill"])
     assert all(row["as_decode_rows_ms"] > 0 for row in result["prefill"])

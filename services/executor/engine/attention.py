@@ -222,7 +222,7 @@ class TorchBackend:
             for p in prefills:
                 self.cpu_kernels.paged_prefill_attention(q, k_cache, v_cache, p.block_ids,
                                                          p.q_start, p.q_len, p.first_pos, out,
-                                                         scale)
+                                                         scale, False)
             prefills = []
         for p in prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
