@@ -289,18 +289,24 @@ void accumulate_values(const float* weights, const uint32_t* pairs, int64_t stri
 #if defined(__AVX512BF16__)
   if constexpr (Pairs) {
     alignas(64) static const uint16_t zeros[16 * DV] = {};
-    for (int64_t pos = 0; pos < len; pos += 2) {
-      const char* a = values.next();
-      const char* b = pos + 1 < len ? values.next() : reinterpret_cast<const char*>(zeros);
-      for (int64_t p = pos; p < std::min(pos + 2, len); ++p)
-        if (p + kAhead < len) prefetch_row<T, DV>(ahead.next());
+    auto step = [&](int64_t pos, const char* a, const char* b) {
       __m512i v[DV];
       for (int d = 0; d < DV; ++d) v[d] = interleave_bf16(a + 32 * d, b + 32 * d);
       for (int h = 0; h < HB; ++h) {
         const __m512i w = _mm512_set1_epi32(static_cast<int>(pairs[h * stride / 2 + pos / 2]));
         for (int d = 0; d < DV; ++d) acc[h][d] = dot_pairs(acc[h][d], w, v[d]);
       }
+    };
+    int64_t pos = 0;  // whole pairs, then an odd last row with zeros (a second row read only
+                      // when there is one, in the loop, measured 5-8% slower at 128 x 1000)
+    for (; pos + 1 < len; pos += 2) {
+      if (pos + kAhead < len) prefetch_row<T, DV>(ahead.next());
+      if (pos + 1 + kAhead < len) prefetch_row<T, DV>(ahead.next());
+      const char* a = values.next();
+      const char* b = values.next();
+      step(pos, a, b);
     }
+    if (pos < len) step(pos, values.next(), reinterpret_cast<const char*>(zeros));
   } else
 #endif
   for (int64_t pos = 0; pos < len; ++pos) {
