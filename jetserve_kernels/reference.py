@@ -101,8 +101,9 @@ def assert_attention_close(out: torch.Tensor, expected: torch.Tensor, bf16_produ
     products the weights are rounded to bf16 after scores and an exponential that differ from
     torch's in the last bits of fp32, so now and then a weight rounds to the neighbouring bf16
     value (2^-8 of itself away), which moves its (token, head) row by up to 2^-8 of that weight's
-    share of the values: at most 1% of the rows off the usual tolerance, none by more than
-    that. (A wrong element, pair or sequence moves most of its rows.)"""
+    share of the values: at most 1% of the rows off the usual tolerance (none of fewer than a
+    hundred), none by more than that. (A wrong element, pair or sequence moves most of its
+    rows.)"""
     if not bf16_products:
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
         return

@@ -5,8 +5,9 @@ For each `--quantization`: the engine's greedy tokens on a fixed prompt set (16 
 16 text openings, `--max-tokens` each) against the fp32 engine's, as the mean share of each
 output that matches before the first differing token and the number of identical outputs; and
 perplexity on a short text the project ships (loadtest/data/perplexity.txt), every position
-scored in one prefill; and token by token on held-out text (six windows of 512 tokens of
-Python's Language Reference, as `loadtest.kv_teacher_forced` uses it), each window one prefill
+scored in one prefill; and token by token on held-out text (`--windows` windows of `--window`
+tokens, by default six of 512, of Python's Language Reference, as `loadtest.kv_teacher_forced`
+uses it), each window one prefill
 through both models: the share of positions where both predict the same next token (the text's
 own tokens are fed either way, so one difference does not derail the rest) and the mean KL
 divergence from fp32's next-token distribution. Also the weight memory of the matmuls.
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                         default=[EngineConfig().model.quantized_activations],
                         choices=["auto", "float32", "int8"])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--windows", type=int, default=6, help="held-out windows, teacher-forced")
+    parser.add_argument("--window", type=int, default=512, help="tokens a held-out window")
     parser.add_argument("--result-json", default="results/quant_quality.json")
     args = parser.parse_args(argv)
 
@@ -213,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     # The fp32 model (model.dtype auto is bf16 on a CPU with native bf16).
     reference = greedy_outputs(engine_config({**base, "model.dtype": "float32"}), args.max_tokens)
     fp32_model, tokenizer = load_model(args.model, "none")
-    windows = held_out_windows(tokenizer)
+    windows = held_out_windows(tokenizer, args.windows, args.window)
+    if len(windows[-1]) < args.window:
+        parser.error(f"the held-out text has fewer than {args.windows} x {args.window} tokens")
     results = {}
     several = len(args.quantized_activations) > 1  # then each row says which
     suffix = {"auto": "/aauto", "float32": "/a32", "int8": "/a8"}

@@ -211,9 +211,9 @@ inline float reciprocal(float x) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.
 // --- The batch-invariant order -----------------------------------------------------------
 //
 // In this order a (token, query head) attends to positions [0, len) of its KV head the same
-// way in both kernels: the prefill tiles (paged_prefill_attention.cpp) and the decode kernel
-// asked for it (paged_decode_attention's `invariant`), so that a prefill's token gets the bits
-// it gets as a decode (a batch-invariant model):
+// way in both kernels asked for it (`invariant`): the prefill tiles (paged_prefill_attention.cpp,
+// which keep it for every model but for the bf16 products below) and the decode kernel, so that
+// a prefill's token gets the bits it gets as a decode (a batch-invariant model):
 //   q' = q * scale, element by element (scaled_query);
 //   score[p] = one fused multiply-add chain over d = 0 .. head_dim - 1, from 0:
 //              s = q'[d] k[p][d] + s;
@@ -223,7 +223,8 @@ inline float reciprocal(float x) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.
 // A tile scores with one (token, head) row per lane and one key per multiply-add; the decode
 // kernel transposes 16 keys (element d of each in one vector) to make the same chains.
 //
-// Over a bf16 cache, where the CPU has AVX512-BF16 (`bf16_products`), the products are bf16
+// Asked for it, over a bf16 cache, where the CPU has AVX512-BF16 (`bf16_products`), the
+// products are bf16
 // dot products (vdpbf16ps: twice the products of an FMA), and so q' and the weights are rounded
 // to bf16 (nearest, ties to even) first; the keys and values are bf16 already:
 //   score[p] = one chain over the pairs d = (0, 1), (2, 3), ... from 0: s = dot_pairs(s, q', k);

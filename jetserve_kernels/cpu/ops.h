@@ -5,7 +5,7 @@
 #include <torch/extension.h>
 
 // invariant: in the batch-invariant order (attention_simd.h), which paged_prefill_attention
-// keeps too; otherwise in a cheaper one. (Without AVX-512, or at a head_dim other than 64 and
+// keeps too when asked (invariant); otherwise in a cheaper one. (Without AVX-512, or at a head_dim other than 64 and
 // 128, plain loops in one order either way: no prefill kernel runs there.)
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,

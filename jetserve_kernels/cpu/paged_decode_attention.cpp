@@ -169,11 +169,12 @@ struct GroupScratch {
   std::vector<uint32_t> qpairs, wpairs;
   std::vector<__m512> peaks;
 
-  void fit(int64_t group, int64_t head_dim, int64_t stride) {
+  void fit(int64_t group, int64_t head_dim, int64_t stride, bool pairs) {
     if (static_cast<int64_t>(scores.size()) < group * stride) scores.resize(group * stride);
-    if (static_cast<int64_t>(wpairs.size()) < group * stride / 2) wpairs.resize(group * stride / 2);
+    if (pairs && static_cast<int64_t>(wpairs.size()) < group * stride / 2)
+      wpairs.resize(group * stride / 2);
+    if (pairs) qpairs.resize(group * head_dim / 2);
     qs.resize(group * head_dim);
-    qpairs.resize(group * head_dim / 2);
     peak.resize(group);
     totals.resize(group);
     peaks.assign(group, _mm512_set1_ps(-INFINITY));
@@ -227,7 +228,7 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
       for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
         __m512 s[kHeads];
         const float* qh = qs + h0 * D;
-        const uint32_t* ph = qp + h0 * D / 2;
+        const uint32_t* ph = bf16_products<T> ? qp + h0 * D / 2 : nullptr;  // sized then
         const int heads = static_cast<int>(std::min<int64_t>(kHeads, group - h0));
         switch (heads) {
           case 1: score_heads<T, DV, 1>(qh, ph, rows, s); break;
@@ -331,9 +332,9 @@ void accumulate_values(const float* weights, const uint32_t* pairs, int64_t stri
 template <typename T, int DV, bool Invariant>
 void decode_group(const float* q, int64_t group, float scale, RowCursor keys, RowCursor values,
                   int64_t len, GroupScratch& w, float* out) {
-  const int64_t stride = (len + 17) & ~int64_t{1};  // even: whole pairs of positions
-  w.fit(group, 16 * DV, stride);
   constexpr bool kPairs = Invariant && bf16_products<T>;
+  const int64_t stride = (len + 17) & ~int64_t{1};  // even: whole pairs of positions
+  w.fit(group, 16 * DV, stride, kPairs);
   score_group<T, DV, Invariant>(q, group, scale, keys, len, stride, w);
   float* scores = w.scores.data();
   float* totals = w.totals.data();
