@@ -79,25 +79,7 @@ template <typename T, int DV, int HB>
 inline void score_heads(const float* qs, const uint32_t* qp, const char* const* rows, __m512* s) {
   constexpr int D = 16 * DV;
   for (int h = 0; h < HB; ++h) s[h] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-  if constexpr (bf16_products<T>) {
-    for (int b = 0; b < DV / 2; ++b) {
-      __m512 raw[16], pairs[16];
-      for (int i = 0; i < 16; ++i)
-        raw[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i]) + 16 * b);
-      transpose16(raw, 1, pairs);
-      for (int l = 0; l < 16; ++l) {
-        const __m512i pair = _mm512_castps_si512(pairs[l]);
-        for (int h = 0; h < HB; ++h)
-          s[h] = dot_pairs(s[h], _mm512_set1_epi32(static_cast<int>(qp[h * D / 2 + 16 * b + l])),
-                           pair);
-      }
-    }
-    return;
-  }
-#endif
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int b = 0; b < DV / 2; ++b) {
       __m512 raw[16], pairs[16];
       for (int i = 0; i < 16; ++i)
@@ -106,6 +88,15 @@ inline void score_heads(const float* qs, const uint32_t* qp, const char* const* 
       for (int l = 0; l < 16; ++l) {
         const int d = 2 * (16 * b + l);
         const __m512i pair = _mm512_castps_si512(pairs[l]);
+#if defined(__AVX512BF16__)
+        if constexpr (bf16_products<T>) {
+          for (int h = 0; h < HB; ++h)
+            s[h] = dot_pairs(s[h], _mm512_set1_epi32(static_cast<int>(qp[h * D / 2 + d / 2])),
+                             pair);
+          continue;
+        }
+#endif
+        const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
         const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
         const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
         for (int h = 0; h < HB; ++h)
