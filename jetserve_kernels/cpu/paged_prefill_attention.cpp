@@ -7,9 +7,9 @@
 // softmax's maxima and sums run across vectors; the keys and values are read once per tile
 // through the block table, nothing gathered. The arithmetic keeps the batch-invariant order
 // (attention_simd.h): the decode kernel asked for that order gives each token the same bits.
-// Over a bf16 cache, where the CPU has AVX512-BF16, its products are bf16 dot products: the
-// queries and weights in bf16 pairs against the keys' pairs of elements and the values' pairs
-// of positions.
+// Asked for that order (`invariant`, a bf16 model's prefill) over a bf16 cache, where the CPU
+// has AVX512-BF16, its products are bf16 dot products: the queries and weights in bf16 pairs
+// against the keys' pairs of elements and the values' pairs of positions.
 
 #include "ops.h"
 #include "attention_simd.h"
