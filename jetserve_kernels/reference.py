@@ -51,6 +51,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def bf16_pairs_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T as a bf16 model's matmuls make it on the CPU (linear_bf16_pairs: vdpbf16ps, or AMX
+    tiles over swapped pairs, in the Intel SDM's pseudocode of each): x and W rounded to bf16,
+    each output one chain of fp32 sums over the pairs of k in order, the odd product of a pair
+    before the even one (k = 1, 0, 3, 2, ...), each product of two bf16 exact in fp32 and each
+    sum rounded to nearest even."""
+    xr, wr = x.bfloat16().float(), weight.bfloat16().float().t()
+    out = torch.zeros(x.shape[0], weight.shape[0])
+    for t in range(0, x.shape[1], 2):
+        out = out + xr[:, t + 1:t + 2] * wr[t + 1]
+        out = out + xr[:, t:t + 1] * wr[t]
+    return out
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Token t's K/V go to slot slot_mapping[t] = block * block_size + offset; -1 skips it. An

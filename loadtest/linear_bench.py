@@ -2,9 +2,10 @@
 so they stream from memory as in the engine) at a range of row counts, for packed fp32, int8 and
 int4 weights (fp32, and bfloat16 for many rows where the CPU has it; with int8 activations, W8A8
 and W4A8, where it has AVX512-VNNI, and the same with x's remainder in a second byte, "a8x2"),
-and bf16 weights (a bf16 model's: "bf16_pairs", bf16 dot products at every row count, where the
-CPU has AVX512-BF16; "bf16_panels", widened to fp32 up to 8 rows, as without it), beside torch's
-own fp32 matmul (BLAS) on the same shapes.
+and bf16 weights (a bf16 model's: "bf16_pairs_avx512", bf16 dot products at every row count,
+where the CPU has AVX512-BF16, and "bf16_pairs_amx", the same pairs on AMX tiles, where it has
+AMX; "bf16_panels", widened to fp32 up to 8 rows, as without it), beside torch's own fp32 and
+bf16 matmuls (BLAS: oneDNN's AMX kernels for bf16 where the CPU has AMX) on the same shapes.
 The best of `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.linear_bench --rows 1 8 40 128 512 --result-json results/linear_bench.json
@@ -113,10 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         row["bf16_panels"] = best_ms(
             lambda: [kernels.linear_bf16(xs[p.shape[1]], p, p.shape[0] * 32, precisions[-1])
                      for p in bf16_panels], args.repeats)
-        if bf16_pairs:
-            row["bf16_pairs"] = best_ms(
-                lambda: [kernels.linear_bf16_pairs(xs[2 * p.shape[1]], p, p.shape[0] * 32)
-                         for p in bf16_pairs], args.repeats)
+        # a bf16 model's matmuls: vdpbf16ps, and AMX tiles where the CPU has them
+        for units in ["avx512"] + (["amx"] if bf16_pairs and kernels.amx_bf16() else []):
+            if bf16_pairs:
+                row[f"bf16_pairs_{units}"] = best_ms(
+                    lambda: [kernels.linear_bf16_pairs(xs[2 * p.shape[1]], p, p.shape[0] * 32,
+                                                       units, 0) for p in bf16_pairs],
+                    args.repeats)
         flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
         row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
         results.append(row)

@@ -37,6 +37,7 @@
 // the next-token KL the activations add.
 
 #include "ops.h"
+#include "amx_tiles.h"
 #include "bf16_simd.h"
 
 #include <ATen/Parallel.h>
@@ -387,17 +388,22 @@ void bf16_tile(const uint32_t* p, int64_t k, const uint32_t* x, int64_t x_stride
   for (int i = 0; i < MR; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
 }
 
-// Rows of x as bf16 pairs (rounded to nearest even): row i's pair t is (x[i, 2t], x[i, 2t + 1]).
-std::unique_ptr<uint32_t[]> x_pairs(const float* x, int64_t x_stride, int64_t m, int64_t k) {
+// Rows of x as bf16 pairs (rounded to nearest even): row i's pair t is (x[i, 2t], x[i, 2t + 1]),
+// or with swapped (for AMX tiles, below) (x[i, 2t + 1], x[i, 2t]). Rows from m up to padded_rows
+// are zeros.
+std::unique_ptr<uint32_t[]> x_pairs(const float* x, int64_t x_stride, int64_t m, int64_t k,
+                                    bool swapped = false, int64_t padded_rows = 0) {
   const int64_t pairs = k / 2;
-  auto xb = scratch_of<uint32_t>(m * pairs);
+  auto xb = scratch_of<uint32_t>(std::max(m, padded_rows) * pairs);
+  if (padded_rows > m) std::memset(xb.get() + m * pairs, 0, (padded_rows - m) * pairs * 4);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       for (int64_t t = 0; t < k; t += kGroup) {
         const float* xr = x + i * x_stride + t;
-        _mm512_storeu_si512(xb.get() + i * pairs + t / 2,
-                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                _mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr))));
+        __m512i v = reinterpret_cast<__m512i>(
+            _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr)));
+        if (swapped) v = _mm512_rol_epi32(v, 16);
+        _mm512_storeu_si512(xb.get() + i * pairs + t / 2, v);
       }
   });
   return xb;
@@ -437,6 +443,94 @@ void pairs_run(const uint32_t* w, int64_t num_panels, int64_t k, int64_t n, cons
                            y + m0 * n + j * kPanel, n, cols);
       });
     }
+  });
+}
+
+// The same pairs on AMX tiles (amx_tiles.h: the instructions, or their software model), for
+// many rows. A step multiplies 32 rows of x (two A tiles) by a panel's 32 columns (two B tiles:
+// 16 pairs of rows of k, 64 bytes of each 128-byte row of the panel) into four 16 x 16 fp32
+// tiles, 32 values of k at a time. Every output is one chain over k in order whatever the row
+// count, and in vdpbf16ps's order: tdpbf16ps takes a lane's low half first where vdpbf16ps takes
+// its high half, so the tiles run on x and on a copy of the panel with each pair's halves
+// swapped (one rotate per 64 bytes, as the panel streams in). So the two units give the same
+// bits (the SDM's pseudocode of both; services/executor/engine/linear.py checks it at load on
+// a CPU with AMX), and a row's outputs do not depend on which one its step's size chose. Rows of
+// x past m are zeros (x_pairs pads them); partial tiles are stored into a spill tile first.
+
+// Panel p's pairs with their halves swapped, into out (L1 / L2), asked for ahead from memory.
+void swapped_panel(const uint32_t* p, int64_t pairs, uint32_t* out) {
+  for (int64_t t = 0; t < pairs; ++t) {
+    request(p + (t + kF32Ahead / 2) * kPanel, kPanel * 4);
+    _mm512_storeu_si512(out + t * kPanel, _mm512_rol_epi32(_mm512_loadu_si512(p + t * kPanel), 16));
+    _mm512_storeu_si512(out + t * kPanel + 16,
+                        _mm512_rol_epi32(_mm512_loadu_si512(p + t * kPanel + 16), 16));
+  }
+}
+
+// y[0 .. rows, 0 .. cols) for up to 16 (Two: 32) rows of x against a swapped panel p.
+template <class Tiles, bool Two>
+void tile_rows(const uint32_t* p, int64_t pairs, const uint32_t* x, float* y, int64_t y_stride,
+               int rows, int cols) {
+  Tiles::template zero<0>();
+  Tiles::template zero<1>();
+  if constexpr (Two) {
+    Tiles::template zero<2>();
+    Tiles::template zero<3>();
+  }
+  const int64_t x_bytes = pairs * 4;
+  for (int64_t t = 0; t < pairs; t += 16) {
+    Tiles::template load<6>(p + t * kPanel, kPanel * 4);
+    Tiles::template load<7>(p + t * kPanel + 16, kPanel * 4);
+    Tiles::template load<4>(x + t, x_bytes);
+    Tiles::template dot<0, 4, 6>();
+    Tiles::template dot<1, 4, 7>();
+    if constexpr (Two) {
+      Tiles::template load<5>(x + 16 * pairs + t, x_bytes);
+      Tiles::template dot<2, 5, 6>();
+      Tiles::template dot<3, 5, 7>();
+    }
+  }
+  if (rows == (Two ? 32 : 16) && cols == kPanel) {
+    Tiles::template store<0>(y, y_stride * 4);
+    Tiles::template store<1>(y + 16, y_stride * 4);
+    if constexpr (Two) {
+      Tiles::template store<2>(y + 16 * y_stride, y_stride * 4);
+      Tiles::template store<3>(y + 16 * y_stride + 16, y_stride * 4);
+    }
+    return;
+  }
+  alignas(64) float spill[32][kPanel];
+  Tiles::template store<0>(spill[0], kPanel * 4);
+  Tiles::template store<1>(spill[0] + 16, kPanel * 4);
+  if constexpr (Two) {
+    Tiles::template store<2>(spill[16], kPanel * 4);
+    Tiles::template store<3>(spill[16] + 16, kPanel * 4);
+  }
+  for (int i = 0; i < rows; ++i) std::memcpy(y + i * y_stride, spill[i], cols * 4);
+}
+
+template <class Tiles>
+void tiles_run(const uint32_t* w, int64_t num_panels, int64_t k, int64_t n, const float* x,
+               int64_t x_stride, float* y, int64_t m) {
+  const int64_t pairs = k / 2;
+  const auto xb = x_pairs(x, x_stride, m, k, true, (m + 15) / 16 * 16);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    const auto panel = scratch_of<uint32_t>(pairs * kPanel);
+    Tiles::configure();
+    for (int64_t j = begin; j < end; ++j) {
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - j * kPanel));
+      swapped_panel(w + j * pairs * kPanel, pairs, panel.get());
+      for (int64_t m0 = 0; m0 < m; m0 += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, m - m0));
+        if (rows > 16)
+          tile_rows<Tiles, true>(panel.get(), pairs, xb.get() + m0 * pairs,
+                                 y + m0 * n + j * kPanel, n, rows, cols);
+        else
+          tile_rows<Tiles, false>(panel.get(), pairs, xb.get() + m0 * pairs,
+                                  y + m0 * n + j * kPanel, n, rows, cols);
+      }
+    }
+    Tiles::release();
   });
 }
 #else
@@ -781,8 +875,13 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, i
   return run(w, x, many_rows);
 }
 
-torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pairs, int64_t n) {
+torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pairs, int64_t n,
+                                const std::string& units, int64_t min_tile_rows) {
   TORCH_CHECK(kBf16Dot, "linear_bf16_pairs needs AVX512-BF16, which this build does not have");
+  TORCH_CHECK(units == "avx512" || units == "amx" || units == "amx_model",
+              "linear_bf16_pairs: units must be avx512, amx or amx_model, not ", units);
+  TORCH_CHECK(units != "amx" || amx::available(),
+              "linear_bf16_pairs: this CPU (or its kernel) gives no AMX-BF16 tiles");
   TORCH_CHECK(pairs.dim() == 4 && pairs.size(2) == kPanel && pairs.size(3) == 2 &&
               pairs.is_contiguous() && pairs.scalar_type() == torch::kBFloat16,
               "linear_bf16_pairs: the weight must be bf16 pairs [N / ", kPanel, ", K / 2, ", kPanel,
@@ -796,9 +895,15 @@ torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pai
   auto y = torch::empty({m, n}, x.options());
 #if defined(__AVX512BF16__)
   const auto* w = reinterpret_cast<const uint32_t*>(pairs.data_ptr());
+  // Tiles from min_tile_rows rows (fewer stream the panels through vdpbf16ps: the same bits).
+  const auto run = units == "avx512" || m < min_tile_rows ? pairs_run
+#if defined(JETSERVE_AMX)
+                   : units == "amx" ? tiles_run<amx::Tiles>
+#endif
+                   : tiles_run<amx::Model>;
   for_each_row_block(m, bf16_block_rows(k), [&](int64_t m0, int64_t rows) {
-    pairs_run(w, pairs.size(0), k, n, x.data_ptr<float>() + m0 * x.stride(0), x.stride(0),
-              y.data_ptr<float>() + m0 * n, rows);
+    run(w, pairs.size(0), k, n, x.data_ptr<float>() + m0 * x.stride(0), x.stride(0),
+        y.data_ptr<float>() + m0 * n, rows);
   });
 #endif
   return y;
@@ -872,4 +977,5 @@ torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const 
 }
 
 bool bf16_dot_products() { return kBf16Dot; }
+bool amx_bf16() { return kBf16Dot && amx::available(); }
 bool int8_dot_products() { return kInt8Dot; }

@@ -34,7 +34,8 @@ bool prefill_attention_kernel();
 // [N / 32, K, 16] with scales and mins. n: the output columns (the last panel may be padding).
 // many_rows: "fp32", "bf16" or "amx", how many rows of x multiply quantized weights (linear.cpp).
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels);
-torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pairs, int64_t n);
+torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pairs, int64_t n,
+                                const std::string& units, int64_t min_tile_rows);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                           const std::string& many_rows);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
@@ -55,6 +56,7 @@ torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const 
 // Whether this build has the AVX512-BF16 dot products ("bf16" above), the AVX512-VNNI ones
 // (linear_w8a8, linear_w4a8).
 bool bf16_dot_products();
+bool amx_bf16();
 bool int8_dot_products();
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tensor>& residual,

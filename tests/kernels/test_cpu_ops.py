@@ -128,6 +128,40 @@ def test_bf16_pairs_give_a_row_the_same_bits_at_every_row_count(k, shape):
         linear(torch.randn(2, 8))
 
 
+# Rows: within one 16-row tile, exactly one, two tiles, a pair and a half; N: a part panel.
+@pytest.mark.parametrize("shape", [(40, 96), (64, 576)])
+def test_bf16_pairs_on_amx_tiles_give_the_bits_of_vdpbf16ps(k, shape):
+    """A bf16 model's matmuls (linear_bf16_pairs) on AMX tiles, from min_tile_rows rows, take
+    the products of vdpbf16ps in its order, so a row gets the same bits from either unit: the
+    tiling, run on the software model of the instructions (amx_tiles.h, the SDM's pseudocode),
+    gives vdpbf16ps's bits at every row count, partial tiles and a part panel included, and both
+    give the order written in reference.bf16_pairs_linear. Where the CPU has AMX, the
+    instructions give those bits too."""
+    if not k.bf16_dot_products():
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    from services.executor.engine.linear import pack_pairs
+
+    gen = torch.Generator().manual_seed(shape[0])
+    weight = (0.05 * torch.randn(shape, generator=gen)).bfloat16()
+    pairs = pack_pairs(torch.nn.functional.pad(weight, (0, 0, 0, -shape[0] % 32)))
+    x = torch.randn(50, shape[1], generator=gen)
+    units = ["amx_model"] + (["amx"] if k.amx_bf16() else [])
+    for rows in [1, 7, 16, 17, 32, 50]:
+        expected = reference.bf16_pairs_linear(x[:rows], weight)
+        assert torch.equal(k.linear_bf16_pairs(x[:rows], pairs, shape[0], "avx512", 0), expected)
+        for unit in units:
+            assert torch.equal(k.linear_bf16_pairs(x[:rows], pairs, shape[0], unit, 0),
+                               expected), (unit, rows)
+    # below min_tile_rows the rows stream through vdpbf16ps: the same bits again
+    assert torch.equal(k.linear_bf16_pairs(x, pairs, shape[0], "amx_model", 51),
+                       k.linear_bf16_pairs(x, pairs, shape[0], "amx_model", 0))
+    if not k.amx_bf16():
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            k.linear_bf16_pairs(x, pairs, shape[0], "amx", 0)
+    with pytest.raises(RuntimeError, match="units must be avx512, amx or amx_model"):
+        k.linear_bf16_pairs(x, pairs, shape[0], "tiles", 0)
+
+
 def int8_activation_linear(k, weight, x, many_rows="fp32", second_byte=False):
     """x W^T through the int8-activation kernel (W8A8 or W4A8) for W (a QuantizedWeight)."""
     w = pack_for_int8_activations(pack_quantized(weight))

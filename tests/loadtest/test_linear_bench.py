@@ -19,6 +19,9 @@ def test_every_format_and_row_count_is_timed(tmp_path):
     assert [r["rows"] for r in results] == [1, 9]
     for row in results:
         columns = {"fp32", "blas_fp32", "blas_bf16", "int8_fp32", "int4_fp32", "bf16_panels",
-                   "fp32_gflop_per_s"} | ({"bf16_pairs"} if cpu_ops.native_bf16() else set())
+                   "fp32_gflop_per_s"}
+        if cpu_ops.native_bf16():  # a bf16 model's pairs, on AMX tiles too where there are any
+            columns |= {"bf16_pairs_avx512"} | ({"bf16_pairs_amx"} if cpu_ops.load().amx_bf16()
+                                                else set())
         assert columns <= set(row)
         assert all(row[c] > 0 for c in columns), row

@@ -16,6 +16,8 @@ it enters, then int8 dot products: W8A8 / W4A8); `auto` takes int8 where the CPU
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 
 GROUP = 32
 PANEL = 32  # output columns per panel of a packed weight
+
+log = logging.getLogger(__name__)
 
 
 def many_rows_precision(kernels) -> str:
@@ -34,6 +38,36 @@ def many_rows_precision(kernels) -> str:
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return "amx"
     return "bf16" if kernels.bf16_dot_products() else "fp32"
+
+
+# From this many rows a bf16 model's matmuls run on AMX tiles where the CPU has them; fewer stream
+# the weights through vdpbf16ps. Not measured yet (no AMX CPU at hand since the tiles were
+# written): about where torch's AMX matmul overtakes the panel kernel for quantized weights (49).
+AMX_TILE_ROWS = 32
+_units: str | None = None
+
+
+def bf16_units(kernels) -> str:
+    """Where a bf16 model's prefill-sized matmuls run (with AVX512-BF16): "amx" on AMX tiles
+    where the CPU and its kernel give them, else "avx512" (vdpbf16ps). The tiles take the same
+    products in the same order as vdpbf16ps (jetserve_kernels/cpu/linear.cpp), so a model stays
+    batch-invariant across the two; that rests on the hardware following the Intel SDM, so it
+    is checked once a process, on a small matmul: where the bits differ the process keeps to
+    vdpbf16ps (said once). JETSERVE_AMX=0 in the environment keeps a CPU with AMX on AVX-512."""
+    global _units
+    if _units is None:
+        _units = "avx512"
+        if os.environ.get("JETSERVE_AMX", "1") != "0" and kernels.amx_bf16():
+            gen = torch.Generator().manual_seed(0)
+            pairs = pack_pairs(torch.randn(64, 256, generator=gen).bfloat16())
+            x = torch.randn(48, 256, generator=gen)
+            if torch.equal(kernels.linear_bf16_pairs(x, pairs, 64, "amx", 0),
+                           kernels.linear_bf16_pairs(x, pairs, 64, "avx512", 0)):
+                _units = "amx"
+            else:
+                log.warning("AMX tiles do not give vdpbf16ps's bits on this CPU; a bf16 model's "
+                            "matmuls stay on AVX-512 to stay batch-invariant")
+    return _units
 
 
 def int8_activations(setting: str, kernels) -> bool:
@@ -188,13 +222,14 @@ class DenseLinear:
         self.pairs = False
         if kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
             if weight.shape[1] % GROUP == 0 and kernels.bf16_dot_products():
-                # bf16 dot products at every row count (AVX512-BF16), x rounded to bf16: a row's
-                # outputs are the same bits whether it is decoded alone or recomputed in a
-                # prefill, so preemption and migration keep a bf16 model's outputs. (Not AMX
-                # through torch's matmul, even where the CPU has it: that rounds its outputs to
-                # bf16 and sums in another order.)
+                # bf16 dot products at every row count (AVX512-BF16, or AMX tiles where the CPU
+                # has them: bf16_units), x rounded to bf16: a row's outputs are the same bits
+                # whether it is decoded alone or recomputed in a prefill, so preemption and
+                # migration keep a bf16 model's outputs. (Not AMX through torch's matmul: that
+                # rounds its outputs to bf16 and sums in another order.)
                 self.pairs = True
                 self.kernels = kernels
+                self.units = bf16_units(kernels)
                 self.weight = pack_pairs(F.pad(weight, (0, 0, 0, -self.n % PANEL)))
                 return
             if weight.shape[1] % GROUP == 0:
@@ -213,7 +248,8 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pairs:
-            return self.kernels.linear_bf16_pairs(x, self.weight, self.n)
+            return self.kernels.linear_bf16_pairs(x, self.weight, self.n, self.units,
+                                                  AMX_TILE_ROWS)
         if self.many_rows is not None:
             return self.kernels.linear_bf16(x, self.weight, self.n, self.many_rows)
         if self.kernels is not None:
