@@ -5,6 +5,8 @@ same C++ kernels as fp32, batch-invariant where the CPU has AVX512-BF16."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,25 @@ from services.executor.engine.llm_engine import Engine
 from services.executor.run_local import run_requests
 from shared.config import engine_config
 from shared.protocol import Completion
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
+def test_the_amx_probe_finds_vdpbf16ps_bits_on_the_tiles(monkeypatch):
+    """Where the CPU has AMX, a child process finds the tiles giving a bf16 model's matmuls the
+    bits of vdpbf16ps at every row count up to 48 (exit 0), and the model's prefills take the
+    tiles; elsewhere the child says there are none (exit 2) and every row count takes
+    vdpbf16ps. JETSERVE_AMX=0 keeps AVX-512 in either case."""
+    from services.executor.engine import linear
+
+    amx = cpu_ops.native_bf16() and cpu_ops.load().amx_bf16()
+    child = subprocess.run([sys.executable, "-m", "services.executor.engine.amx_probe"],
+                           capture_output=True, timeout=120)
+    assert child.returncode == (0 if amx else 2), child.stderr.decode()[-2000:]
+    monkeypatch.setattr(linear, "_units", None)
+    assert linear.bf16_units(cpu_ops.load()) == ("amx" if amx else "avx512")
+    monkeypatch.setattr(linear, "_units", None)
+    monkeypatch.setenv("JETSERVE_AMX", "0")
+    assert linear.bf16_units(cpu_ops.load()) == "avx512"
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")

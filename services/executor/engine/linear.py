@@ -51,22 +51,22 @@ def bf16_units(kernels) -> str:
     """Where a bf16 model's prefill-sized matmuls run (with AVX512-BF16): "amx" on AMX tiles
     where the CPU and its kernel give them, else "avx512" (vdpbf16ps). The tiles take the same
     products in the same order as vdpbf16ps (jetserve_kernels/cpu/linear.cpp), so a model stays
-    batch-invariant across the two; that rests on the hardware following the Intel SDM, so it
-    is checked once a process, on a small matmul: where the bits differ the process keeps to
-    vdpbf16ps (said once). JETSERVE_AMX=0 in the environment keeps a CPU with AMX on AVX-512."""
+    batch-invariant across the two; that rests on the hardware following the Intel SDM, so a
+    child process checks it once a process (amx_probe): where the bits differ, or the child
+    fails, the process keeps to vdpbf16ps (said once). JETSERVE_AMX=0 in the environment keeps a
+    CPU with AMX on AVX-512."""
     global _units
     if _units is None:
         _units = "avx512"
         if os.environ.get("JETSERVE_AMX", "1") != "0" and kernels.amx_bf16():
-            gen = torch.Generator().manual_seed(0)
-            pairs = pack_pairs(torch.randn(64, 256, generator=gen).bfloat16())
-            x = torch.randn(48, 256, generator=gen)
-            if torch.equal(kernels.linear_bf16_pairs(x, pairs, 64, "amx", 0),
-                           kernels.linear_bf16_pairs(x, pairs, 64, "avx512", 0)):
+            from services.executor.engine import amx_probe
+
+            if amx_probe.agree():
                 _units = "amx"
             else:
-                log.warning("AMX tiles do not give vdpbf16ps's bits on this CPU; a bf16 model's "
-                            "matmuls stay on AVX-512 to stay batch-invariant")
+                log.warning("AMX tiles did not give vdpbf16ps's bits on this CPU (python -m "
+                            "services.executor.engine.amx_probe); a bf16 model's matmuls stay "
+                            "on AVX-512")
     return _units
 
 
