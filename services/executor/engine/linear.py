@@ -29,13 +29,14 @@ PANEL = 32  # output columns per panel of a packed weight
 log = logging.getLogger(__name__)
 
 
-def many_rows_precision(kernels) -> str:
+def many_rows_precision(kernels, amx: bool = True) -> str:
     """How prefill-sized batches (more than 8 rows) multiply quantized weights: in bfloat16 with
     fp32 sums, on weights that are rounded already, where the CPU makes that fast: "amx" (AMX
-    tiles, from 49 rows: several times the fp32 FMAs), "bf16" (AVX512-BF16 dot products: twice
-    them), else "fp32". Decode-sized batches run in fp32 (with fp32 activations: int8
-    activations take the int8 dot products at every size below "amx"'s)."""
-    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+    tiles, from 49 rows: several times the fp32 FMAs; not with amx False, `model.amx`), "bf16"
+    (AVX512-BF16 dot products: twice them), else "fp32". Decode-sized batches run in fp32 (with
+    fp32 activations: int8 activations take the int8 dot products at every size below
+    "amx"'s)."""
+    if amx and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return "amx"
     return "bf16" if kernels.bf16_dot_products() else "fp32"
 
@@ -44,30 +45,28 @@ def many_rows_precision(kernels) -> str:
 # the weights through vdpbf16ps. Not measured yet (no AMX CPU at hand since the tiles were
 # written): about where torch's AMX matmul overtakes the panel kernel for quantized weights (49).
 AMX_TILE_ROWS = 32
-_units: str | None = None
+_amx_tiles: bool | None = None
 
 
-def bf16_units(kernels) -> str:
-    """Where a bf16 model's prefill-sized matmuls run (with AVX512-BF16): "amx" on AMX tiles
-    where the CPU and its kernel give them, else "avx512" (vdpbf16ps). The tiles take the same
-    products in the same order as vdpbf16ps (jetserve_kernels/cpu/linear.cpp), so a model stays
-    batch-invariant across the two; that rests on the hardware following the Intel SDM, so a
-    child process checks it once a process (amx_probe): where the bits differ, or the child
-    fails, the process keeps to vdpbf16ps (said once). JETSERVE_AMX=0 in the environment keeps a
-    CPU with AMX on AVX-512."""
-    global _units
-    if _units is None:
-        _units = "avx512"
-        if os.environ.get("JETSERVE_AMX", "1") != "0" and kernels.amx_bf16():
+def amx_tiles(kernels) -> bool:
+    """Whether a bf16 model's prefill-sized matmuls can run on AMX tiles here: the CPU and its
+    kernel give them, and they take the same products in the same order as vdpbf16ps
+    (jetserve_kernels/cpu/linear.cpp), so a model stays batch-invariant across the two units.
+    That rests on the hardware following the Intel SDM, so a child process checks it once a
+    process (amx_probe): where the bits differ, or the child fails, the answer is no (said
+    once)."""
+    global _amx_tiles
+    if _amx_tiles is None:
+        _amx_tiles = False
+        if kernels.amx_bf16():
             from services.executor.engine import amx_probe
 
-            if amx_probe.agree():
-                _units = "amx"
-            else:
+            _amx_tiles = amx_probe.agree()
+            if not _amx_tiles:
                 log.warning("AMX tiles did not give vdpbf16ps's bits on this CPU (python -m "
                             "services.executor.engine.amx_probe); a bf16 model's matmuls stay "
                             "on AVX-512")
-    return _units
+    return _amx_tiles
 
 
 def int8_activations(setting: str, kernels) -> bool:
@@ -212,7 +211,7 @@ def pack_for_int8_activations(panels: QuantizedPanels) -> QuantizedPanels:
 
 
 class DenseLinear:
-    def __init__(self, weight: torch.Tensor, kernels):
+    def __init__(self, weight: torch.Tensor, kernels, amx: bool = True):
         # On a CPU with the kernels the activations are fp32: fp32 weights run on fp32 panels
         # (whole panels of output columns; else torch's matmul), bf16 ones on bf16 panels padded
         # to whole panels (K a multiple of 32; else widened to fp32 here). Elsewhere (CUDA, no
@@ -222,21 +221,22 @@ class DenseLinear:
         self.pairs = False
         if kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
             if weight.shape[1] % GROUP == 0 and kernels.bf16_dot_products():
-                # bf16 dot products at every row count (AVX512-BF16, or AMX tiles where the CPU
-                # has them: bf16_units), x rounded to bf16: a row's outputs are the same bits
-                # whether it is decoded alone or recomputed in a prefill, so preemption and
-                # migration keep a bf16 model's outputs. (Not AMX through torch's matmul: that
-                # rounds its outputs to bf16 and sums in another order.)
+                # bf16 dot products at every row count (AVX512-BF16; from AMX_TILE_ROWS rows on
+                # AMX tiles where the CPU has them, amx_tiles), x rounded to bf16: a row's
+                # outputs are the same bits whether it is decoded alone or recomputed in a
+                # prefill, so preemption and migration keep a bf16 model's outputs. (Not AMX
+                # through torch's matmul: that rounds its outputs to bf16 and sums in another
+                # order.)
                 self.pairs = True
                 self.kernels = kernels
-                self.units = bf16_units(kernels)
+                self.units = "amx" if amx and amx_tiles(kernels) else "avx512"
                 self.weight = pack_pairs(F.pad(weight, (0, 0, 0, -self.n % PANEL)))
                 return
             if weight.shape[1] % GROUP == 0:
                 # Without AVX512-BF16 (an explicit model.dtype bfloat16): up to 8 rows multiply
                 # fp32 x by the widened weights, more as quantized weights do (many_rows: AMX
                 # from 49 rows, else fp32). Not batch-invariant.
-                self.many_rows = many_rows_precision(kernels)
+                self.many_rows = many_rows_precision(kernels, amx)
                 self.kernels = kernels
                 self.weight = pack_panels(F.pad(weight, (0, 0, 0, -self.n % PANEL)))
                 return
@@ -266,7 +266,8 @@ class DenseLinear:
 
 
 class QuantizedLinear:
-    def __init__(self, weight: QuantizedWeight, kernels, int8_activations: bool = False):
+    def __init__(self, weight: QuantizedWeight, kernels, int8_activations: bool = False,
+                 amx: bool = True):
         if kernels is None:
             raise RuntimeError("int8 and int4 weights run on the CPU kernels, which are not "
                                "available here (see the warning above); set "
@@ -276,7 +277,7 @@ class QuantizedLinear:
         if int8_activations:
             self.weight = pack_for_int8_activations(self.weight)
         self.kernels = kernels
-        self.many_rows = many_rows_precision(kernels)
+        self.many_rows = many_rows_precision(kernels, amx)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, k = self.weight, self.kernels
@@ -289,8 +290,9 @@ class QuantizedLinear:
         return k.linear_int4(x, w.q, w.scale, w.min, w.n, self.many_rows)
 
 
-def make_linear(weight: torch.Tensor | QuantizedWeight, kernels,
-                int8_activations: bool = False) -> DenseLinear | QuantizedLinear:
+def make_linear(weight: torch.Tensor | QuantizedWeight, kernels, int8_activations: bool = False,
+                amx: bool = True) -> DenseLinear | QuantizedLinear:
+    """The matmul for a weight; amx False (`model.amx`) keeps it off AMX tiles."""
     if isinstance(weight, QuantizedWeight):
-        return QuantizedLinear(weight, kernels, int8_activations)
-    return DenseLinear(weight, kernels)
+        return QuantizedLinear(weight, kernels, int8_activations, amx)
+    return DenseLinear(weight, kernels, amx)

@@ -162,7 +162,8 @@ class Engine:
                 raise ValueError("kv_cache.dtype bfloat16 under an fp32 or fp16 model runs on the "
                                  "torch backend; with triton, set model.dtype: bfloat16 instead")
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
-                                          self.max_model_len, config.model.quantized_activations)
+                                          self.max_model_len, config.model.quantized_activations,
+                                          config.model.amx)
             self.pool_sizes = self._split_pools(config.kv_cache.num_blocks
                                                 or self._blocks_that_fit())
             self.runner = self.on_model_thread(ModelRunner, model, backend, self.pool_sizes[0],

@@ -51,7 +51,7 @@ def rotary_cos_sin(config: ModelConfig, max_position: int, device: torch.device)
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict, backend, max_position: int,
-                 quantized_activations: str = "float32"):
+                 quantized_activations: str = "float32", amx: bool = True):
         self.config = config
         self.backend = backend
         self.scale = config.head_dim ** -0.5
@@ -60,7 +60,7 @@ class LlamaModel:
             int8_activations(quantized_activations, kernels)
         embed_tokens = weights.pop("model.embed_tokens.weight")
         lm_head = weights.pop("lm_head.weight", embed_tokens)
-        self.lm_head = make_linear(lm_head, kernels, int8_acts)
+        self.lm_head = make_linear(lm_head, kernels, int8_acts, amx)
         # A tied table is looked up in the output projection's own (maybe packed) copy.
         tied = lm_head is embed_tokens and isinstance(self.lm_head, DenseLinear)
         # Activations are fp32 where the CPU kernels run (bf16 weights included), else the
@@ -76,7 +76,7 @@ class LlamaModel:
         for i in range(config.num_layers):
             def take(*names: str, prefix: str = f"model.layers.{i}.") -> Linear:
                 return make_linear(concat([weights.pop(prefix + n + ".weight") for n in names]),
-                                   kernels, int8_acts)
+                                   kernels, int8_acts, amx)
 
             self.layers.append(LayerWeights(
                 input_norm=weights.pop(f"model.layers.{i}.input_layernorm.weight").to(act),
