@@ -52,16 +52,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def bf16_pairs_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T as a bf16 model's matmuls make it on the CPU (linear_bf16_pairs: vdpbf16ps, or AMX
-    tiles over swapped pairs, in the Intel SDM's pseudocode of each): x and W rounded to bf16,
-    each output one chain of fp32 sums over the pairs of k in order, the odd product of a pair
-    before the even one (k = 1, 0, 3, 2, ...), each product of two bf16 exact in fp32 and each
-    sum rounded to nearest even."""
+    """x W^T as a bf16 model's matmuls make it on AVX512-BF16 (linear_bf16_pairs "avx512":
+    vdpbf16ps, in the Intel SDM's pseudocode): x and W rounded to bf16, each output one chain of
+    fp32 sums over the pairs of k in order, a pair's odd product before its even one (k = 1, 0,
+    3, 2, ...), each product of two bf16 exact in fp32 and each sum rounded to nearest even."""
     xr, wr = x.bfloat16().float(), weight.bfloat16().float().t()
     out = torch.zeros(x.shape[0], weight.shape[0])
     for t in range(0, x.shape[1], 2):
         out = out + xr[:, t + 1:t + 2] * wr[t + 1]
         out = out + xr[:, t:t + 1] * wr[t]
+    return out
+
+
+def amx_bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T as AMX tiles make it (linear_bf16_pairs "amx": tdpbf16ps, in the Intel SDM's
+    pseudocode): x and W rounded to bf16; for each block of 32 values of k, in order, its 16 even
+    products summed in one fp32 chain from zero and its 16 odd ones in another, the two added,
+    and that added to the output."""
+    xr, wr = x.bfloat16().float(), weight.bfloat16().float().t()
+    out = torch.zeros(x.shape[0], weight.shape[0])
+    for t0 in range(0, x.shape[1], 32):
+        even = torch.zeros_like(out)
+        odd = torch.zeros_like(out)
+        for t in range(t0, t0 + 32, 2):
+            even = even + xr[:, t:t + 1] * wr[t]
+            odd = odd + xr[:, t + 1:t + 2] * wr[t + 1]
+        out = out + (even + odd)
     return out
 
 

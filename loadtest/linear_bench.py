@@ -119,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             if bf16_pairs:
                 row[f"bf16_pairs_{units}"] = best_ms(
                     lambda: [kernels.linear_bf16_pairs(xs[2 * p.shape[1]], p, p.shape[0] * 32,
-                                                       units, 0) for p in bf16_pairs],
-                    args.repeats)
+                                                       units) for p in bf16_pairs], args.repeats)
         flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
         row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
         results.append(row)

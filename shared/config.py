@@ -73,9 +73,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # int8 dot products: W8A8 / W4A8; needs AVX512-VNNI), or auto: int8 where the CPU has VNNI,
     # else float32.
     quantized_activations: Literal["auto", "float32", "int8"] = "float32"
-    # AMX tiles for prefill-sized matmuls where the CPU has them (a bf16 model's own kernels, the
-    # same bits as its AVX-512 ones; quantized weights through torch's matmul); false keeps
-    # every matmul on AVX-512 (docs/operations.md, Precision).
+    # AMX tiles where the CPU has them: a bf16 model's matmuls at every row count (the kernels'
+    # own tiles), quantized weights' prefills (torch's matmul); false keeps every matmul on
+    # AVX-512 (docs/operations.md, Precision).
     amx: bool = True
     # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"

@@ -8,19 +8,23 @@
 //   load<T>(p, stride)            tile T's 16 rows from p, p + stride, ... (bytes)
 //   store<T>(p, stride)           the reverse
 //   dot<C, A, B>()                C (16 x 16 fp32) += A (16 x 32 bf16) . B (16 pairs x 16 x 2 bf16)
-// dot is tdpbf16ps: C[m][n] += A[m][2k] * B[k][2n], then += A[m][2k + 1] * B[k][2n + 1], for k
-// in order (a lane's low half first). A product of two bf16 is exact in fp32; each sum rounds to
-// nearest even; inputs that are denormal count as zero, and a sum that is denormal becomes zero
-// (the Intel SDM's pseudocode for the instruction). The model follows that pseudocode, and
-// tests/kernels/test_cpu_ops.py checks the kernel on it against vdpbf16ps's bits on any CPU with
-// AVX512-BF16; where the CPU has AMX, the engine checks the instructions' bits against
-// vdpbf16ps's at load (services/executor/engine/linear.py) and the same test checks them too.
+// dot is tdpbf16ps. In the Intel SDM's pseudocode, for each output it sums the instruction's 16
+// even products (A[m][2k] * B[k][2n], k in order) in one fp32 chain from zero and its 16 odd
+// products in another, adds the two, and adds that to C: each step an FMA rounded to nearest
+// even, inputs that are denormal taken as zero, results that are denormal flushed. So its order
+// differs from vdpbf16ps's (one chain over the pairs, a pair's odd product first), and a tile
+// and a vector kernel do not give the same bits: a process runs a bf16 model's matmuls on one or
+// the other at every row count (services/executor/engine/linear.py). The model follows that
+// pseudocode; whether the hardware does too is what `python -m
+// services.executor.engine.amx_probe` prints.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__AVX512BF16__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__linux__) && defined(__x86_64__) && defined(__AVX512BF16__) && \
+    (defined(__GNUC__) || defined(__clang__))
 #define JETSERVE_AMX 1
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -47,7 +51,8 @@ struct alignas(64) Config {
 #if defined(JETSERVE_AMX)
 // Whether this process may use AMX-BF16: the CPU has it (CPUID.7.0:EDX bits 22 and 24) and Linux
 // grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process,
-// for all its threads). Without the grant the first tile instruction would kill the process.
+// for all its threads; it fails where the kernel has not enabled the state). Without the grant
+// the first tile instruction would kill the process.
 inline bool available() {
   static const bool ok = [] {
     unsigned a, b, c, d;
@@ -60,39 +65,41 @@ inline bool available() {
   return ok;
 }
 
-// The instructions, as inline assembly (the intrinsics take tile numbers as macro arguments, and
-// the "%c" modifier prints a template's constant as the register's number; AT&T | Intel syntax).
+// The instructions, as their bytes (an assembler older than binutils 2.36 does not know their
+// names, and the whole library would then fail to build), with the address in rax and the
+// stride in rcx. VEX prefix C4 E2 (map 0F38), then W0 vvvv L0 pp, the opcode, ModRM (and SIB
+// 0x08: [rax + rcx * 1]).
 struct Tiles {
   static void configure() {
     static const Config config;
-    asm volatile("ldtilecfg %0" ::"m"(config));
+    asm volatile(".byte 0xc4, 0xe2, 0x78, 0x49, 0x00" ::"a"(&config) : "memory");  // ldtilecfg [rax]
   }
-  static void release() { asm volatile("tilerelease" ::); }
+  static void release() { asm volatile(".byte 0xc4, 0xe2, 0x78, 0x49, 0xc0" ::); }  // tilerelease
   template <int T>
-  static void zero() {
-    asm volatile("tilezero %%tmm%c0" ::"i"(T));
-  }
-  template <int T>
-  static void load(const void* p, int64_t stride) {
-    asm volatile("{tileloadd (%0,%1,1), %%tmm%c2|tileloadd %%tmm%c2, [%0+%1*1]}"
-                 ::"r"(p), "r"(stride), "i"(T) : "memory");
+  static void zero() {  // tilezero tmmT
+    asm volatile(".byte 0xc4, 0xe2, 0x7b, 0x49, %c0" ::"i"(0xc0 | T << 3));
   }
   template <int T>
-  static void store(void* p, int64_t stride) {
-    asm volatile("{tilestored %%tmm%c2, (%0,%1,1)|tilestored [%0+%1*1], %%tmm%c2}"
-                 ::"r"(p), "r"(stride), "i"(T) : "memory");
+  static void load(const void* p, int64_t stride) {  // tileloadd tmmT, [rax + rcx]
+    asm volatile(".byte 0xc4, 0xe2, 0x7b, 0x4b, %c2, 0x08" ::"a"(p), "c"(stride), "i"(T << 3 | 4)
+                 : "memory");
+  }
+  template <int T>
+  static void store(void* p, int64_t stride) {  // tilestored [rax + rcx], tmmT
+    asm volatile(".byte 0xc4, 0xe2, 0x7a, 0x4b, %c2, 0x08" ::"a"(p), "c"(stride), "i"(T << 3 | 4)
+                 : "memory");
   }
   template <int C, int A, int B>
-  static void dot() {
-    asm volatile("{tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0|tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2}"
-                 ::"i"(C), "i"(A), "i"(B));
+  static void dot() {  // tdpbf16ps tmmC, tmmA, tmmB (B in vvvv, inverted)
+    asm volatile(".byte 0xc4, 0xe2, %c0, 0x5c, %c1" ::"i"((~B & 15) << 3 | 2),
+                 "i"(0xc0 | C << 3 | A));
   }
 };
 #else
 inline bool available() { return false; }
 #endif
 
-// The software model: eight 1 KB registers per thread, the dot product in the pseudocode's order.
+// The software model: eight 1 KB registers per thread, the dot product in the SDM's order.
 struct Model {
   struct alignas(64) Register {
     uint8_t bytes[16 * 64];
@@ -124,7 +131,7 @@ struct Model {
     std::memcpy(&f, &bits, 4);
     return f;
   }
-  // A sum as the instruction keeps it: rounded to fp32 (by the addition), a denormal flushed.
+  // A result as the instruction keeps it: a denormal flushed to zero of its sign.
   static float flushed(float f) {
     uint32_t bits;
     std::memcpy(&bits, &f, 4);
@@ -140,15 +147,17 @@ struct Model {
     std::memcpy(a, registers()[A].bytes, sizeof a);
     std::memcpy(b, registers()[B].bytes, sizeof b);
     for (int m = 0; m < 16; ++m)
-      for (int k = 0; k < 16; ++k)
-        for (int n = 0; n < 16; ++n) {
-          // volatile: each product and each sum rounded on its own, as the pseudocode has it,
-          // whatever -ffast-math would otherwise contract or reorder.
-          volatile float even = widen(a[m][2 * k]) * widen(b[k][2 * n]);
-          c[m][n] = flushed(c[m][n] + even);
-          volatile float odd = widen(a[m][2 * k + 1]) * widen(b[k][2 * n + 1]);
-          c[m][n] = flushed(c[m][n] + odd);
+      for (int n = 0; n < 16; ++n) {
+        // volatile: each step rounded on its own, as the pseudocode has it, whatever
+        // -ffast-math would otherwise reorder.
+        volatile float even = 0.0f, odd = 0.0f;
+        for (int k = 0; k < 16; ++k) {
+          even = flushed(std::fma(widen(a[m][2 * k]), widen(b[k][2 * n]), even));
+          odd = flushed(std::fma(widen(a[m][2 * k + 1]), widen(b[k][2 * n + 1]), odd));
         }
+        volatile float both = flushed(even + odd);
+        c[m][n] = flushed(c[m][n] + both);
+      }
     std::memcpy(registers()[C].bytes, c, sizeof c);
   }
 };

@@ -388,11 +388,10 @@ void bf16_tile(const uint32_t* p, int64_t k, const uint32_t* x, int64_t x_stride
   for (int i = 0; i < MR; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
 }
 
-// Rows of x as bf16 pairs (rounded to nearest even): row i's pair t is (x[i, 2t], x[i, 2t + 1]),
-// or with swapped (for AMX tiles, below) (x[i, 2t + 1], x[i, 2t]). Rows from m up to padded_rows
-// are zeros.
+// Rows of x as bf16 pairs (rounded to nearest even): row i's pair t is (x[i, 2t], x[i, 2t + 1]).
+// Rows from m up to padded_rows are zeros (AMX tiles load 16 rows at a time).
 std::unique_ptr<uint32_t[]> x_pairs(const float* x, int64_t x_stride, int64_t m, int64_t k,
-                                    bool swapped = false, int64_t padded_rows = 0) {
+                                    int64_t padded_rows = 0) {
   const int64_t pairs = k / 2;
   auto xb = scratch_of<uint32_t>(std::max(m, padded_rows) * pairs);
   if (padded_rows > m) std::memset(xb.get() + m * pairs, 0, (padded_rows - m) * pairs * 4);
@@ -400,10 +399,9 @@ std::unique_ptr<uint32_t[]> x_pairs(const float* x, int64_t x_stride, int64_t m,
     for (int64_t i = begin; i < end; ++i)
       for (int64_t t = 0; t < k; t += kGroup) {
         const float* xr = x + i * x_stride + t;
-        __m512i v = reinterpret_cast<__m512i>(
-            _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr)));
-        if (swapped) v = _mm512_rol_epi32(v, 16);
-        _mm512_storeu_si512(xb.get() + i * pairs + t / 2, v);
+        _mm512_storeu_si512(xb.get() + i * pairs + t / 2,
+                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                _mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr))));
       }
   });
   return xb;
@@ -446,31 +444,18 @@ void pairs_run(const uint32_t* w, int64_t num_panels, int64_t k, int64_t n, cons
   });
 }
 
-// The same pairs on AMX tiles (amx_tiles.h: the instructions, or their software model), for
-// many rows. A step multiplies 32 rows of x (two A tiles) by a panel's 32 columns (two B tiles:
-// 16 pairs of rows of k, 64 bytes of each 128-byte row of the panel) into four 16 x 16 fp32
-// tiles, 32 values of k at a time. Every output is one chain over k in order whatever the row
-// count, and in vdpbf16ps's order: tdpbf16ps takes a lane's low half first where vdpbf16ps takes
-// its high half, so the tiles run on x and on a copy of the panel with each pair's halves
-// swapped (one rotate per 64 bytes, as the panel streams in). So the two units give the same
-// bits (the SDM's pseudocode of both; services/executor/engine/linear.py checks it at load on
-// a CPU with AMX), and a row's outputs do not depend on which one its step's size chose. Rows of
-// x past m are zeros (x_pairs pads them); partial tiles are stored into a spill tile first.
-
-// Panel p's pairs with their halves swapped, into out (L1 / L2), asked for ahead from memory.
-void swapped_panel(const uint32_t* p, int64_t pairs, uint32_t* out) {
-  for (int64_t t = 0; t < pairs; ++t) {
-    request(p + (t + kF32Ahead / 2) * kPanel, kPanel * 4);
-    _mm512_storeu_si512(out + t * kPanel, _mm512_rol_epi32(_mm512_loadu_si512(p + t * kPanel), 16));
-    _mm512_storeu_si512(out + t * kPanel + 16,
-                        _mm512_rol_epi32(_mm512_loadu_si512(p + t * kPanel + 16), 16));
-  }
-}
-
-// y[0 .. rows, 0 .. cols) for up to 16 (Two: 32) rows of x against a swapped panel p.
+// The same pairs on AMX tiles (amx_tiles.h: the instructions, or their software model), where
+// the CPU has them, at every row count. A step multiplies 32 rows of x (two A tiles) by a
+// panel's 32 columns (two B tiles, read from the pairs as they are packed: 16 pairs of rows of
+// k, 64 bytes of each 128-byte row) into four 16 x 16 fp32 tiles, 32 values of k at a time.
+// Each output is the same sums in the same order whatever the row count: batch-invariant, as
+// the vdpbf16ps path is, but not with its bits (tdpbf16ps orders its sums otherwise). Rows of x
+// past m are zeros (x_pairs pads them); partial tiles are stored into a spill tile first. The
+// first 32 rows stream the panel from memory, asked for ahead of its use as pairs_run does; the
+// rest find it in L2.
 template <class Tiles, bool Two>
 void tile_rows(const uint32_t* p, int64_t pairs, const uint32_t* x, float* y, int64_t y_stride,
-               int rows, int cols) {
+               int rows, int cols, bool stream) {
   Tiles::template zero<0>();
   Tiles::template zero<1>();
   if constexpr (Two) {
@@ -479,6 +464,7 @@ void tile_rows(const uint32_t* p, int64_t pairs, const uint32_t* x, float* y, in
   }
   const int64_t x_bytes = pairs * 4;
   for (int64_t t = 0; t < pairs; t += 16) {
+    if (stream) request(p + (t + kF32Ahead / 2) * kPanel, 16 * kPanel * 4);
     Tiles::template load<6>(p + t * kPanel, kPanel * 4);
     Tiles::template load<7>(p + t * kPanel + 16, kPanel * 4);
     Tiles::template load<4>(x + t, x_bytes);
@@ -513,21 +499,20 @@ template <class Tiles>
 void tiles_run(const uint32_t* w, int64_t num_panels, int64_t k, int64_t n, const float* x,
                int64_t x_stride, float* y, int64_t m) {
   const int64_t pairs = k / 2;
-  const auto xb = x_pairs(x, x_stride, m, k, true, (m + 15) / 16 * 16);
+  const auto xb = x_pairs(x, x_stride, m, k, (m + 15) / 16 * 16);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    const auto panel = scratch_of<uint32_t>(pairs * kPanel);
     Tiles::configure();
     for (int64_t j = begin; j < end; ++j) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - j * kPanel));
-      swapped_panel(w + j * pairs * kPanel, pairs, panel.get());
+      const uint32_t* p = w + j * pairs * kPanel;
       for (int64_t m0 = 0; m0 < m; m0 += 32) {
         const int rows = static_cast<int>(std::min<int64_t>(32, m - m0));
         if (rows > 16)
-          tile_rows<Tiles, true>(panel.get(), pairs, xb.get() + m0 * pairs,
-                                 y + m0 * n + j * kPanel, n, rows, cols);
+          tile_rows<Tiles, true>(p, pairs, xb.get() + m0 * pairs, y + m0 * n + j * kPanel, n,
+                                 rows, cols, m0 == 0);
         else
-          tile_rows<Tiles, false>(panel.get(), pairs, xb.get() + m0 * pairs,
-                                  y + m0 * n + j * kPanel, n, rows, cols);
+          tile_rows<Tiles, false>(p, pairs, xb.get() + m0 * pairs, y + m0 * n + j * kPanel, n,
+                                  rows, cols, m0 == 0);
       }
     }
     Tiles::release();
@@ -876,7 +861,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, i
 }
 
 torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pairs, int64_t n,
-                                const std::string& units, int64_t min_tile_rows) {
+                                const std::string& units) {
   TORCH_CHECK(kBf16Dot, "linear_bf16_pairs needs AVX512-BF16, which this build does not have");
   TORCH_CHECK(units == "avx512" || units == "amx" || units == "amx_model",
               "linear_bf16_pairs: units must be avx512, amx or amx_model, not ", units);
@@ -895,8 +880,7 @@ torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pai
   auto y = torch::empty({m, n}, x.options());
 #if defined(__AVX512BF16__)
   const auto* w = reinterpret_cast<const uint32_t*>(pairs.data_ptr());
-  // Tiles from min_tile_rows rows (fewer stream the panels through vdpbf16ps: the same bits).
-  const auto run = units == "avx512" || m < min_tile_rows ? pairs_run
+  const auto run = units == "avx512" ? pairs_run
 #if defined(JETSERVE_AMX)
                    : units == "amx" ? tiles_run<amx::Tiles>
 #endif

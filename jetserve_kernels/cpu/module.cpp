@@ -17,8 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x W^T, W bf16 packed in panels of 32 output columns");
   m.def("linear_bf16_pairs", &linear_bf16_pairs,
         "x W^T in bf16 dot products at every row count, W bf16 pairs [N / 32, K / 2, 32, 2], on "
-        "units avx512 (vdpbf16ps), amx (AMX tiles) or amx_model (a software model of the tiles), "
-        "the tiles from min_tile_rows rows");
+        "units avx512 (vdpbf16ps), amx (AMX tiles) or amx_model (a software model of the "
+        "tiles)");
   m.def("linear_int8", &linear_int8, "x W^T, W int8 panels with a scale per 32 weights");
   m.def("linear_int4", &linear_int4, "x W^T, W int4 panels with a scale and min per 32 weights");
   m.def("bf16_dot_products", &bf16_dot_products, "whether many_rows=\"bf16\" is built in");

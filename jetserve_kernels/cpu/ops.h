@@ -35,7 +35,7 @@ bool prefill_attention_kernel();
 // many_rows: "fp32", "bf16" or "amx", how many rows of x multiply quantized weights (linear.cpp).
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& panels);
 torch::Tensor linear_bf16_pairs(const torch::Tensor& x, const torch::Tensor& pairs, int64_t n,
-                                const std::string& units, int64_t min_tile_rows);
+                                const std::string& units);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t n,
                           const std::string& many_rows);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,

@@ -19,17 +19,16 @@ from shared.protocol import Completion
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
-def test_the_amx_probe_finds_vdpbf16ps_bits_on_the_tiles(monkeypatch):
-    """Where the CPU has AMX, a child process finds the tiles giving a bf16 model's matmuls the
-    bits of vdpbf16ps at every row count up to 48 (exit 0), and the model's prefills take the
-    tiles; elsewhere the child says there are none (exit 2) and every row count takes
-    vdpbf16ps. `model.amx: false` keeps AVX-512 in either case."""
+def test_the_amx_probe_runs_the_tiles_in_a_child(monkeypatch):
+    """Where the CPU has AMX, a child process finds the tiles batch-invariant and close to fp64
+    (exit 0), and a bf16 model's matmuls take them; elsewhere the child says there are none
+    (exit 2) and the matmuls take vdpbf16ps. `model.amx: false` keeps AVX-512 in either case."""
     from services.executor.engine import linear
 
     amx = cpu_ops.native_bf16() and cpu_ops.load().amx_bf16()
     child = subprocess.run([sys.executable, "-m", "services.executor.engine.amx_probe"],
                            capture_output=True, timeout=120)
-    assert child.returncode == (0 if amx else 2), child.stderr.decode()[-2000:]
+    assert child.returncode == (0 if amx else 2), (child.stdout + child.stderr).decode()[-2000:]
     monkeypatch.setattr(linear, "_amx_tiles", None)
     assert linear.amx_tiles(cpu_ops.load()) == amx
     if cpu_ops.native_bf16():

@@ -130,13 +130,13 @@ def test_bf16_pairs_give_a_row_the_same_bits_at_every_row_count(k, shape):
 
 # Rows: within one 16-row tile, exactly one, two tiles, a pair and a half; N: a part panel.
 @pytest.mark.parametrize("shape", [(40, 96), (64, 576)])
-def test_bf16_pairs_on_amx_tiles_give_the_bits_of_vdpbf16ps(k, shape):
-    """A bf16 model's matmuls (linear_bf16_pairs) on AMX tiles, from min_tile_rows rows, take
-    the products of vdpbf16ps in its order, so a row gets the same bits from either unit: the
-    tiling, run on the software model of the instructions (amx_tiles.h, the SDM's pseudocode),
-    gives vdpbf16ps's bits at every row count, partial tiles and a part panel included, and both
-    give the order written in reference.bf16_pairs_linear. Where the CPU has AMX, the
-    instructions give those bits too."""
+def test_bf16_pairs_on_vectors_and_on_amx_tiles(k, shape):
+    """A bf16 model's matmuls (linear_bf16_pairs) give, at every row count, the bits of their
+    instruction's order of arithmetic as the Intel SDM writes it: vdpbf16ps's on AVX-512
+    (reference.bf16_pairs_linear), and tdpbf16ps's on AMX tiles, whose tiling runs here on a
+    software model of the instructions (amx_tiles.h; reference.amx_bf16_linear), partial tiles
+    and a part panel included. Where the CPU has AMX, the instructions give a row the same bits
+    at every row count, within fp32 summation error of the rounded operands."""
     if not k.bf16_dot_products():
         pytest.skip("this CPU has no AVX512-BF16 dot products")
     from services.executor.engine.linear import pack_pairs
@@ -145,21 +145,23 @@ def test_bf16_pairs_on_amx_tiles_give_the_bits_of_vdpbf16ps(k, shape):
     weight = (0.05 * torch.randn(shape, generator=gen)).bfloat16()
     pairs = pack_pairs(torch.nn.functional.pad(weight, (0, 0, 0, -shape[0] % 32)))
     x = torch.randn(50, shape[1], generator=gen)
-    units = ["amx_model"] + (["amx"] if k.amx_bf16() else [])
     for rows in [1, 7, 16, 17, 32, 50]:
-        expected = reference.bf16_pairs_linear(x[:rows], weight)
-        assert torch.equal(k.linear_bf16_pairs(x[:rows], pairs, shape[0], "avx512", 0), expected)
-        for unit in units:
-            assert torch.equal(k.linear_bf16_pairs(x[:rows], pairs, shape[0], unit, 0),
-                               expected), (unit, rows)
-    # below min_tile_rows the rows stream through vdpbf16ps: the same bits again
-    assert torch.equal(k.linear_bf16_pairs(x, pairs, shape[0], "amx_model", 51),
-                       k.linear_bf16_pairs(x, pairs, shape[0], "amx_model", 0))
-    if not k.amx_bf16():
+        assert torch.equal(k.linear_bf16_pairs(x[:rows], pairs, shape[0], "avx512"),
+                           reference.bf16_pairs_linear(x[:rows], weight)), rows
+        assert torch.equal(k.linear_bf16_pairs(x[:rows], pairs, shape[0], "amx_model"),
+                           reference.amx_bf16_linear(x[:rows], weight)), rows
+    if k.amx_bf16():
+        tiles = k.linear_bf16_pairs(x, pairs, shape[0], "amx")
+        assert torch.equal(tiles[:20], torch.cat([k.linear_bf16_pairs(x[i:i + 1], pairs,
+                                                                      shape[0], "amx")
+                                                  for i in range(20)]))
+        rounded = (x.bfloat16().double() @ weight.double().t()).float()
+        torch.testing.assert_close(tiles, rounded, atol=1e-4, rtol=1e-4)
+    else:
         with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
-            k.linear_bf16_pairs(x, pairs, shape[0], "amx", 0)
+            k.linear_bf16_pairs(x, pairs, shape[0], "amx")
     with pytest.raises(RuntimeError, match="units must be avx512, amx or amx_model"):
-        k.linear_bf16_pairs(x, pairs, shape[0], "tiles", 0)
+        k.linear_bf16_pairs(x, pairs, shape[0], "tiles")
 
 
 def int8_activation_linear(k, weight, x, many_rows="fp32", second_byte=False):

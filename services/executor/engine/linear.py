@@ -16,8 +16,6 @@ it enters, then int8 dot products: W8A8 / W4A8); `auto` takes int8 where the CPU
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +23,6 @@ import torch.nn.functional as F
 
 GROUP = 32
 PANEL = 32  # output columns per panel of a packed weight
-
-log = logging.getLogger(__name__)
 
 
 def many_rows_precision(kernels, amx: bool = True) -> str:
@@ -41,31 +37,21 @@ def many_rows_precision(kernels, amx: bool = True) -> str:
     return "bf16" if kernels.bf16_dot_products() else "fp32"
 
 
-# From this many rows a bf16 model's matmuls run on AMX tiles where the CPU has them; fewer stream
-# the weights through vdpbf16ps. Not measured yet (no AMX CPU at hand since the tiles were
-# written): about where torch's AMX matmul overtakes the panel kernel for quantized weights (49).
-AMX_TILE_ROWS = 32
 _amx_tiles: bool | None = None
 
 
 def amx_tiles(kernels) -> bool:
-    """Whether a bf16 model's prefill-sized matmuls can run on AMX tiles here: the CPU and its
-    kernel give them, and they take the same products in the same order as vdpbf16ps
-    (jetserve_kernels/cpu/linear.cpp), so a model stays batch-invariant across the two units.
-    That rests on the hardware following the Intel SDM, so a child process checks it once a
-    process (amx_probe): where the bits differ, or the child fails, the answer is no (said
+    """Whether a bf16 model's matmuls run on AMX tiles here (where the CPU and its kernel give
+    them, `model.amx` true), at every row count: a tile and a vector kernel sum in different
+    orders (jetserve_kernels/cpu/amx_tiles.h), so a batch-invariant model takes one of them for
+    every step, and on a CPU with AMX that is the tiles. The tiles' code is run first in a child
+    process, once a process (amx_probe): where it fails, the matmuls stay on AVX-512 (said
     once)."""
     global _amx_tiles
     if _amx_tiles is None:
-        _amx_tiles = False
-        if kernels.amx_bf16():
-            from services.executor.engine import amx_probe
+        from services.executor.engine import amx_probe
 
-            _amx_tiles = amx_probe.agree()
-            if not _amx_tiles:
-                log.warning("AMX tiles did not give vdpbf16ps's bits on this CPU (python -m "
-                            "services.executor.engine.amx_probe); a bf16 model's matmuls stay "
-                            "on AVX-512")
+        _amx_tiles = kernels.amx_bf16() and amx_probe.usable()
     return _amx_tiles
 
 
@@ -221,12 +207,11 @@ class DenseLinear:
         self.pairs = False
         if kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
             if weight.shape[1] % GROUP == 0 and kernels.bf16_dot_products():
-                # bf16 dot products at every row count (AVX512-BF16; from AMX_TILE_ROWS rows on
-                # AMX tiles where the CPU has them, amx_tiles), x rounded to bf16: a row's
-                # outputs are the same bits whether it is decoded alone or recomputed in a
-                # prefill, so preemption and migration keep a bf16 model's outputs. (Not AMX
-                # through torch's matmul: that rounds its outputs to bf16 and sums in another
-                # order.)
+                # bf16 dot products at every row count (AVX512-BF16, or AMX tiles where the CPU
+                # has them: amx_tiles), x rounded to bf16: a row's outputs are the same bits
+                # whether it is decoded alone or recomputed in a prefill, so preemption and
+                # migration keep a bf16 model's outputs. (Not AMX through torch's matmul: that
+                # rounds its outputs to bf16 and sums in another order.)
                 self.pairs = True
                 self.kernels = kernels
                 self.units = "amx" if amx and amx_tiles(kernels) else "avx512"
@@ -248,8 +233,7 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pairs:
-            return self.kernels.linear_bf16_pairs(x, self.weight, self.n, self.units,
-                                                  AMX_TILE_ROWS)
+            return self.kernels.linear_bf16_pairs(x, self.weight, self.n, self.units)
         if self.many_rows is not None:
             return self.kernels.linear_bf16(x, self.weight, self.n, self.many_rows)
         if self.kernels is not None:
