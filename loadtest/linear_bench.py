@@ -5,7 +5,9 @@ and W4A8, where it has AVX512-VNNI, and the same with x's remainder in a second 
 and bf16 weights (a bf16 model's: "bf16_pairs_avx512", bf16 dot products at every row count,
 where the CPU has AVX512-BF16, and "bf16_pairs_amx", the same pairs on AMX tiles, where it has
 AMX; "bf16_panels", widened to fp32 up to 8 rows, as without it), beside torch's own fp32 and
-bf16 matmuls (BLAS: oneDNN's AMX kernels for bf16 where the CPU has AMX) on the same shapes.
+bf16 matmuls (BLAS: oneDNN's AMX kernels for bf16 where the CPU has AMX) on the same shapes,
+and the share of the cores' peak (`dot_peak_flops`: fp32 FMAs, bf16 and int8 dot products from
+registers) that the fp32, bf16-pairs and W8A8 kernels reach.
 The best of `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.linear_bench --rows 1 8 40 128 512 --result-json results/linear_bench.json
@@ -89,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 kernels.linear_int4(x, w.q, w.scale, w.min, w.n, precision)
 
+    # What the cores can multiply from registers (dot_peak_flops): each kernel's share of it.
+    kinds = ["fp32"] + (["bf16"] if bf16_pairs else []) + (["int8"] if int8_activations else [])
+    peaks = {kind: max(kernels.dot_peak_flops(kind, 20_000_000) for _ in range(3)) / 1e9
+             for kind in kinds}
+    print(f"peak on {torch.get_num_threads()} threads, from registers: "
+          + ", ".join(f"{kind} {peak:.0f}" for kind, peak in peaks.items())
+          + " GFLOP/s (int8: GOP/s)")
     results = []
     print(f"{len(dense)} matmuls ({args.shape}), ms for all of them, best of {args.repeats}")
     for m in args.rows:
@@ -122,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
                                                        units) for p in bf16_pairs], args.repeats)
         flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
         row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
+        for column, kind in [("fp32", "fp32"), ("bf16_pairs_avx512", "bf16"), ("w8a8", "int8")]:
+            if column in row:  # its share of the peak of its instruction
+                row[f"{column}_of_peak"] = flops / row[column] / 1e6 / peaks[kind]
         results.append(row)
-        print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+        print("  ".join(f"{k} {100 * v:.0f}%" if k.endswith("_of_peak")
+                        else f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                         for k, v in row.items()), flush=True)
     write_result(args.result_json, "linear_bench", shape=args.shape,
-                 threads=torch.get_num_threads(), results=results)
+                 threads=torch.get_num_threads(), peak_gflop_per_s=peaks, results=results)
     return 0
 
 

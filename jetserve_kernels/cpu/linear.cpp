@@ -43,6 +43,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -958,6 +959,56 @@ torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const 
   w.q4 = q.data_ptr<uint8_t>();
   w.min = min.data_ptr<float>();
   return run(w, x, many_rows, second_byte);
+}
+
+// The most the cores can multiply, for a benchmark to measure a kernel against: every intra-op
+// thread runs 12 independent chains of one instruction (fp32 FMA, vdpbf16ps, vpdpbusd) on
+// registers, no memory. Flops (int8: integer operations) a second, a product and its sum two.
+double dot_peak_flops(const std::string& kind, int64_t iters) {
+  TORCH_CHECK(kind == "fp32" || (kind == "bf16" && kBf16Dot) || (kind == "int8" && kInt8Dot),
+              "dot_peak_flops: fp32", kBf16Dot ? ", bf16" : "", kInt8Dot ? ", int8" : "",
+              " on this build, not ", kind);
+  const int threads = at::get_num_threads();
+  const int mode = kind == "fp32" ? 0 : kind == "bf16" ? 1 : 2;
+  std::vector<float> sinks(threads);
+  const auto start = std::chrono::steady_clock::now();
+#if defined(__AVX512F__)
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      __m512 acc[12];
+      __m512i iacc[12];
+      for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1e-3f * i), iacc[i] = _mm512_set1_epi32(i);
+      const __m512 a = _mm512_set1_ps(0.999f);
+      const __m512i b = _mm512_set1_epi32(0x3f803f80);  // bf16 pairs (1, 1); int8 quads
+      if (mode == 0) {
+        for (int64_t it = 0; it < iters; ++it)
+#pragma GCC unroll 12
+          for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, a);
+#if defined(__AVX512BF16__)
+      } else if (mode == 1) {
+        for (int64_t it = 0; it < iters; ++it)
+#pragma GCC unroll 12
+          for (int i = 0; i < 12; ++i) acc[i] = dot_pairs(acc[i], b, b);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      } else {
+        for (int64_t it = 0; it < iters; ++it)
+#pragma GCC unroll 12
+          for (int i = 0; i < 12; ++i) iacc[i] = _mm512_dpbusd_epi32(iacc[i], b, b);
+#endif
+      }
+      float sink = 0.0f;
+      for (int i = 0; i < 12; ++i)
+        sink += _mm512_reduce_add_ps(acc[i]) + static_cast<float>(_mm512_reduce_add_epi32(iacc[i]));
+      sinks[t] = sink;
+    }
+  });
+#endif
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double per_instruction = kind == "fp32" ? 32 : kind == "bf16" ? 64 : 128;
+  TORCH_CHECK(sinks.size() == static_cast<size_t>(threads));
+  return per_instruction * 12 * static_cast<double>(iters) * threads / seconds;
 }
 
 bool bf16_dot_products() { return kBf16Dot; }

@@ -26,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_w8a8", &linear_w8a8, "x W^T, W int8 quads, x quantized to 8 (or 16) bits per 32");
   m.def("linear_w4a8", &linear_w4a8, "x W^T, W int4 quads, x quantized to 8 (or 16) bits per 32");
   m.def("int8_dot_products", &int8_dot_products, "whether linear_w8a8 / linear_w4a8 are built in");
+  m.def("dot_peak_flops", &dot_peak_flops,
+        "flops a second of fp32 FMAs, bf16 or int8 dot products on every intra-op thread, from "
+        "registers (a benchmark's ceiling)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding x into the residual first");
   m.def("rotary_and_cache", &rotary_and_cache,
         "rotary on the q and k parts of a fused qkv row, then k and v into the paged cache");

@@ -58,6 +58,7 @@ torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const 
 bool bf16_dot_products();
 bool amx_bf16();
 bool int8_dot_products();
+double dot_peak_flops(const std::string& kind, int64_t iters);
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tensor>& residual,
                        const torch::Tensor& weight, double eps);

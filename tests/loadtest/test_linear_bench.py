@@ -15,7 +15,9 @@ def test_every_format_and_row_count_is_timed(tmp_path):
     out = tmp_path / "linear.json"
     assert linear_bench.main(["--shape", "tiny", "--rows", "1", "9", "--repeats", "1",
                               "--result-json", str(out)]) == 0
-    results = json.loads(out.read_text())["results"]
+    result = json.loads(out.read_text())
+    assert result["peak_gflop_per_s"]["fp32"] > 0
+    results = result["results"]
     assert [r["rows"] for r in results] == [1, 9]
     for row in results:
         columns = {"fp32", "blas_fp32", "blas_bf16", "int8_fp32", "int4_fp32", "bf16_panels",
@@ -25,3 +27,4 @@ def test_every_format_and_row_count_is_timed(tmp_path):
                                                 else set())
         assert columns <= set(row)
         assert all(row[c] > 0 for c in columns), row
+        assert 0 < row["fp32_of_peak"] < 1.2, row  # a kernel at most about the registers' peak
