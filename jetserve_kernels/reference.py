@@ -68,7 +68,8 @@ def amx_bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T as AMX tiles make it (linear_bf16_pairs "amx": tdpbf16ps, in the Intel SDM's
     pseudocode): x and W rounded to bf16; for each block of 32 values of k, in order, its 16 even
     products summed in one fp32 chain from zero and its 16 odd ones in another, the two added,
-    and that added to the output."""
+    and that added to the output. (Normal numbers: the tiles' flushing of denormals is not
+    modelled here; the kernels' software model of the tiles, amx_tiles.h, has it.)"""
     xr, wr = x.bfloat16().float(), weight.bfloat16().float().t()
     out = torch.zeros(x.shape[0], weight.shape[0])
     for t0 in range(0, x.shape[1], 32):
@@ -78,6 +79,17 @@ def amx_bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             even = even + xr[:, t:t + 1] * wr[t]
             odd = odd + xr[:, t + 1:t + 2] * wr[t + 1]
         out = out + (even + odd)
+    return out
+
+
+def amx_one_chain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T as the Intel Intrinsics Guide writes tdpbf16ps (`_tile_dpbf16ps`), which the SDM
+    does not: one fp32 chain over k in order from the output, a pair's even product first. The
+    AMX probe tells which of the two the hardware follows."""
+    xr, wr = x.bfloat16().float(), weight.bfloat16().float().t()
+    out = torch.zeros(x.shape[0], weight.shape[0])
+    for t in range(x.shape[1]):
+        out = out + xr[:, t:t + 1] * wr[t]
     return out
 
 

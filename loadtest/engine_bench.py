@@ -243,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                         "else fp32)")
     parser.add_argument("--also-dtype", choices=["float32", "bfloat16", "float16"],
                         help="also run the first variant in this model dtype (model.dtype)")
-    parser.add_argument("--also-no-amx", action="store_true",
-                        help="also run the first variant with model.amx false (AVX-512 only, "
-                        "on a CPU with AMX: the path such a CPU takes without it)")
+    parser.add_argument("--also-amx", choices=["tiles", "none"],
+                        help="also run the first variant with this model.amx (on a CPU with "
+                        "AMX: tiles, a bf16 model's matmuls on the kernels' own AMX tiles; "
+                        "none, no AMX at all)")
     parser.add_argument("--result-json", default="results/engine_bench.json")
     args = parser.parse_args(argv)
 
@@ -270,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "model.attention_backend": args.also_backend}
     if args.also_dtype:
         variants[f"engine_{args.also_dtype}"] = {**first, "model.dtype": args.also_dtype}
-    if args.also_no_amx:
-        variants["engine_no_amx"] = {**first, "model.amx": False}
+    if args.also_amx:
+        variants[f"engine_amx_{args.also_amx}"] = {**first, "model.amx": args.also_amx}
     if args.no_pipeline:
         variants["engine_no_pipeline"] = {**first, "scheduler.token_level.pipeline": False}
     variants = {name: engine_config(settings) for name, settings in variants.items()}

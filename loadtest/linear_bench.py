@@ -92,12 +92,14 @@ def main(argv: list[str] | None = None) -> int:
                 kernels.linear_int4(x, w.q, w.scale, w.min, w.n, precision)
 
     # What the cores can multiply from registers (dot_peak_flops): each kernel's share of it.
+    # (AVX-512 builds: elsewhere there is no peak to compare with.)
     kinds = ["fp32"] + (["bf16"] if bf16_pairs else []) + (["int8"] if int8_activations else [])
     peaks = {kind: max(kernels.dot_peak_flops(kind, 20_000_000) for _ in range(3)) / 1e9
-             for kind in kinds}
-    print(f"peak on {torch.get_num_threads()} threads, from registers: "
-          + ", ".join(f"{kind} {peak:.0f}" for kind, peak in peaks.items())
-          + " GFLOP/s (int8: GOP/s)")
+             for kind in kinds} if kernels.prefill_attention_kernel() else {}
+    if peaks:
+        print(f"peak on {torch.get_num_threads()} threads, from registers: "
+              + ", ".join(f"{kind} {peak:.0f}" for kind, peak in peaks.items())
+              + " GFLOP/s (int8: GOP/s)")
     results = []
     print(f"{len(dense)} matmuls ({args.shape}), ms for all of them, best of {args.repeats}")
     for m in args.rows:
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
         row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
         for column, kind in [("fp32", "fp32"), ("bf16_pairs_avx512", "bf16"), ("w8a8", "int8")]:
-            if column in row:  # its share of the peak of its instruction
+            if column in row and kind in peaks:  # its share of its instruction's peak
                 row[f"{column}_of_peak"] = flops / row[column] / 1e6 / peaks[kind]
         results.append(row)
         print("  ".join(f"{k} {100 * v:.0f}%" if k.endswith("_of_peak")

@@ -73,10 +73,11 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # int8 dot products: W8A8 / W4A8; needs AVX512-VNNI), or auto: int8 where the CPU has VNNI,
     # else float32.
     quantized_activations: Literal["auto", "float32", "int8"] = "float32"
-    # AMX tiles where the CPU has them: a bf16 model's matmuls at every row count (the kernels'
-    # own tiles), quantized weights' prefills (torch's matmul); false keeps every matmul on
-    # AVX-512 (docs/operations.md, Precision).
-    amx: bool = True
+    # AMX on a CPU that has it, for the CPU kernels' matmuls (docs/operations.md, Precision):
+    # auto: quantized weights' prefills through torch's matmul (from 49 rows); a bf16 model stays
+    # on AVX-512 (the kernels' own tiles have not yet been measured on an AMX CPU). tiles: a bf16
+    # model's matmuls on the kernels' own AMX tiles too, at every row count. none: no AMX.
+    amx: Literal["auto", "tiles", "none"] = "auto"
     # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None

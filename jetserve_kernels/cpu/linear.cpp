@@ -446,7 +446,7 @@ void pairs_run(const uint32_t* w, int64_t num_panels, int64_t k, int64_t n, cons
 }
 
 // The same pairs on AMX tiles (amx_tiles.h: the instructions, or their software model), where
-// the CPU has them, at every row count. A step multiplies 32 rows of x (two A tiles) by a
+// the CPU has them and `model.amx` asks for them, at every row count. A step multiplies 32 rows of x (two A tiles) by a
 // panel's 32 columns (two B tiles, read from the pairs as they are packed: 16 pairs of rows of
 // k, 64 bytes of each 128-byte row) into four 16 x 16 fp32 tiles, 32 values of k at a time.
 // Each output is the same sums in the same order whatever the row count: batch-invariant, as
@@ -965,6 +965,9 @@ torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const 
 // thread runs 12 independent chains of one instruction (fp32 FMA, vdpbf16ps, vpdpbusd) on
 // registers, no memory. Flops (int8: integer operations) a second, a product and its sum two.
 double dot_peak_flops(const std::string& kind, int64_t iters) {
+#if !defined(__AVX512F__)
+  TORCH_CHECK(false, "dot_peak_flops needs AVX-512, which this build does not have");
+#endif
   TORCH_CHECK(kind == "fp32" || (kind == "bf16" && kBf16Dot) || (kind == "int8" && kInt8Dot),
               "dot_peak_flops: fp32", kBf16Dot ? ", bf16" : "", kInt8Dot ? ", int8" : "",
               " on this build, not ", kind);
@@ -1007,7 +1010,8 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double per_instruction = kind == "fp32" ? 32 : kind == "bf16" ? 64 : 128;
-  TORCH_CHECK(sinks.size() == static_cast<size_t>(threads));
+  volatile float kept = 0.0f;  // the chains' results used, so that none is optimised away
+  for (const float sink : sinks) kept = kept + sink;
   return per_instruction * 12 * static_cast<double>(iters) * threads / seconds;
 }
 

@@ -21,8 +21,9 @@ from shared.protocol import Completion
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 def test_the_amx_probe_runs_the_tiles_in_a_child(monkeypatch):
     """Where the CPU has AMX, a child process finds the tiles batch-invariant and close to fp64
-    (exit 0), and a bf16 model's matmuls take them; elsewhere the child says there are none
-    (exit 2) and the matmuls take vdpbf16ps. `model.amx: false` keeps AVX-512 in either case."""
+    (exit 0), and a bf16 model's matmuls take them with `model.amx: tiles`; elsewhere the child
+    says there are none (exit 2) and the matmuls take vdpbf16ps. `auto` and `none` keep a bf16
+    model on AVX-512 in either case, `none` quantized weights' prefills too."""
     from services.executor.engine import linear
 
     amx = cpu_ops.native_bf16() and cpu_ops.load().amx_bf16()
@@ -33,9 +34,11 @@ def test_the_amx_probe_runs_the_tiles_in_a_child(monkeypatch):
     assert linear.amx_tiles(cpu_ops.load()) == amx
     if cpu_ops.native_bf16():
         weight = torch.randn(64, 64).bfloat16()
-        assert linear.DenseLinear(weight, cpu_ops.load()).units == ("amx" if amx else "avx512")
-        assert linear.DenseLinear(weight, cpu_ops.load(), amx=False).units == "avx512"
-    assert linear.many_rows_precision(cpu_ops.load(), amx=False) != "amx"
+        assert linear.DenseLinear(weight, cpu_ops.load(), amx="tiles").units == (
+            "amx" if amx else "avx512")
+        assert linear.DenseLinear(weight, cpu_ops.load()).units == "avx512"
+        assert linear.DenseLinear(weight, cpu_ops.load(), amx="none").units == "avx512"
+    assert linear.many_rows_precision(cpu_ops.load(), amx="none") != "amx"
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")

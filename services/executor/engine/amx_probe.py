@@ -3,8 +3,10 @@ services.executor.engine.amx_probe`), so that the first run of the tiles' code o
 only the child if that CPU or its kernel faults on it. The child multiplies a small matrix on the
 tiles at every row count from 1 to 48. Exit status 0: each row came out with the same bits at
 every row count (batch-invariant) and within fp32 summation error of the rounded operands; 1: not
-so; 2: no AMX-BF16 tiles here. It prints whether the bits are those of the Intel SDM's pseudocode
-(the kernels' software model of the tiles)."""
+so; 2: no AMX-BF16 tiles here. It prints which order of arithmetic the bits are: the Intel SDM's
+pseudocode of tdpbf16ps (an even and an odd chain per instruction, the kernels' software model of
+the tiles) or the Intrinsics Guide's (one chain, a pair's even product first), or neither. (With
+the Guide's, tiles over swapped pairs could give vdpbf16ps's bits; with the SDM's they cannot.)"""
 
 from __future__ import annotations
 
@@ -21,18 +23,22 @@ def usable() -> bool:
     """Whether a child process found the tiles working (False, said once, if it found them
     not, or crashed, or hung for two minutes, or could not start)."""
     try:
-        child = subprocess.run([sys.executable, "-m", __name__], capture_output=True, timeout=120)
-    except (subprocess.SubprocessError, OSError) as exc:
+        child = subprocess.run([sys.executable or "python3", "-m", __name__],
+                               capture_output=True, timeout=120)
+    except Exception as exc:  # noqa: BLE001 (cannot start, timed out: no tiles, said)
         log.warning("the AMX probe did not run (%s); a bf16 model's matmuls stay on AVX-512", exc)
         return False
+    said = (child.stdout + child.stderr).decode(errors="replace")[-1000:].strip()
     if child.returncode != 0:
         log.warning("the AMX probe exited with %d; a bf16 model's matmuls stay on AVX-512: %s",
-                    child.returncode, (child.stdout + child.stderr).decode()[-1000:])
+                    child.returncode, said)
+    else:
+        log.info("AMX tiles for a bf16 model's matmuls: %s", said)
     return child.returncode == 0
 
 
 def main() -> int:
-    from jetserve_kernels import cpu_ops
+    from jetserve_kernels import cpu_ops, reference
     from services.executor.engine.linear import pack_pairs
 
     kernels = cpu_ops.load()
@@ -40,17 +46,19 @@ def main() -> int:
         print("no AMX-BF16 tiles here")
         return 2
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(64, 256, generator=gen).bfloat16()
-    pairs = pack_pairs(weight)
+    weight = torch.randn(40, 256, generator=gen).bfloat16()  # a part panel: the spill path too
+    pairs = pack_pairs(torch.nn.functional.pad(weight, (0, 0, 0, 24)))
     x = torch.randn(48, 256, generator=gen)
-    whole = kernels.linear_bf16_pairs(x, pairs, 64, "amx")
-    invariant = all(torch.equal(kernels.linear_bf16_pairs(x[:rows], pairs, 64, "amx"),
+    whole = kernels.linear_bf16_pairs(x, pairs, 40, "amx")
+    invariant = all(torch.equal(kernels.linear_bf16_pairs(x[:rows], pairs, 40, "amx"),
                                 whole[:rows]) for rows in range(1, 48))
     rounded = (x.bfloat16().double() @ weight.double().t()).float()
     close = torch.allclose(whole, rounded, atol=1e-3, rtol=1e-4)
-    sdm = torch.equal(whole, kernels.linear_bf16_pairs(x, pairs, 64, "amx_model"))
-    print(f"batch-invariant: {invariant}; within fp32 summation error: {close}; "
-          f"the SDM's order of arithmetic, bit for bit: {sdm}")
+    orders = {"the SDM's": reference.amx_bf16_linear(x, weight),
+              "the Intrinsics Guide's": reference.amx_one_chain_linear(x, weight)}
+    same = [name for name, bits in orders.items() if torch.equal(whole, bits)]
+    print(f"batch-invariant: {invariant}; within fp32 summation error: {close}; order of "
+          f"arithmetic: {' and '.join(same) or 'neither the SDM nor the Intrinsics Guide'}")
     return 0 if invariant and close else 1
 
 

@@ -25,14 +25,14 @@ GROUP = 32
 PANEL = 32  # output columns per panel of a packed weight
 
 
-def many_rows_precision(kernels, amx: bool = True) -> str:
+def many_rows_precision(kernels, amx: str = "auto") -> str:
     """How prefill-sized batches (more than 8 rows) multiply quantized weights: in bfloat16 with
     fp32 sums, on weights that are rounded already, where the CPU makes that fast: "amx" (AMX
-    tiles, from 49 rows: several times the fp32 FMAs; not with amx False, `model.amx`), "bf16"
+    tiles, from 49 rows: several times the fp32 FMAs; not with `model.amx` none), "bf16"
     (AVX512-BF16 dot products: twice them), else "fp32". Decode-sized batches run in fp32 (with
     fp32 activations: int8 activations take the int8 dot products at every size below
     "amx"'s)."""
-    if amx and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+    if amx != "none" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return "amx"
     return "bf16" if kernels.bf16_dot_products() else "fp32"
 
@@ -41,12 +41,11 @@ _amx_tiles: bool | None = None
 
 
 def amx_tiles(kernels) -> bool:
-    """Whether a bf16 model's matmuls run on AMX tiles here (where the CPU and its kernel give
-    them, `model.amx` true), at every row count: a tile and a vector kernel sum in different
-    orders (jetserve_kernels/cpu/amx_tiles.h), so a batch-invariant model takes one of them for
-    every step, and on a CPU with AMX that is the tiles. The tiles' code is run first in a child
-    process, once a process (amx_probe): where it fails, the matmuls stay on AVX-512 (said
-    once)."""
+    """Whether a bf16 model's matmuls can run on AMX tiles here (where the CPU and its kernel
+    give them; they do with `model.amx: tiles`), at every row count: a tile and a vector kernel
+    sum in different orders (jetserve_kernels/cpu/amx_tiles.h), so a batch-invariant model
+    takes one of them for every step. The tiles' code is run first in a child process, once a
+    process (amx_probe): where it fails, the matmuls stay on AVX-512 (said once)."""
     global _amx_tiles
     if _amx_tiles is None:
         from services.executor.engine import amx_probe
@@ -197,7 +196,7 @@ def pack_for_int8_activations(panels: QuantizedPanels) -> QuantizedPanels:
 
 
 class DenseLinear:
-    def __init__(self, weight: torch.Tensor, kernels, amx: bool = True):
+    def __init__(self, weight: torch.Tensor, kernels, amx: str = "auto"):
         # On a CPU with the kernels the activations are fp32: fp32 weights run on fp32 panels
         # (whole panels of output columns; else torch's matmul), bf16 ones on bf16 panels padded
         # to whole panels (K a multiple of 32; else widened to fp32 here). Elsewhere (CUDA, no
@@ -214,7 +213,7 @@ class DenseLinear:
                 # rounds its outputs to bf16 and sums in another order.)
                 self.pairs = True
                 self.kernels = kernels
-                self.units = "amx" if amx and amx_tiles(kernels) else "avx512"
+                self.units = "amx" if amx == "tiles" and amx_tiles(kernels) else "avx512"
                 self.weight = pack_pairs(F.pad(weight, (0, 0, 0, -self.n % PANEL)))
                 return
             if weight.shape[1] % GROUP == 0:
@@ -251,7 +250,7 @@ class DenseLinear:
 
 class QuantizedLinear:
     def __init__(self, weight: QuantizedWeight, kernels, int8_activations: bool = False,
-                 amx: bool = True):
+                 amx: str = "auto"):
         if kernels is None:
             raise RuntimeError("int8 and int4 weights run on the CPU kernels, which are not "
                                "available here (see the warning above); set "
@@ -275,8 +274,8 @@ class QuantizedLinear:
 
 
 def make_linear(weight: torch.Tensor | QuantizedWeight, kernels, int8_activations: bool = False,
-                amx: bool = True) -> DenseLinear | QuantizedLinear:
-    """The matmul for a weight; amx False (`model.amx`) keeps it off AMX tiles."""
+                amx: str = "auto") -> DenseLinear | QuantizedLinear:
+    """The matmul for a weight; amx is `model.amx` (auto, tiles or none)."""
     if isinstance(weight, QuantizedWeight):
         return QuantizedLinear(weight, kernels, int8_activations, amx)
     return DenseLinear(weight, kernels, amx)

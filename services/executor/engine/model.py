@@ -51,7 +51,7 @@ def rotary_cos_sin(config: ModelConfig, max_position: int, device: torch.device)
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict, backend, max_position: int,
-                 quantized_activations: str = "float32", amx: bool = True):
+                 quantized_activations: str = "float32", amx: str = "auto"):
         self.config = config
         self.backend = backend
         self.scale = config.head_dim ** -0.5
