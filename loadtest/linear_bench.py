@@ -36,6 +36,15 @@ def layer_shapes(shape: dict) -> list[tuple[int, int]]:
             (h, shape["intermediate_size"])]
 
 
+def drain(outputs) -> None:
+    """Runs a generator of matmuls, each output dropped before the next is made, as the engine
+    drops a layer's activations: holding all 120 at once (318 MB of fp32 at 512 rows) makes
+    glibc hand the memory back and fault it in again every repetition, which measured up to
+    1.45x a matmul's own time (and fp32 outputs twice bf16 ones)."""
+    for _ in outputs:
+        pass
+
+
 def times_ms(fn, repeats: int) -> list[float]:
     """ms of `repeats` calls of fn, after one to warm up."""
     fn()
@@ -106,14 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         xs = {k: torch.randn(m, k) for k in {k for _, k in layer_shapes(shape)}}
         xs16 = {k: x.bfloat16() for k, x in xs.items()}
         row = {"rows": m,
-               "fp32": best_ms(lambda: [kernels.linear_f32(xs[p.shape[1]], p) for p in panels],
-                               args.repeats),
-               "blas_fp32": best_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
+               "fp32": best_ms(lambda: drain(kernels.linear_f32(xs[p.shape[1]], p)
+                                             for p in panels), args.repeats),
+               "blas_fp32": best_ms(lambda: drain(F.linear(xs[w.shape[1]], w) for w in dense),
                                     args.repeats),
                # torch's own bf16 matmul (oneDNN: what a peer's bf16 model runs; its outputs
                # rounded to bf16)
-               "blas_bf16": best_ms(lambda: [F.linear(xs16[w.shape[1]], w) for w in dense16],
-                                    args.repeats)}
+               "blas_bf16": best_ms(lambda: drain(F.linear(xs16[w.shape[1]], w)
+                                                  for w in dense16), args.repeats)}
         for bits in (8, 4):
             for precision in precisions:
                 row[f"int{bits}_{precision}"] = best_ms(
@@ -123,14 +132,16 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"w{bits}a8x2"] = best_ms(lambda: run_int8_activations(bits, xs, True),
                                               args.repeats)
         row["bf16_panels"] = best_ms(
-            lambda: [kernels.linear_bf16(xs[p.shape[1]], p, p.shape[0] * 32, precisions[-1])
-                     for p in bf16_panels], args.repeats)
+            lambda: drain(kernels.linear_bf16(xs[p.shape[1]], p, p.shape[0] * 32,
+                                              precisions[-1]) for p in bf16_panels),
+            args.repeats)
         # a bf16 model's matmuls: vdpbf16ps, and AMX tiles where the CPU has them
         for units in ["avx512"] + (["amx"] if bf16_pairs and kernels.amx_bf16() else []):
             if bf16_pairs:
                 row[f"bf16_pairs_{units}"] = best_ms(
-                    lambda: [kernels.linear_bf16_pairs(xs[2 * p.shape[1]], p, p.shape[0] * 32,
-                                                       units) for p in bf16_pairs], args.repeats)
+                    lambda: drain(kernels.linear_bf16_pairs(xs[2 * p.shape[1]], p,
+                                                            p.shape[0] * 32, units)
+                                  for p in bf16_pairs), args.repeats)
         flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
         row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
         for column, kind in [("fp32", "fp32"), ("bf16_pairs_avx512", "bf16"), ("w8a8", "int8")]:
