@@ -19,15 +19,8 @@ PY=${PYTHON:-python3}
 SWEEP=${SWEEP:-"8 32 64 128 256"}
 LOG="$OUT/amx_check.log"
 
-step() {  # step NAME SECONDS COMMAND...: run, log, record the exit status
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
-    local start=$SECONDS
-    PYTHONUNBUFFERED=1 timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-    local rc=${PIPESTATUS[0]}
-    echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$LOG"
-}
+# shellcheck source=loadtest/check_step.sh
+. "$(dirname "$0")/check_step.sh"  # step NAME SECONDS COMMAND...
 
 {
     date -u
