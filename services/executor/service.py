@@ -539,7 +539,7 @@ async def serve(config, nc, js, tracer, stop: asyncio.Event, args) -> None:
     service = ExecutorService(config, nc, js, tracer, name, engine=loading.result())
     await service.start()
     log.info("serving", executor=name, model=service.engine.model_name,
-             kv_blocks=service.engine.block_manager.num_blocks)
+             kv_blocks=service.engine.block_manager.num_blocks, matmuls=service.engine.matmuls)
     await stop.wait()
     await service.stop(config.distributed.drain_timeout_s)
 

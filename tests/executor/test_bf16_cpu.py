@@ -38,6 +38,13 @@ def test_the_amx_probe_runs_the_tiles_in_a_child(monkeypatch):
             "amx" if amx else "avx512")
         assert linear.DenseLinear(weight, cpu_ops.load()).units == "avx512"
         assert linear.DenseLinear(weight, cpu_ops.load(), amx="none").units == "avx512"
+        # what the executor's start-up log says of it
+        engine = Engine(engine_config({"model.name": "dummy:tiny", "model.dtype": "bfloat16",
+                                       "kv_cache.num_blocks": 16}))
+        try:
+            assert engine.matmuls == "bf16 on avx512"
+        finally:
+            asyncio.run(engine.stop())
     assert linear.many_rows_precision(cpu_ops.load(), amx="none") != "amx"
 
 

@@ -148,6 +148,7 @@ class Engine:
                 else self._blocks_that_fit())
             self.pool_sizes = self._split_pools(num_blocks)
             self.runner = SimRunner(profile, model_config.vocab_size, self.eos_token_id)
+            self.matmuls = "simulated"
         else:
             import torch
 
@@ -171,6 +172,7 @@ class Engine:
                                                 getattr(torch, self.kv_dtype_name),
                                                 self.device, sum(self.pool_sizes[1:]))
             self.on_model_thread(self.runner.warm_up)
+            self.matmuls = model.matmuls()
         self.kv_pool_dtypes = [self.kv_dtype_name, "int8"][
             :len(self.pool_sizes)]
         if len(self.pool_sizes) == 1:

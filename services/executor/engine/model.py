@@ -89,6 +89,20 @@ class LlamaModel:
         self.cos_sin_cache = rotary_cos_sin(config, max_position, embed_tokens.device)
         self.q_size = config.num_heads * config.head_dim
 
+    def matmuls(self) -> str:
+        """Where the layers' matmuls run, for the executor's start-up log: "bf16 on avx512" or
+        "bf16 on amx" (a bf16 model's pairs), "int8 weights, int8 activations, many rows on
+        amx" and the like, "fp32 on the kernels", or "torch"."""
+        first = self.layers[0].qkv_proj if self.layers else self.lm_head
+        if getattr(first, "pairs", False):
+            return f"bf16 on {first.units}"
+        if isinstance(first, QuantizedLinear):
+            acts = ", int8 activations" if first.int8_activations else ""
+            return f"int{first.weight.bits} weights{acts}, many rows on {first.many_rows}"
+        if getattr(first, "many_rows", None) is not None:
+            return f"bf16 weights, many rows on {first.many_rows}"
+        return "fp32 on the kernels" if first.kernels is not None else "torch"
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 segments: list[KvSegment], logits_indices: torch.Tensor) -> torch.Tensor:
