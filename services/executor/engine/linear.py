@@ -9,6 +9,9 @@ panels too).
 `auto` keeps a GGUF's own blocks (Q4_x stays int4, Q8_0 int8, float stays dense) and is `none`
 for other sources. Embedding lookups keep a dense table: they read a few rows per step.
 
+`model.amx`: where the CPU has AMX, `auto` takes it for quantized weights' prefills (torch's
+matmul), `tiles` for a bf16 model's matmuls too (the kernels' own tiles), `none` not at all.
+
 `model.quantized_activations`: quantized weights multiply either fp32 activations (the weights
 widened in registers) or 8-bit ones (each row quantized per group of 32 over the group's range as
 it enters, then int8 dot products: W8A8 / W4A8); `auto` takes int8 where the CPU has AVX512-VNNI.
@@ -206,11 +209,11 @@ class DenseLinear:
         self.pairs = False
         if kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
             if weight.shape[1] % GROUP == 0 and kernels.bf16_dot_products():
-                # bf16 dot products at every row count (AVX512-BF16, or AMX tiles where the CPU
-                # has them: amx_tiles), x rounded to bf16: a row's outputs are the same bits
-                # whether it is decoded alone or recomputed in a prefill, so preemption and
-                # migration keep a bf16 model's outputs. (Not AMX through torch's matmul: that
-                # rounds its outputs to bf16 and sums in another order.)
+                # bf16 dot products at every row count (AVX512-BF16, or with `model.amx: tiles`
+                # AMX tiles where the CPU has them: amx_tiles), x rounded to bf16: the same bits
+                # for a row whether it is decoded alone or recomputed in a prefill, so
+                # preemption and migration keep a bf16 model's outputs. (Not AMX through torch's
+                # matmul: that rounds its outputs to bf16 and sums in another order.)
                 self.pairs = True
                 self.kernels = kernels
                 self.units = "amx" if amx == "tiles" and amx_tiles(kernels) else "avx512"
