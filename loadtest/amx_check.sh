@@ -16,11 +16,12 @@ set -u
 OUT=${OUT:-results/amx}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+[ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python  # what `make` installs
 SWEEP=${SWEEP:-"8 32 64 128 256"}
 LOG="$OUT/amx_check.log"
 
 # shellcheck source=loadtest/check_step.sh
-. "$(dirname "$0")/check_step.sh"  # step NAME SECONDS COMMAND...
+. "$(dirname "${BASH_SOURCE[0]}")/check_step.sh" || exit 1  # step NAME SECONDS COMMAND...
 
 {
     date -u

@@ -22,7 +22,7 @@ tokenizer=()
 [ -n "${TOKENIZER:-}" ] && tokenizer=(--tokenizer "$TOKENIZER")
 
 # shellcheck source=loadtest/check_step.sh
-. "$(dirname "$0")/check_step.sh"  # step NAME SECONDS COMMAND...
+. "$(dirname "${BASH_SOURCE[0]}")/check_step.sh" || exit 1  # step NAME SECONDS COMMAND...
 
 {
     date -u

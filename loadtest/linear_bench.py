@@ -41,8 +41,8 @@ def drain(outputs) -> None:
     drops a layer's activations: holding all 120 at once (318 MB of fp32 at 512 rows) makes
     glibc hand the memory back and fault it in again every repetition, which measured up to
     1.45x a matmul's own time (and fp32 outputs twice bf16 ones)."""
-    for _ in outputs:
-        pass
+    for out in outputs:
+        del out
 
 
 def times_ms(fn, repeats: int) -> list[float]:

@@ -31,6 +31,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                              "CPU: bf16 weights and KV, fp32 activations")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="run scheduling and output processing between steps, not beside them")
+    parser.add_argument("--amx", choices=["auto", "tiles", "none"], default=defaults.model.amx,
+                        help="model.amx: on a CPU with AMX, auto takes it for quantized weights' "
+                             "prefills, tiles for a bf16 model's matmuls too (the kernels' own "
+                             "tiles, not yet measured), none not at all")
 
 
 def _quantization_option(parser: argparse.ArgumentParser, default: str | None,
@@ -50,6 +54,7 @@ def engine_config_of(args: argparse.Namespace) -> EngineConfig:
     return engine_config({"model.name": args.model, "model.device": args.device,
                           "model.quantization": args.quantization, "model.dtype": args.dtype,
                           "model.quantized_activations": args.quantized_activations,
+                          "model.amx": args.amx,
                           "scheduler.batch_level.max_num_seqs": args.max_num_seqs,
                           "scheduler.batch_level.max_num_batched_tokens":
                               args.max_num_batched_tokens,
