@@ -446,9 +446,10 @@ void pairs_run(const uint32_t* w, int64_t num_panels, int64_t k, int64_t n, cons
 }
 
 // The same pairs on AMX tiles (amx_tiles.h: the instructions, or their software model), where
-// the CPU has them and `model.amx` asks for them, at every row count. A step multiplies 32 rows of x (two A tiles) by a
-// panel's 32 columns (two B tiles, read from the pairs as they are packed: 16 pairs of rows of
-// k, 64 bytes of each 128-byte row) into four 16 x 16 fp32 tiles, 32 values of k at a time.
+// the CPU has them and `model.amx` asks for them, at every row count. A step multiplies 32 rows
+// of x (two A tiles) by a panel's 32 columns (two B tiles, read from the pairs as they are
+// packed: 16 pairs of rows of k, 64 bytes of each 128-byte row) into four 16 x 16 fp32 tiles,
+// 32 values of k at a time.
 // Each output is the same sums in the same order whatever the row count: batch-invariant, as
 // the vdpbf16ps path is, but not with its bits (tdpbf16ps orders its sums otherwise). Rows of x
 // past m are zeros (x_pairs pads them); partial tiles are stored into a spill tile first. The
