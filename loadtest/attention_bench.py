@@ -13,6 +13,9 @@ batch-invariant model's prefill costs without the prefill kernel's tiles). The m
     python -m loadtest.attention_bench --decode 1:300 8:256 64:256 128:300 \
         --prefill 40:0 384:0 200:300 --result-json results/attention_bench.json
 
+`--in-cache` has every decode read one sequence's blocks, which stay in the CPU's caches: the
+decode kernels' arithmetic alone, beside what memory costs them.
+
 A decode point B:L is B sequences at L cached tokens each; a prefill point T:P is one chunk of T
 new tokens after P cached ones.
 """
@@ -70,10 +73,13 @@ class Caches:
 
 
 def decode_point(kernels, shape: dict, seqs: int, length: int, repeats: int,
-                 kv_dtype: str = "fp32") -> dict:
+                 kv_dtype: str = "fp32", in_cache: bool = False) -> dict:
+    """in_cache: every sequence reads the first one's blocks, which then stay in the CPU's
+    caches: the kernel's arithmetic without the memory (GB/s as if each had its own)."""
     layers, heads, kv_heads, dim = (shape["num_layers"], shape["num_heads"],
                                     shape["num_kv_heads"], shape["head_dim"])
-    caches = Caches(layers, seqs, length, kv_heads, dim, kv_dtype)
+    caches = Caches(layers, 1 if in_cache else seqs, length, kv_heads, dim, kv_dtype)
+    tables = caches.tables.expand(seqs, -1) if in_cache else caches.tables
     # q as the engine has it: a view into the fused QKV output.
     q = torch.randn(seqs, (heads + 2 * kv_heads) * dim)[:, :heads * dim].unflatten(1, (heads, dim))
     out = torch.empty(seqs, heads, dim)
@@ -83,21 +89,24 @@ def decode_point(kernels, shape: dict, seqs: int, length: int, repeats: int,
 
     def kernel(invariant: bool = False):
         for layer in range(layers):
-            kernels.paged_decode_attention(q, caches.k[layer], caches.v[layer], caches.tables,
+            kernels.paged_decode_attention(q, caches.k[layer], caches.v[layer], tables,
                                            lens, rows, out, scale, invariant)
 
     def sdpa():  # every sequence at the same length: one batched call a layer
         for layer in range(layers):
-            kv = [caches.gathered(layer, s, length) for s in range(seqs)]
+            kv = [caches.gathered(layer, 0 if in_cache else s, length) for s in range(seqs)]
             keys = torch.stack([k for k, _ in kv]).transpose(1, 2)
             values = torch.stack([v for _, v in kv]).transpose(1, 2)
             F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale,
                                            enable_gqa=True)
 
-    row = {"seqs": seqs, "context": length, "kernel_ms": median_ms(kernel, repeats),
+    row = {"seqs": seqs, "context": length, "in_cache": in_cache,
+           "kernel_ms": median_ms(kernel, repeats),
            "invariant_ms": median_ms(lambda: kernel(True), repeats),
            "sdpa_ms": median_ms(sdpa, repeats)}
-    row["kernel_gb_per_s"] = caches.bytes / row["kernel_ms"] / 1e6
+    read = caches.bytes * (seqs if in_cache else 1)
+    row["kernel_gb_per_s"] = read / row["kernel_ms"] / 1e6
+    row["invariant_gb_per_s"] = read / row["invariant_ms"] / 1e6
     return row
 
 
@@ -155,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=[(1, 300), (8, 256), (64, 256), (128, 300)])
     parser.add_argument("--prefill", type=pair, nargs="*", default=[(40, 0), (384, 0), (200, 300)])
     parser.add_argument("--kv-dtype", choices=["fp32", "bf16", "int8"], default="fp32")
+    parser.add_argument("--in-cache", action="store_true",
+                        help="decodes: every sequence reads the first one's blocks, which stay "
+                        "in the CPU's caches (the kernels' arithmetic alone)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--result-json", default="results/attention_bench.json")
     args = parser.parse_args(argv)
@@ -167,10 +179,12 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.repeats}")
     decodes, prefills = [], []
     for seqs, length in args.decode:
-        row = decode_point(kernels, shape, seqs, length, args.repeats, args.kv_dtype)
+        row = decode_point(kernels, shape, seqs, length, args.repeats, args.kv_dtype,
+                           args.in_cache)
         decodes.append(row)
-        print(f"  decode {seqs:4d} x {length:5d}: kernel {row['kernel_ms']:8.1f} "
-              f"({row['kernel_gb_per_s']:.1f} GB/s)  invariant {row['invariant_ms']:8.1f}  "
+        print(f"  decode {seqs:4d} x {length:5d}{' in cache' if args.in_cache else ''}: "
+              f"kernel {row['kernel_ms']:8.1f} ({row['kernel_gb_per_s']:.1f} GB/s)  "
+              f"invariant {row['invariant_ms']:8.1f} ({row['invariant_gb_per_s']:.1f} GB/s)  "
               f"SDPA {row['sdpa_ms']:8.1f}", flush=True)
     for tokens, cached in args.prefill:
         row = prefill_point(kernels, shape, tokens, cached, args.repeats, args.kv_dtype)
