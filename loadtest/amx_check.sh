@@ -43,11 +43,15 @@ step engine-bench-tiles 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --ski
 # shellcheck disable=SC2086
 step engine-bench-none 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
     --skip-single-stream --long-prompts --also-amx none --result-json "$OUT/engine_amx_none.json"
+# One step a mode (engine_bench writes its JSON at the end: a step that runs out of time
+# loses only its own figures).
 # shellcheck disable=SC2086
-step engine-bench-modes 2400 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
-    --skip-single-stream --long-prompts --quantization none int8 \
-    --quantized-activations float32 int8 --also-dtype float32 \
-    --result-json "$OUT/engine_modes.json"
+step engine-bench-fp32 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
+    --skip-single-stream --long-prompts --dtype float32 --result-json "$OUT/engine_fp32.json"
+# shellcheck disable=SC2086
+step engine-bench-w8a8 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
+    --skip-single-stream --long-prompts --quantization int8 --quantized-activations int8 \
+    --result-json "$OUT/engine_w8a8.json"
 step quant-quality 900 "$PY" -m loadtest.quant_quality --quantization none int8 \
     --quantized-activations float32 int8 --dtype bfloat16 --result-json "$OUT/quant_quality.json"
 if [ -x .peers/vllm/bin/python ]; then

@@ -44,14 +44,16 @@ inline void prefetch_rows(RowCursor& cursor, int64_t count) {
   for (int64_t i = 0; i < count; ++i) prefetch_row<T, DV>(cursor.next());
 }
 
-// A KV head's key rows 16 at a time, each asked for kAhead positions before its use.
+// A KV head's key rows 16 at a time, each asked for `lead` positions before it is handed out:
+// kAhead before its use where each 16 are used as they come, more where a pass takes several
+// chunks before it uses them.
 template <typename T, int DV>
 struct KeyChunks {
-  RowCursor keys, ahead;  // `ahead` runs kAhead positions in front of `keys`
+  RowCursor keys, ahead;  // `ahead` runs `lead` positions in front of `keys`
   int64_t len, ahead_pos;
 
-  KeyChunks(RowCursor first, int64_t len_)
-      : keys(first), ahead(first), len(len_), ahead_pos(std::min<int64_t>(kAhead, len_)) {
+  KeyChunks(RowCursor first, int64_t len_, int64_t lead)
+      : keys(first), ahead(first), len(len_), ahead_pos(std::min<int64_t>(lead, len_)) {
     prefetch_rows<T, DV>(ahead, ahead_pos);
   }
 
@@ -140,7 +142,7 @@ inline void key_block(const char* const* rows, int b, __m512* kt) {
 // several issue slots, and three heads' chains alone (SmolLM2's group) left the unit waiting on
 // each result. With C = 4 and the accumulators kept in registers (the unrolled loop) a whole
 // decode over a cache in L2 takes 10 ns a (key, KV head) on one Zen 4 thread, against 13 ns for
-// one chunk at a time; streaming the cache from memory it is 1.03x faster.
+// one chunk at a time; streaming the cache from memory it is 1.01-1.04x faster.
 template <typename T, int DV, int HB, int C>
 inline void score_heads(const float* qs, const uint32_t* qp, const char* const* rows, __m512* s) {
   constexpr int D = 16 * DV, kVectors = kBlockVectors<T>;
@@ -225,10 +227,12 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
 #endif
   const uint32_t* qp = w.qpairs.data();
   __m512* peaks = w.peaks.data();
-  KeyChunks<T, DV> chunks(keys, len);
+  // A pass of the invariant order takes four chunks before it uses the first: the last one's
+  // rows are asked for 48 positions earlier to get kAhead of lead.
+  KeyChunks<T, DV> chunks(keys, len, Invariant ? kAhead + 48 : kAhead);
   if constexpr (Invariant) {
-    // Up to four chunks of 16 rows a pass (fewer at the end: at most half a pass's rows are
-    // repeats, scored and not kept).
+    // Up to four chunks of 16 rows a pass; the last pass takes 16, 32 or 64 rows, those past
+    // len repeating the last one, scored and not kept.
     for (int64_t p0 = 0; p0 < len; p0 += 64) {
       const int64_t left = len - p0;
       const int count = left > 32 ? 4 : left > 16 ? 2 : 1;
