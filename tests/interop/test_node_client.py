@@ -50,4 +50,4 @@ async def test_node_client_streams_a_generate_request_and_submits_a_durable_one(
     assert durable["stream"] == "LLM_REQUESTS" and "per subject" in durable["repeat"]
     stored = durable["result"]
     assert stored["type"] == "completion" and stored["request_id"] == "js-1", stored
-    assert len(stored["token_ids"]) == 16
+    assert len(stored["token_ids"]) == 128

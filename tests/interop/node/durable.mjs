@@ -9,7 +9,9 @@ const [url, tenant, requestId, prompt] = process.argv.slice(2);
 const nc = await connect({ servers: url });
 const js = nc.jetstream();
 const jsm = await nc.jetstreamManager();
-const request = { type: "generate", prompt, max_tokens: 16, ignore_eos: true, temperature: 0 };
+// 128 tokens: still running when the repeat comes, even if this process waits a while for a
+// core (the executor's threads busy on the same machine), so JetStream refuses the repeat.
+const request = { type: "generate", prompt, max_tokens: 128, ignore_eos: true, temperature: 0 };
 const subject = `llm.requests.${tenant}.${requestId}`; // the subject is the request's key
 
 const ack = await js.publish(subject, JSON.stringify(request));
