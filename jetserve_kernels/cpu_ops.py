@@ -28,7 +28,11 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "cpu"
 # -fopenmp: at::parallel_for is inline OpenMP; without it every kernel runs on one thread. The
 # library it links (soname libgomp.so.1) resolves to the one torch has loaded already.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# JETSERVE_CPU_ARCH builds for another instruction set than this processor's (a GCC -march
+# name, e.g. icelake-server: AVX-512 without AVX512-BF16; x86-64-v3: AVX2): the kernels' paths
+# for CPUs this one stands in for, which must be a subset of what this processor can run.
+ARCH = os.environ.get("JETSERVE_CPU_ARCH", "native")
+FLAGS = ["-O3", f"-march={ARCH}", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 _module = None
 _failed = False

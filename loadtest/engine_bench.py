@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import torch
 
+from jetserve_kernels import cpu_ops
 from loadtest.datasets import LONG_PROMPT_OUTPUT, engine_workload, long_prompts
 from loadtest.metrics import nearest_rank, write_result
 from loadtest.quant_quality import completions
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         args.result_json, "engine_bench",
         machine={"platform": platform.platform(), "processor": platform.processor(),
                  "torch_threads": torch.get_num_threads(),
-                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
+                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                 "cpu_kernels_arch": cpu_ops.ARCH},
         params=vars(args),
         workloads={n: {"num_requests": n,
                        "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),

@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     result["peers"][name] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count()},
+                    "cpus": os.cpu_count(),
+                    # oneDNN's instruction sets capped (e.g. AVX512_CORE_VNNI: no bf16), if set
+                    "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")},
         "params": vars(args),
         "peer": raw,  # versions, engine arguments, tuning environment, start-up time
         "batch": batches,

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The CPU kernels' paths for processors other than this one: the kernels build with
+# -march=native, so `make test` runs only the paths this CPU takes. This builds them again for
+# older instruction sets (JETSERVE_CPU_ARCH, jetserve_kernels/cpu_ops.py) and runs the kernel
+# and engine tests on each build:
+#   cascadelake     AVX-512 and AVX512-VNNI, no AVX512-BF16 (Cascade Lake, Ice Lake, Zen 3 has
+#                   none of it): an fp32 model by default, bf16 weights widened to fp32
+#   skylake-avx512  AVX-512 without VNNI: int8 activations refused
+#   x86-64-v3       AVX2 and FMA, no AVX-512 (Zen 2 and 3, Haswell to Alder Lake): no prefill
+#                   kernel, prefill attention through SDPA
+# A build runs here only if this CPU has what it needs. Each build takes a minute or so once
+# (cached like the native one, under its own key).
+#
+#   bash tests/cpu_paths.sh [ARCH ...]        # default: all three
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+archs=("$@")
+[ ${#archs[@]} -gt 0 ] || archs=(cascadelake skylake-avx512 x86-64-v3)
+
+# What each build needs of this CPU (/proc/cpuinfo's names).
+needs() {
+    case "$1" in
+        cascadelake) echo "avx2 fma bmi2 avx512f avx512cd avx512bw avx512dq avx512vl avx512_vnni" ;;
+        skylake-avx512) echo "avx2 fma bmi2 avx512f avx512cd avx512bw avx512dq avx512vl" ;;
+        x86-64-v3) echo "avx2 fma bmi1 bmi2 f16c movbe" ;;
+        *) echo "unknown" ;;
+    esac
+}
+
+flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+status=0
+for arch in "${archs[@]}"; do
+    missing=""
+    for flag in $(needs "$arch"); do
+        [[ "$flags" == *" $flag "* ]] || missing="$missing $flag"
+    done
+    if [ -n "$missing" ]; then
+        echo "== $arch: skipped, this CPU lacks:$missing"
+        continue
+    fi
+    # The engine's tests on the builds that change what a model runs (the default dtype, the
+    # prefill kernel); the kernel tests on every build.
+    tests=(tests/kernels/test_cpu_ops.py)
+    [ "$arch" = skylake-avx512 ] || tests+=(tests/executor)
+    echo "== $arch: ${tests[*]}"
+    if ! JETSERVE_CPU_ARCH="$arch" "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}"; then
+        echo "== $arch: FAILED"
+        status=1
+    fi
+done
+exit $status
