@@ -111,7 +111,8 @@ def test_a_bf16_prefill_attends_as_its_decodes_would(head_dim):
 
     backend = TorchBackend(16, torch.device("cpu"), torch.bfloat16)
     if not backend.batch_invariant:
-        pytest.skip("this CPU has no AVX512-BF16 dot products: a bf16 model is not its default")
+        pytest.skip("the kernels built here have no AVX512-BF16 dot products: "
+                    "a bf16 model is not its default")
     gen = torch.Generator().manual_seed(head_dim)
     heads, kv_heads, context, new = 9, 3, 70, 45
     k_cache = torch.randn(8, 16, kv_heads, head_dim, generator=gen).bfloat16()
@@ -160,7 +161,8 @@ def test_a_bf16_models_logits_do_not_depend_on_the_step(monkeypatch, kv_dtype):
     prefilled alone, beside another prompt, in two chunks, with its last token decoded (alone
     and beside another's decode), and decoded a token at a time from the start."""
     if not cpu_ops.native_bf16():
-        pytest.skip("this CPU has no AVX512-BF16 dot products: a bf16 model is not invariant")
+        pytest.skip("the kernels built here have no AVX512-BF16 dot products: "
+                    "a bf16 model is not invariant")
     from services.executor.engine.attention import SeqSlice, TorchBackend
     from services.executor.engine.model import KvSegment, LlamaModel
     from services.executor.engine.model_runner import kv_cache_row

@@ -77,7 +77,7 @@ def test_bf16_dot_products_in_blocks_equal_one_block(k):
     taken a block at a time; every row sums in the same order whatever its block, so the result
     is bit-identical to the rows taken 100 at a time (one block each)."""
     if not k.bf16_dot_products():
-        pytest.skip("this CPU has no AVX512-BF16 dot products")
+        pytest.skip("the kernels built here have no AVX512-BF16 dot products")
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(40, 4096, generator=gen).bfloat16()
     panels = pack_panels(torch.nn.functional.pad(weight, (0, 0, 0, -40 % 32)))
@@ -93,7 +93,7 @@ def test_bf16_dot_products_round_only_the_inputs(k):
     """The bf16 path's error is the rounding of x and w to bfloat16, nothing more: its result
     equals an fp64 product of the rounded operands to fp32 summation error."""
     if not k.bf16_dot_products():
-        pytest.skip("this CPU has no AVX512-BF16 dot products")
+        pytest.skip("the kernels built here have no AVX512-BF16 dot products")
     gen = torch.Generator().manual_seed(0)
     # int8: w = scale * q rounds once in both (int4's scale * q + min is one FMA in the kernel,
     # two roundings in torch, and then a weight can round to a neighbouring bfloat16).
@@ -111,7 +111,7 @@ def test_bf16_pairs_give_a_row_the_same_bits_at_every_row_count(k, shape):
     one decode or a 300-row prefill, takes the same dot products, so each row's outputs are
     bit-identical however the rows are split; and the error is the rounding of x and w to bf16."""
     if not k.bf16_dot_products():
-        pytest.skip("this CPU has no AVX512-BF16 dot products")
+        pytest.skip("the kernels built here have no AVX512-BF16 dot products")
     from services.executor.engine.linear import DenseLinear
 
     gen = torch.Generator().manual_seed(shape[0])
@@ -140,7 +140,7 @@ def test_bf16_pairs_on_vectors_and_on_amx_tiles(k, shape):
     and a part panel included. Where the CPU has AMX, the instructions give a row the same bits
     at every row count, within fp32 summation error of the rounded operands."""
     if not k.bf16_dot_products():
-        pytest.skip("this CPU has no AVX512-BF16 dot products")
+        pytest.skip("the kernels built here have no AVX512-BF16 dot products")
     from services.executor.engine.linear import pack_pairs
 
     gen = torch.Generator().manual_seed(shape[0])
@@ -184,7 +184,8 @@ def eight_bits_per_group(x):
 
 
 int8_dots = pytest.mark.skipif(not (cpu_ops.load() and cpu_ops.load().int8_dot_products()),
-                               reason="this CPU has no AVX512-VNNI int8 dot products")
+                               reason="the kernels built here have no AVX512-VNNI int8 dot "
+                                      "products")
 
 
 # Rows: one, tiles of up to 6 (7 = 3 + 4, 13 = 4 + 4 + 5; with the second byte up to 4: 6 = 3 +
