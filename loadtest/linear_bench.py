@@ -101,10 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                 kernels.linear_int4(x, w.q, w.scale, w.min, w.n, precision)
 
     # What the cores can multiply from registers (dot_peak_flops): each kernel's share of it.
-    # (AVX-512 builds: elsewhere there is no peak to compare with.)
+    # (AVX-512 and AVX2 builds: elsewhere there is no peak to compare with.)
     kinds = ["fp32"] + (["bf16"] if bf16_pairs else []) + (["int8"] if int8_activations else [])
-    peaks = {kind: max(kernels.dot_peak_flops(kind, 20_000_000) for _ in range(3)) / 1e9
-             for kind in kinds} if kernels.prefill_attention_kernel() else {}
+    try:
+        peaks = {kind: max(kernels.dot_peak_flops(kind, 20_000_000) for _ in range(3)) / 1e9
+                 for kind in kinds}
+    except RuntimeError:
+        peaks = {}
     if peaks:
         print(f"peak on {torch.get_num_threads()} threads, from registers: "
               + ", ".join(f"{kind} {peak:.0f}" for kind, peak in peaks.items())

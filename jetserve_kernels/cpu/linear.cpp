@@ -50,7 +50,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -568,8 +568,165 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
     run(w, x + m0 * x_stride, x_stride, y + m0 * w.n, rows);
   });
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 and FMA without AVX-512 (Zen 2 and 3, Haswell to Alder Lake), 16 vector registers of 8
+// fp32. Up to 8 rows (decode) take the whole panel in tiles of one or two rows (8 accumulators;
+// a single row two steps of k at a time, so that 8 FMA chains are in flight), the panel's four
+// vectors of a step loaded once for both rows; the panel streams from memory once and is asked
+// for ahead of its use. More rows (prefill) take half a panel (16 columns) in tiles of up to 6
+// rows: 12 accumulators, and each step of k loads the half's 2 vectors and broadcasts 6 of x
+// for 12 FMAs. fp32 panels are read where they lie; the other formats are dequantized into an
+// fp32 scratch panel first, once a panel per call (per block of rows past kRowBlock).
+constexpr bool kBf16Dot = false;
+constexpr int64_t kScratchRows = 8;
+constexpr int64_t kRowBlock = 96;  // rows of x a block, so the block stays in L2 across panels
+constexpr int64_t kF32Ahead = 64;  // steps of k a panel is asked for ahead of its use
+
+// The first cols (at most 8; none if cols <= 0) of v.
+inline void store8(float* y, __m256 v, int cols) {
+  if (cols >= 8) {
+    _mm256_storeu_ps(y, v);
+  } else if (cols > 0) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    std::copy(lanes, lanes + cols, y);
+  }
+}
+
+// y[0 .. MR, 0 .. cols) = x[0 .. MR, :] p^T for a whole panel p [K, 32], MR 1 or 2.
+template <int MR>
+void panel_rows_whole(const float* p, int64_t k, const float* x, int64_t x_stride, float* y,
+                      int64_t y_stride, int cols) {
+  // (Every loop but k's unrolled, as in half_panel_tile below.)
+  constexpr int kSteps = MR == 1 ? 2 : 1;  // steps of k a pass: 8 accumulators either way
+  __m256 acc[kSteps][MR][4];
+#pragma GCC unroll 8
+  for (int u = 0; u < kSteps; ++u)
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + kSteps <= k; t += kSteps) {
+#pragma GCC unroll 8
+    for (int u = 0; u < kSteps; ++u) {
+      const float* ahead = p + (t + u + kF32Ahead) * kPanel;  // a hint: never faults past the end
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + 16), _MM_HINT_T0);
+      const float* wt = p + (t + u) * kPanel;
+      const __m256 w0 = _mm256_loadu_ps(wt), w1 = _mm256_loadu_ps(wt + 8);
+      const __m256 w2 = _mm256_loadu_ps(wt + 16), w3 = _mm256_loadu_ps(wt + 24);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t + u);
+        acc[u][i][0] = _mm256_fmadd_ps(xv, w0, acc[u][i][0]);
+        acc[u][i][1] = _mm256_fmadd_ps(xv, w1, acc[u][i][1]);
+        acc[u][i][2] = _mm256_fmadd_ps(xv, w2, acc[u][i][2]);
+        acc[u][i][3] = _mm256_fmadd_ps(xv, w3, acc[u][i][3]);
+      }
+    }
+  }
+  for (; t < k; ++t) {  // one step left over (a single row, K odd)
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t);
+#pragma GCC unroll 8
+      for (int v = 0; v < 4; ++v)
+        acc[0][i][v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(p + t * kPanel + 8 * v), acc[0][i][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < 4; ++v) {
+      __m256 sum = acc[0][i][v];
+      if constexpr (kSteps == 2) sum = _mm256_add_ps(sum, acc[1][i][v]);
+      store8(y + i * y_stride + 8 * v, sum, cols - 8 * v);
+    }
+}
+
+// y[0 .. MR, 0 .. cols) = x[0 .. MR, :] h^T for half a panel h (16 of its columns, rows 32
+// apart), cols at most 16.
+template <int MR>
+void half_panel_tile(const float* h, int64_t k, const float* x, int64_t x_stride, float* y,
+                     int64_t y_stride, int cols) {
+  // (Every loop over the rows unrolled: else GCC stores the accumulators to the stack after
+  // every step of k.)
+  __m256 lo[MR], hi[MR];
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < k; ++t) {
+    const __m256 w0 = _mm256_loadu_ps(h + t * kPanel), w1 = _mm256_loadu_ps(h + t * kPanel + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t);
+      lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
+      hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < MR; ++i) {
+    store8(y + i * y_stride, lo[i], cols);
+    store8(y + i * y_stride + 8, hi[i], cols - 8);
+  }
+}
+
+// Every row of x against one fp32 panel p [K, 32].
+void panel_rows_avx2(const float* p, int64_t k, const float* x, int64_t x_stride, float* y,
+                     int64_t y_stride, int64_t m, int cols) {
+  if (m <= kScratchRows) {
+    for (int64_t i = 0; i < m; i += 2) {
+      if (m - i == 1)
+        panel_rows_whole<1>(p, k, x + i * x_stride, x_stride, y + i * y_stride, y_stride, cols);
+      else
+        panel_rows_whole<2>(p, k, x + i * x_stride, x_stride, y + i * y_stride, y_stride, cols);
+    }
+    return;
+  }
+  for (int half = 0; half < 2; ++half) {
+    const int half_cols = std::min(cols - 16 * half, 16);
+    if (half_cols <= 0) break;
+    // Tiles of 6 rows, the last ones as even as they can be (13 rows: 6 + 7 -> 4 + 4 + 5).
+    const int64_t tiles = (m + 5) / 6;
+    int64_t i0 = 0;
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t rows = (m - i0) / (tiles - tile);
+      const float* h = p + 16 * half;
+      const float* xi = x + i0 * x_stride;
+      float* yi = y + i0 * y_stride + 16 * half;
+      switch (rows) {
+        case 1: half_panel_tile<1>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
+        case 2: half_panel_tile<2>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
+        case 3: half_panel_tile<3>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
+        case 4: half_panel_tile<4>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
+        case 5: half_panel_tile<5>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
+        default: half_panel_tile<6>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
+      }
+      i0 += rows;
+    }
+  }
+}
+
+void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m, bool) {
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t block_rows = (m + blocks - 1) / blocks;
+  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+    const int64_t rows = std::min(block_rows, m - m0);
+    at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
+      const bool dequantized = w.format != Format::F32;
+      const auto scratch = scratch_of<float>(dequantized ? w.k * kPanel : 0);
+      for (int64_t j = begin; j < end; ++j) {
+        if (dequantized) w.dequant(j, scratch.get());
+        const float* p = dequantized ? scratch.get() : w.f32 + j * w.k * kPanel;
+        const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
+        panel_rows_avx2(p, w.k, x + m0 * x_stride, x_stride, y + m0 * w.n + j * kPanel, w.n,
+                        rows, cols);
+      }
+    });
+  }
+}
 #else
-// Portable path (no AVX-512): each panel dequantized into a scratch panel, then plain loops the
+// Portable path (no AVX2): each panel dequantized into a scratch panel, then plain loops the
 // compiler vectorizes.
 constexpr bool kBf16Dot = false;
 void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m, bool) {
@@ -965,9 +1122,10 @@ torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const 
 // The most the cores can multiply, for a benchmark to measure a kernel against: every intra-op
 // thread runs 12 independent chains of one instruction (fp32 FMA, vdpbf16ps, vpdpbusd) on
 // registers, no memory. Flops (int8: integer operations) a second, a product and its sum two.
+// AVX2 builds: fp32 FMAs on 8-lane vectors.
 double dot_peak_flops(const std::string& kind, int64_t iters) {
-#if !defined(__AVX512F__)
-  TORCH_CHECK(false, "dot_peak_flops needs AVX-512, which this build does not have");
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+  TORCH_CHECK(false, "dot_peak_flops needs AVX-512 or AVX2, which this build does not have");
 #endif
   TORCH_CHECK(kind == "fp32" || (kind == "bf16" && kBf16Dot) || (kind == "int8" && kInt8Dot),
               "dot_peak_flops: fp32", kBf16Dot ? ", bf16" : "", kInt8Dot ? ", int8" : "",
@@ -1007,10 +1165,34 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
       sinks[t] = sink;
     }
   });
+  constexpr double kLanes = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      __m256 acc[12];
+      for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(1e-3f * i);
+      const __m256 a = _mm256_set1_ps(0.999f);
+      for (int64_t it = 0; it < iters; ++it)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, a);
+      alignas(32) float lanes[8];
+      float sink = 0.0f;
+      for (int i = 0; i < 12; ++i) {
+        _mm256_store_ps(lanes, acc[i]);
+        for (const float lane : lanes) sink += lane;
+      }
+      sinks[t] = sink;
+    }
+  });
+  constexpr double kLanes = 8;
+#else
+  constexpr double kLanes = 16;
 #endif
+  (void)mode;
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const double per_instruction = kind == "fp32" ? 32 : kind == "bf16" ? 64 : 128;
+  // A product and its sum: 2 flops a lane (fp32), 4 (a bf16 pair), 8 (an int8 quad).
+  const double per_instruction = kLanes * (kind == "fp32" ? 2 : kind == "bf16" ? 4 : 8);
   volatile float kept = 0.0f;  // the chains' results used, so that none is optimised away
   for (const float sink : sinks) kept = kept + sink;
   return per_instruction * 12 * static_cast<double>(iters) * threads / seconds;
