@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import shutil
 import threading
 import time
@@ -29,8 +30,9 @@ SOURCE_DIR = Path(__file__).parent / "cpu"
 # -fopenmp: at::parallel_for is inline OpenMP; without it every kernel runs on one thread. The
 # library it links (soname libgomp.so.1) resolves to the one torch has loaded already.
 # JETSERVE_CPU_ARCH builds for another instruction set than this processor's (a GCC -march
-# name, e.g. icelake-server: AVX-512 without AVX512-BF16; x86-64-v3: AVX2): the kernels' paths
-# for CPUs this one stands in for, which must be a subset of what this processor can run.
+# name, e.g. cascadelake: AVX-512 without AVX512-BF16; x86-64-v3: AVX2): the kernels' paths
+# for CPUs this one stands in for. It must be a subset of what this processor can run (else the
+# first kernel dies of an illegal instruction); tests/cpu_paths.sh checks that before it builds.
 ARCH = os.environ.get("JETSERVE_CPU_ARCH", "native")
 FLAGS = ["-O3", f"-march={ARCH}", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
@@ -46,6 +48,13 @@ def _cpu_signature() -> str:
     except OSError:
         lines = [platform.processor()]
     return "\n".join(lines)
+
+
+def _check_arch() -> None:
+    # The flags reach a shell command line (torch's ninja build): a name, nothing else.
+    if not re.fullmatch(r"[A-Za-z0-9._+-]+", ARCH):
+        raise ValueError(f"JETSERVE_CPU_ARCH={ARCH!r} is not a -march name (letters, digits, "
+                         f"'.', '_', '+', '-')")
 
 
 def build_key(sources: list[Path]) -> str:
@@ -66,6 +75,7 @@ def build(name: str, files: list[Path], root: Path):
     """Import the extension `name` built from `files` (its .cpp sources and the headers they
     include) under root/<key>, building it first if no build of exactly these files exists.
     Raises when it cannot be built."""
+    _check_arch()
     key = build_key(files)
     sources = [str(f) for f in files if f.suffix == ".cpp"]
     directory = root / key

@@ -19,6 +19,9 @@
 // panel is then dequantized once into an fp32 scratch panel in L2 (or, with many_rows "bf16",
 // into bfloat16 pairs for vdpbf16ps), and every tile of x runs over it, so dequantizing costs once
 // per panel rather than once per tile. Past 96 rows, fp32 FMAs take x in blocks that stay in L2.
+// That is the AVX-512 path. Without AVX-512, an AVX2 build (16 registers of 8 lanes) has smaller
+// tiles of its own (below), every format dequantized into an fp32 panel first; without AVX2,
+// plain loops the compiler vectorizes.
 //
 // With int8 activations (where the CPU has AVX512-VNNI), x is quantized on entry per row and group
 // of 32 along K, asymmetrically (the group's own range, as GGUF's Q4_1 stores weights): x ~ sx * u
@@ -572,14 +575,17 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
 // AVX2 and FMA without AVX-512 (Zen 2 and 3, Haswell to Alder Lake), 16 vector registers of 8
 // fp32. Up to 8 rows (decode) take the whole panel in tiles of one or two rows (8 accumulators;
 // a single row two steps of k at a time, so that 8 FMA chains are in flight), the panel's four
-// vectors of a step loaded once for both rows; the panel streams from memory once and is asked
-// for ahead of its use. More rows (prefill) take half a panel (16 columns) in tiles of up to 6
-// rows: 12 accumulators, and each step of k loads the half's 2 vectors and broadcasts 6 of x
-// for 12 FMAs. fp32 panels are read where they lie; the other formats are dequantized into an
-// fp32 scratch panel first, once a panel per call (per block of rows past kRowBlock).
+// vectors of a step loaded once for both rows; the first tile streams the panel from memory,
+// asked for ahead of its use, and the others (up to 4 for 8 rows) read it again from L2 (a
+// SmolLM2 panel is 72-192 KB). More rows (prefill) take half a panel (16 columns) in tiles of
+// up to 6 rows: 12 accumulators, and each step of k loads the half's 2 vectors and broadcasts
+// 6 of x for 12 FMAs. fp32 panels are read where they lie; the other formats are dequantized
+// into an fp32 scratch panel first, once a panel per call (per block of rows past kRowBlock).
 constexpr bool kBf16Dot = false;
 constexpr int64_t kScratchRows = 8;
-constexpr int64_t kRowBlock = 96;  // rows of x a block, so the block stays in L2 across panels
+// Rows of x a block, as on AVX-512, so that a block stays in L2 across panels where the rows are
+// short enough (96 of SmolLM2's K = 576 are 221 KB; of K = 1536, 590 KB: L3 on a 256 KB L2).
+constexpr int64_t kRowBlock = 96;
 constexpr int64_t kF32Ahead = 64;  // steps of k a panel is asked for ahead of its use
 
 // The first cols (at most 8; none if cols <= 0) of v.
@@ -708,6 +714,7 @@ void panel_rows_avx2(const float* p, int64_t k, const float* x, int64_t x_stride
 }
 
 void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m, bool) {
+  if (m == 0) return;
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t block_rows = (m + blocks - 1) / blocks;
   for (int64_t m0 = 0; m0 < m; m0 += block_rows) {

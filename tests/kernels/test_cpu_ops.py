@@ -33,10 +33,11 @@ def quantized_linear(k, weight, x, many_rows="fp32"):
 
 
 # Rows: one (its own loop), 3 and 8 (registers), 9 and 70 (tiles over a scratch panel; "amx" is
-# BLAS at 70), 200 (blocks of 72, 72 and 56 rows). Shapes: N short of a panel (7), past whole
-# panels (261), SmolLM2's down projection.
+# BLAS at 70), 200 (blocks of 72, 72 and 56 rows). Shapes: N short of a panel (7), last panels
+# of 13 and 27 columns (45, 59: on AVX2, a vector and a part one; a half panel and a part one),
+# past whole panels (261), SmolLM2's down projection.
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 70, 200])
-@pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
+@pytest.mark.parametrize("shape", [(7, 64), (45, 64), (59, 32), (261, 96), (576, 1536)])
 def test_linear_matches_torch_on_every_format(k, rows, shape):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(shape, generator=gen)
@@ -294,10 +295,11 @@ def test_packed_fp32_linear_matches_torch(k, rows, shape):
 
 
 def test_linear_reads_strided_rows_and_rejects_bad_shapes(k):
-    x = torch.randn(3, 200)[:, :64]  # rows with a stride, as the model's views have
     weight = torch.randn(32, 64)
-    torch.testing.assert_close(k.linear_f32(x, pack_panels(weight)), x @ weight.t(),
-                               atol=1e-5, rtol=1e-5)
+    for rows in (20, 3):  # the prefill tiles and the decode ones
+        x = torch.randn(rows, 200)[:, :64]  # rows with a stride, as the model's views have
+        torch.testing.assert_close(k.linear_f32(x, pack_panels(weight)), x @ weight.t(),
+                                   atol=1e-5, rtol=1e-5)
     q8 = quantize(weight, 8)
     torch.testing.assert_close(quantized_linear(k, q8, x), x @ q8.dequantize().t(),
                                atol=1e-5, rtol=1e-5)
@@ -409,6 +411,18 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler \\('no-such-compiler'"):
         cpu_ops.build("tiny", [source], tmp_path / "cache")
+
+
+def test_an_arch_that_is_not_a_march_name_is_refused(tmp_path, monkeypatch):
+    """JETSERVE_CPU_ARCH reaches the compiler's command line through a shell: a name only."""
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY_SOURCE)
+    monkeypatch.setattr(cpu_ops, "FLAGS", ["-O3", "-march=native; touch pwned"])
+    monkeypatch.setattr(cpu_ops, "ARCH", "native; touch pwned")
+    with pytest.raises(ValueError, match="JETSERVE_CPU_ARCH='native; touch pwned' is not a "
+                                         "-march name"):
+        cpu_ops.build("tiny", [source], tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
 
 
 def scattered_cache(lens: list[int], block: int, kv_heads: int, head_dim: int, kv: str, gen):
