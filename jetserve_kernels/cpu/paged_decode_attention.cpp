@@ -29,6 +29,10 @@
 #include <type_traits>
 #include <vector>
 
+#if !defined(__AVX512F__) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #if defined(__AVX512F__)
 namespace {
 
@@ -431,6 +435,159 @@ struct RowReader {
   }
 };
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 without AVX-512 (8 lanes, 16 registers): a task per (sequence, KV head), as on AVX-512.
+// Its keys and values are read as fp32 rows in place, or (bf16, int8) widened into the task's
+// scratch first, once. Scores take 8 keys at a time, a chain of FMAs per key over the head's
+// elements and one horizontal sum for all 8; the exponentials 8 at a time; the values' sums a
+// query head at a time over whole rows. Rows are asked for ahead of their first use.
+
+// e^x for x <= 0, as exp_nonpositive on AVX-512 (attention_simd.h): 2^n * 2^f, 2^f from its
+// Taylor series to the 6th power.
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 g = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718f));
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// Lane j: the sum of v[j]'s lanes.
+inline __m256 sums_of_8(const __m256 v[8]) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+struct Avx2Scratch {
+  std::vector<const float*> keys, values;  // a row per position, as fp32
+  std::vector<float> widened;              // bf16 and int8 rows as fp32: keys, then values
+  std::vector<float> q, scores, totals;
+};
+
+// out[d0 .. d0 + 8 NV) = inv_total * sum over positions p of e[p] * v[p][d0 ..], for one head:
+// whole rows (up to 64 elements) a step, the rows 8 positions ahead asked for.
+template <int NV>
+void value_sums(const float* const* values, const float* e, int64_t len, int64_t d0,
+                float inv_total, float* out) {
+  __m256 acc[NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < len; ++p) {
+    if (p + 8 < len)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; v += 2)
+        _mm_prefetch(reinterpret_cast<const char*>(values[p + 8] + d0 + 8 * v), _MM_HINT_T0);
+    const __m256 w = _mm256_broadcast_ss(e + p);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v)
+      acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values[p] + d0 + 8 * v), acc[v]);
+  }
+  const __m256 inv = _mm256_set1_ps(inv_total);
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + d0 + 8 * v, _mm256_mul_ps(acc[v], inv));
+}
+
+// One (sequence, KV head): its group of query heads from qh (unscaled) into o. head_dim a
+// multiple of 16.
+void decode_group_avx2(const float* qh, int64_t group, int64_t head_dim, float scale,
+                       const char* k_base, const char* v_base, const int32_t* table,
+                       int64_t block_size, int64_t token_stride, int64_t len,
+                       const RowReader& cache, Avx2Scratch& s, float* o) {
+  const int64_t padded = (len + 7) / 8 * 8;
+  s.keys.resize(padded);
+  s.values.resize(len);
+  if (cache.kind != paged::Rows::F32) s.widened.resize(2 * len * head_dim);
+  for (int64_t p = 0; p < len; ++p) {
+    const int64_t at = (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) *
+                       token_stride;
+    if (cache.kind == paged::Rows::F32) {
+      s.keys[p] = reinterpret_cast<const float*>(k_base + at);
+      s.values[p] = reinterpret_cast<const float*>(v_base + at);
+    } else {
+      float* k = s.widened.data() + p * head_dim;
+      float* v = s.widened.data() + (len + p) * head_dim;
+      cache.load(k_base + at, k);
+      cache.load(v_base + at, v);
+      s.keys[p] = k;
+      s.values[p] = v;
+    }
+  }
+  for (int64_t p = len; p < padded; ++p) s.keys[p] = s.keys[len - 1];  // scored, then dropped
+  s.q.resize(group * head_dim);
+  for (int64_t i = 0; i < group * head_dim; ++i) s.q[i] = qh[i] * scale;
+  s.scores.resize(group * padded);
+  s.totals.resize(group);
+  for (int64_t h = 0; h < group; ++h) {
+    const float* q = s.q.data() + h * head_dim;
+    float* scores = s.scores.data() + h * padded;
+    for (int64_t p0 = 0; p0 < padded; p0 += 8) {
+      if (h == 0 && p0 + 16 < padded)  // the first head's pass reads them from memory
+        for (int j = 0; j < 8; ++j)
+          for (int64_t d = 0; d < head_dim; d += 16)
+            _mm_prefetch(reinterpret_cast<const char*>(s.keys[p0 + 16 + j] + d), _MM_HINT_T0);
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(s.keys[p0 + j] + d), acc[j]);
+      }
+      _mm256_storeu_ps(scores + p0, sums_of_8(acc));
+    }
+    __m256 peak = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t p = 0;
+    for (; p + 8 <= len; p += 8) peak = _mm256_max_ps(peak, _mm256_loadu_ps(scores + p));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, peak);
+    float top = *std::max_element(lanes, lanes + 8);
+    for (; p < len; ++p) top = std::max(top, scores[p]);
+    const __m256 top8 = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    for (p = 0; p + 8 <= len; p += 8) {
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), top8));
+      _mm256_storeu_ps(scores + p, e);
+      total = _mm256_add_ps(total, e);
+    }
+    _mm256_store_ps(lanes, total);
+    float sum = 0.0f;
+    for (const float lane : lanes) sum += lane;
+    if (p < len) {
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), top8));
+      _mm256_store_ps(lanes, e);
+      for (int64_t j = 0; p + j < len; ++j) {
+        scores[p + j] = lanes[j];
+        sum += lanes[j];
+      }
+    }
+    s.totals[h] = 1.0f / sum;
+  }
+  // A head at a time over whole rows: the first pass reads them from memory, the others from L2.
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+      const float* e = s.scores.data() + h * padded;
+      float* out = o + h * head_dim;
+      switch (std::min<int64_t>(64, head_dim - d0) / 8) {
+        case 2: value_sums<2>(s.values.data(), e, len, d0, s.totals[h], out); break;
+        case 4: value_sums<4>(s.values.data(), e, len, d0, s.totals[h], out); break;
+        case 6: value_sums<6>(s.values.data(), e, len, d0, s.totals[h], out); break;
+        default: value_sums<8>(s.values.data(), e, len, d0, s.totals[h], out); break;
+      }
+    }
+}
+#endif
+
 }  // namespace
 
 void paged_decode_attention(
@@ -514,9 +671,26 @@ void paged_decode_attention(
   }
 #endif
 
+  const RowReader cache{kind, head_dim};
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if (head_dim % 16 == 0) {
+    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      Avx2Scratch scratch;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t seq = task / num_kv_heads, kv = task % num_kv_heads;
+        const int64_t h = kv * group;
+        decode_group_avx2(q_ptr + rows[seq] * q_stride + h * head_dim, group, head_dim, fscale,
+                          k_ptr + kv * row_bytes, v_ptr + kv * row_bytes,
+                          tables + seq * table_stride, block_size, token_stride, lens[seq], cache,
+                          scratch, out_ptr + rows[seq] * num_heads * head_dim + h * head_dim);
+      }
+    });
+    return;
+  }
+#endif
+
   // One task per sequence: a cached token's rows for all KV heads lie side by side, read once
   // for all query heads.
-  const RowReader cache{kind, head_dim};
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> query(num_heads * head_dim);
