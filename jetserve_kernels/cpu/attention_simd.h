@@ -1,7 +1,8 @@
-// What the paged attention kernels share: their argument checks, the int8 row layout, and
-// (AVX-512 builds) vector helpers: a fast e^x for softmax, 16-way horizontal sums, a 16 x 16
-// transpose, reads of fp32, bf16 or int8 cache rows through a block table, and the order of
-// arithmetic that makes prefill and decode attention agree to the bit.
+// What the paged attention kernels share: their argument checks, the int8 row layout, a walk
+// over a sequence's cache rows through its block table, and vector helpers. AVX-512 builds: a
+// fast e^x for softmax, 16-way horizontal sums, a 16 x 16 transpose, reads of fp32, bf16 or int8
+// cache rows, and the order of arithmetic that makes prefill and decode attention agree to the
+// bit. AVX2 builds: the same e^x 8 lanes at a time, and bf16 and int8 rows widened to fp32.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -110,6 +111,21 @@ struct SliceView {
         scale(static_cast<float>(scale_)) {}
 };
 
+// Walks a sequence's positions block by block: the cache row of each position without a
+// division per position. Strides in bytes.
+struct RowCursor {
+  const char* base;
+  const int32_t* table;
+  int64_t block_size, token_stride, block = 0, offset = 0;
+
+  const char* next() {
+    const char* row =
+        base + (static_cast<int64_t>(table[block]) * block_size + offset) * token_stride;
+    if (++offset == block_size) offset = 0, ++block;
+    return row;
+  }
+};
+
 // One cache value as fp32, for the portable paths.
 inline float bf16_at(const char* p) {
   c10::BFloat16 b;
@@ -118,6 +134,55 @@ inline float bf16_at(const char* p) {
 }
 
 }  // namespace paged
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace paged {
+
+// e^x for x <= 0, as exp_nonpositive on AVX-512 below: 2^n * 2^f, 2^f from its Taylor series to
+// the 6th power.
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 g = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718f));
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// A bf16 or int8 cache row's head_dim values (a multiple of 16) as fp32 into dst, 8 at a time:
+// bf16 as the high half of an fp32, int8 codes times their group's scale plus its offset.
+inline void widen_row8(Rows kind, const char* row, int64_t head_dim, float* dst) {
+  if (kind == Rows::BF16) {
+    for (int64_t d = 0; d < head_dim; d += 8)
+      _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * d))),
+                                16)));
+    return;
+  }
+  const int64_t size = int8_group(head_dim);
+  for (int64_t g = 0; g < head_dim / size; ++g) {
+    const __m256 scale = _mm256_set1_ps(group_scale(row, head_dim, g));
+    const __m256 offset = _mm256_set1_ps(group_offset(row, head_dim, g));
+    for (int64_t d = g * size; d < (g + 1) * size; d += 8) {
+      const __m256i codes = _mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
+      _mm256_storeu_ps(dst + d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), scale, offset));
+    }
+  }
+}
+
+}  // namespace paged
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -251,21 +316,6 @@ inline void scaled_query(const float* q, float scale, float* qs) {
     _mm512_storeu_ps(qs + 16 * d,
                      _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale)));
 }
-
-// Walks a sequence's positions block by block: the cache row of each position without a
-// division per position. Strides in bytes.
-struct RowCursor {
-  const char* base;
-  const int32_t* table;
-  int64_t block_size, token_stride, block = 0, offset = 0;
-
-  const char* next() {
-    const char* row =
-        base + (static_cast<int64_t>(table[block]) * block_size + offset) * token_stride;
-    if (++offset == block_size) offset = 0, ++block;
-    return row;
-  }
-};
 
 // A cache row's 16 * DV values as fp32 into v: an fp32 row as it is, a bf16 row widened, an int8
 // row's codes times their group's scale plus its offset (two vectors of 16 to a group).

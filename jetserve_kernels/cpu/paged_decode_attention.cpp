@@ -30,10 +30,6 @@
 #include <type_traits>
 #include <vector>
 
-#if !defined(__AVX512F__) && defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #if defined(__AVX512F__)
 namespace {
 
@@ -443,25 +439,6 @@ struct RowReader {
 // elements and one horizontal sum for all 8; the exponentials 8 at a time; the values' sums a
 // query head at a time over whole rows. Rows are asked for ahead of their first use.
 
-// e^x for x <= 0, as exp_nonpositive on AVX-512 (attention_simd.h): 2^n * 2^f, 2^f from its
-// Taylor series to the 6th power.
-inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 g = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718f));
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 // Lane j: the sum of v[j]'s lanes.
 inline __m256 sums_of_8(const __m256 v[8]) {
   const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -517,8 +494,8 @@ void decode_group_avx2(const float* qh, int64_t group, int64_t head_dim, float s
     } else {
       float* k = s.widened.data() + p * head_dim;
       float* v = s.widened.data() + (len + p) * head_dim;
-      cache.load(k_base + at, k);
-      cache.load(v_base + at, v);
+      paged::widen_row8(cache.kind, k_base + at, head_dim, k);
+      paged::widen_row8(cache.kind, v_base + at, head_dim, v);
       s.keys[p] = k;
       s.values[p] = v;
     }
@@ -557,7 +534,7 @@ void decode_group_avx2(const float* qh, int64_t group, int64_t head_dim, float s
     const __m256 top8 = _mm256_set1_ps(top);
     __m256 total = _mm256_setzero_ps();
     for (p = 0; p + 8 <= len; p += 8) {
-      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), top8));
+      const __m256 e = paged::exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), top8));
       _mm256_storeu_ps(scores + p, e);
       total = _mm256_add_ps(total, e);
     }
@@ -565,7 +542,7 @@ void decode_group_avx2(const float* qh, int64_t group, int64_t head_dim, float s
     float sum = 0.0f;
     for (const float lane : lanes) sum += lane;
     if (p < len) {
-      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), top8));
+      const __m256 e = paged::exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), top8));
       _mm256_store_ps(lanes, e);
       for (int64_t j = 0; p + j < len; ++j) {
         scores[p + j] = lanes[j];
@@ -762,12 +739,14 @@ void paged_prefill_as_decodes(
   paged::check_slice("paged_prefill_as_decodes", q, out, block_table, k_cache.size(1), q_start,
                      q_len, first_pos);
   if (q_len == 0) return;
-  // The prefill kernel's tiles keep the batch-invariant order where they are built in.
-  if (prefill_attention_kernel() && (q.size(2) == 64 || q.size(2) == 128)) {
+  // The prefill kernel's AVX-512 tiles keep the batch-invariant order (its AVX2 tiles do not).
+#if defined(__AVX512F__)
+  if (q.size(2) == 64 || q.size(2) == 128) {
     paged_prefill_attention(q, k_cache, v_cache, block_table, q_start, q_len, first_pos, out,
                             scale, true);
     return;
   }
+#endif
   // Elsewhere each token is a row of the decode kernel, over the table repeated (stride 0).
   const auto t = torch::arange(q_len, torch::kLong);
   const auto order = torch::where(t % 2 == 0, t.div(2, "floor"), q_len - 1 - t.div(2, "floor"));

@@ -1,8 +1,12 @@
-// Prefill attention straight from the paged KV cache, for the CPU (AVX-512; without it the
-// torch backend runs SDPA over gathered blocks): each slice's new tokens against its cached
-// context and themselves, causal, over an fp32, bf16 or int8 cache (jetserve_kernels/kv_int8.py).
+// Prefill attention straight from the paged KV cache, for the CPU (AVX-512, or AVX2 with FMA;
+// without them the torch backend runs SDPA over gathered blocks): each slice's new tokens
+// against its cached context and themselves, causal, over an fp32, bf16 or int8 cache
+// (jetserve_kernels/kv_int8.py).
 //
-// Flash-style tiles of 16 (token, query head) rows of one KV head, one row per vector lane, over
+// AVX2 builds run tiles of 8 rows over 8 keys at a time in the same two passes (prefill_tile8),
+// without the batch-invariant order below.
+//
+// AVX-512 builds: flash-style tiles of 16 (token, query head) rows of one KV head, one row per vector lane, over
 // 16 keys at a time. Scores come out transposed, one vector of the tile's rows per key, so the
 // softmax's maxima and sums run across vectors; the keys and values are read once per tile
 // through the block table, nothing gathered. The arithmetic keeps the batch-invariant order
@@ -194,6 +198,159 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
 }
 
 }  // namespace
+#elif defined(__AVX2__) && defined(__FMA__)
+namespace {
+
+using namespace paged;
+
+// The next n rows of a cursor as fp32: an fp32 cache's rows in place, bf16 and int8 rows widened
+// into buf; past n, the last row again (its weight is 0, and its values are finite).
+template <int D>
+inline void chunk_rows8(RowCursor& cursor, int n, Rows kind, float (*buf)[D],
+                        const float* rows[8]) {
+  for (int j = 0; j < n; ++j) {
+    const char* row = cursor.next();
+    if (kind == Rows::F32) {
+      rows[j] = reinterpret_cast<const float*>(row);
+    } else {
+      widen_row8(kind, row, D, buf[j]);
+      rows[j] = buf[j];
+    }
+  }
+  for (int j = n; j < 8; ++j) rows[j] = rows[n - 1];
+}
+
+// Transposes 8 vectors of 8 in place: v[i]'s lane l becomes v[l]'s lane i.
+inline void transpose8(__m256 v[8]) {
+  __m256 t[8], u[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    v[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+
+// AVX2 (8 lanes, 16 registers): rows [r0, r0 + 8) of a slice's (token, head) rows of one KV
+// head over 8 keys at a time, in the AVX-512 tile's two passes. Scores: the scaled queries kept
+// transposed (qt[d]: element d of the 8 rows), each key's element d broadcast against them, so a
+// score is a chain of FMAs in one lane and no horizontal sum is taken; each lane's maximum.
+// Then the exponentials (0 for a key a lane does not see), their totals, and the value sums row
+// by row: a value row's 8 elements at a time against each row's weight broadcast. No
+// batch-invariant order here: an AVX2 build has no bf16 products, and the engine asks for that
+// order only with them.
+template <int D>
+void prefill_tile8(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t r0,
+                   int64_t num_rows, int64_t group, int64_t first_pos, float scale, Rows kind,
+                   RowCursor keys, RowCursor values, std::vector<__m256>& kept) {
+  const int live = static_cast<int>(std::min<int64_t>(8, num_rows - r0));
+  alignas(32) float qt[D][8];
+  alignas(32) float lane_pos[8];
+  const float* src[8];
+  for (int lane = 0; lane < 8; ++lane) {
+    const int64_t r = r0 + std::min(lane, live - 1);  // spare lanes repeat the last row
+    src[lane] = q + (r / group) * q_stride + (r % group) * D;
+    lane_pos[lane] = static_cast<float>(first_pos + r / group);
+  }
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  for (int d = 0; d < D; d += 8) {
+    __m256 block[8];
+#pragma GCC unroll 8
+    for (int lane = 0; lane < 8; ++lane)
+      block[lane] = _mm256_mul_ps(_mm256_loadu_ps(src[lane] + d), scale8);
+    transpose8(block);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) _mm256_store_ps(qt[d + i], block[i]);
+  }
+  const __m256 pos = _mm256_load_ps(lane_pos);
+  const int64_t all_see = first_pos + r0 / group;  // the keys every lane sees: [0, all_see]
+  const int64_t num_keys = first_pos + (r0 + live - 1) / group + 1;
+  kept.resize((num_keys + 7) / 8 * 8);
+  // All ones in the lanes that see key c0 + j.
+  auto seen = [&](int64_t c0, int n, int j) -> __m256 {
+    if (j >= n) return _mm256_setzero_ps();
+    if (c0 + j <= all_see) return _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    return _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(c0 + j)), pos, _CMP_LE_OQ);
+  };
+  alignas(32) float buf[8][D];  // a chunk's bf16 or int8 rows, widened
+  const float* rows[8];
+
+  // Scores, and each lane's largest.
+  const __m256 lowest = _mm256_set1_ps(-INFINITY);
+  __m256 peak = lowest;
+  for (int64_t c0 = 0; c0 < num_keys; c0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, num_keys - c0));
+    chunk_rows8<D>(keys, n, kind, buf, rows);
+    __m256 sc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) sc[j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m256 qd = _mm256_load_ps(qt[d]);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        sc[j] = _mm256_fmadd_ps(qd, _mm256_broadcast_ss(rows[j] + d), sc[j]);
+    }
+    for (int j = 0; j < n; ++j) {
+      kept[c0 + j] = sc[j];
+      peak = _mm256_max_ps(peak, _mm256_blendv_ps(lowest, sc[j], seen(c0, n, j)));
+    }
+  }
+
+  // Exponentials, their totals and the value sums: a row's sums in its own vectors (row-major),
+  // a value row's 8 elements at a time against each row's weight broadcast.
+  alignas(32) float acc[8][D] = {};
+  alignas(32) float ew[8][8];  // ew[j][lane]: the lane's weight for key c0 + j
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < num_keys; c0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, num_keys - c0));
+    chunk_rows8<D>(values, n, kind, buf, rows);
+    __m256 e[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      e[j] = _mm256_and_ps(seen(c0, n, j),
+                           exp_nonpositive8(_mm256_sub_ps(j < n ? kept[c0 + j] : peak, peak)));
+      _mm256_store_ps(ew[j], e[j]);
+    }
+    total = _mm256_add_ps(total, _mm256_add_ps(
+        _mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3])),
+        _mm256_add_ps(_mm256_add_ps(e[4], e[5]), _mm256_add_ps(e[6], e[7]))));
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m256 o[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) o[r] = _mm256_load_ps(acc[r] + d0);
+      for (int j = 0; j < n; ++j) {
+        const __m256 v = _mm256_loadu_ps(rows[j] + d0);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) o[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ew[j][r]), v, o[r]);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) _mm256_store_ps(acc[r] + d0, o[r]);
+    }
+  }
+
+  alignas(32) float totals[8];
+  _mm256_store_ps(totals, total);
+  for (int lane = 0; lane < live; ++lane) {
+    const int64_t r = r0 + lane;
+    const __m256 inv = _mm256_set1_ps(1.0f / totals[lane]);
+    float* dst = out + (r / group) * out_stride + (r % group) * D;
+    for (int d = 0; d < D; d += 8)
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(acc[lane] + d), inv));
+  }
+}
+
+}  // namespace
 #endif
 
 void paged_prefill_attention(
@@ -241,13 +398,32 @@ void paged_prefill_attention(
       else run(d64 ? prefill_tile<float, 4, false> : prefill_tile<float, 8, false>);
     }
   });
+#elif defined(__AVX2__) && defined(__FMA__)
+  (void)invariant;  // the order of the AVX-512 tiles alone (attention_simd.h)
+  TORCH_CHECK(s.head_dim == 64 || s.head_dim == 128,
+              "paged_prefill_attention: head_dim 64 or 128, not ", s.head_dim);
+  const int64_t num_rows = q_len * s.group, tiles = (num_rows + 7) / 8;
+  at::parallel_for(0, tiles * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m256> kept;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task % s.num_kv_heads, i = task / s.num_kv_heads;
+      const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;  // as on AVX-512
+      const float* qs = s.q + q_start * s.q_stride + kv * s.group * s.head_dim;
+      float* o = s.out + q_start * s.out_stride + kv * s.group * s.head_dim;
+      const RowCursor keys{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
+      const RowCursor values{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
+      (s.head_dim == 64 ? prefill_tile8<64> : prefill_tile8<128>)(
+          qs, s.q_stride, o, s.out_stride, tile * 8, num_rows, s.group, first_pos, s.scale, kind,
+          keys, values, kept);
+    }
+  });
 #else
-  TORCH_CHECK(false, "paged_prefill_attention needs AVX-512 (the torch backend uses SDPA)");
+  TORCH_CHECK(false, "paged_prefill_attention needs AVX-512 or AVX2 (the torch backend uses SDPA)");
 #endif
 }
 
 bool prefill_attention_kernel() {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return true;
 #else
   return false;

@@ -11,7 +11,7 @@ from loadtest import attention_bench
 
 
 @pytest.mark.skipif(cpu_ops.load() is None or not cpu_ops.load().prefill_attention_kernel(),
-                    reason="the CPU attention kernels need a build with AVX-512")
+                    reason="the CPU attention kernels need a build with AVX-512 or AVX2")
 def test_every_point_is_timed(tmp_path):
     out = tmp_path / "attention.json"
     # SmolLM2 shapes (head_dim 64, which the prefill kernel needs), small points.
@@ -27,7 +27,7 @@ def test_every_point_is_timed(tmp_path):
 
 
 @pytest.mark.skipif(cpu_ops.load() is None or not cpu_ops.load().prefill_attention_kernel(),
-                    reason="the CPU attention kernels need a build with AVX-512")
+                    reason="the CPU attention kernels need a build with AVX-512 or AVX2")
 def test_decodes_in_cache_read_one_sequences_blocks(tmp_path):
     out = tmp_path / "attention.json"
     assert attention_bench.main(["--shape", "smollm2-135m", "--decode", "3:40", "--prefill",

@@ -83,9 +83,9 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
 class TorchBackend:
     """Paged attention in torch, or in the C++ kernels on a CPU with an fp32 or bf16 model
     (jetserve_kernels/cpu/): these read the cache in place, decodes all in one call and each
-    prefill chunk in one (where the build has AVX-512). Otherwise prefill chunks run one by one
-    through SDPA over their gathered blocks, and decodes are gathered into groups of similar
-    length for SDPA. With the kernels the element-wise ops and matmuls run on them too, and the
+    prefill chunk in one (where the build has AVX-512, or AVX2 and FMA). Otherwise prefill
+    chunks run one by one through SDPA over their gathered blocks, and decodes are gathered into
+    groups of similar length for SDPA. With the kernels the element-wise ops and matmuls run on them too, and the
     activations between ops are fp32 whatever the weights' and the cache's dtype."""
 
     def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype,
