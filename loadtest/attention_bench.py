@@ -5,9 +5,10 @@ SDPA over the gathered blocks, as the torch backend runs without the kernels. A 
 both of the decode kernel's orders: its own (an fp32 model's) and the batch-invariant one a bf16
 model's decodes share with the prefill kernel ("invariant"). A prefill runs on the prefill
 kernel, called as an fp32 model calls it and as a batch-invariant one does ("invariant": over a
-bf16 cache, bf16 dot products where the CPU has them; the same tiles over fp32 and int8 caches),
-and as each token a row of the invariant decode kernel ("as decode rows": what a
-batch-invariant model's prefill costs without the prefill kernel's tiles). The median of
+bf16 cache, bf16 dot products where the CPU has them; the same tiles over fp32 and int8 caches;
+on an AVX2 build, whose tiles keep no such order, the same call as the first), and as each
+token a row of the invariant decode kernel ("as decode rows": what a batch-invariant model's
+prefill costs without the prefill kernel's tiles). The median of
 `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.attention_bench --decode 1:300 8:256 64:256 128:300 \
@@ -174,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     if kernels is None:
         raise SystemExit("the CPU kernels did not build (see the warning above)")
     if args.prefill and not kernels.prefill_attention_kernel():
-        print("prefill: skipped, its kernel needs a build with AVX-512 (decodes run on every "
-              "build)")
+        print("prefill: skipped, its kernel needs a build with AVX-512 or AVX2 and FMA (decodes "
+              "run on every build)")
         args.prefill = []
     shape = DUMMY_SHAPES[args.shape]
     torch.manual_seed(0)

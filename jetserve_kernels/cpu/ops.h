@@ -4,25 +4,26 @@
 
 #include <torch/extension.h>
 
-// invariant: in the batch-invariant order (attention_simd.h), which paged_prefill_attention
-// keeps too when asked (invariant); otherwise in a cheaper one. (Without AVX-512, or at a head_dim other than 64 and
-// 128, plain loops in one order either way: no prefill kernel runs there.)
+// invariant: in the batch-invariant order (attention_simd.h), which paged_prefill_attention's
+// AVX-512 tiles keep too when asked (invariant); otherwise in a cheaper one. (Without AVX-512,
+// or at a head_dim other than 64 and 128, one order either way: AVX2 vectors or plain loops.)
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, const torch::Tensor& q_rows,
                             torch::Tensor& out, double scale, bool invariant);
 // A prefill slice's tokens (rows [q_start, q_start + q_len) of q, positions from first_pos), each
 // attended with the bits paged_decode_attention (invariant) gives it as a decode: what a
-// batch-invariant (bf16) model runs. paged_prefill_attention where it is built in (AVX-512,
-// head_dim 64 or 128); elsewhere each token is a row of the decode kernel.
+// batch-invariant (bf16) model runs. paged_prefill_attention's tiles where they keep that order
+// (AVX-512, head_dim 64 or 128); elsewhere each token is a row of the decode kernel.
 void paged_prefill_as_decodes(const torch::Tensor& q, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_table,
                               int64_t q_start, int64_t q_len, int64_t first_pos,
                               torch::Tensor& out, double scale);
 // A prefill slice's causal attention over its cached context and its own new tokens (written to
-// the cache already), for head_dim 64 or 128 where AVX-512 is built in (prefill_attention_kernel),
-// in the batch-invariant order: invariant, as paged_decode_attention's (over a bf16 cache, bf16
-// products where the CPU has them); otherwise fp32 products over a bf16 cache too.
+// the cache already), for head_dim 64 or 128 where AVX-512, or AVX2 and FMA, is built in
+// (prefill_attention_kernel). AVX-512 in the batch-invariant order: invariant, as
+// paged_decode_attention's (over a bf16 cache, bf16 products where the CPU has them); otherwise
+// fp32 products over a bf16 cache too. AVX2 in one order, whatever invariant says.
 void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                              const torch::Tensor& v_cache, const torch::Tensor& block_table,
                              int64_t q_start, int64_t q_len, int64_t first_pos, torch::Tensor& out,

@@ -478,13 +478,18 @@ def test_paged_decode_attention_matches_reference(k, head_dim, group, block, kv,
 PREFILL_SLICES = [(0, 40), (37, 20), (5, 13), (64, 1), (0, 150), (100, 77)]
 
 
+# Groups 1 to 8 (8: a token a tile of AVX2's 8 rows); a scale of 4 spreads the scores far enough
+# for weights at the exponential's floor, and for keys a lane does not see to score far above
+# its maximum (their exponentials overflow before the mask drops them).
 @pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.load().prefill_attention_kernel(),
                     reason="the prefill kernel needs AVX-512 or AVX2")
-@pytest.mark.parametrize("head_dim,group,block", [(64, 1, 16), (64, 3, 16), (64, 5, 8),
-                                                  (128, 3, 32), (128, 7, 16)])
+@pytest.mark.parametrize("head_dim,group,block,scale", [
+    (64, 1, 16, 0.1), (64, 3, 16, 0.1), (64, 5, 8, 0.1), (64, 8, 16, 4.0), (128, 3, 32, 0.1),
+    (128, 7, 16, 4.0)])
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("invariant", [False, True])
-def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv, invariant):
+def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, scale, kv,
+                                                   invariant):
     kv_heads = 2
     heads = group * kv_heads
     gen = torch.Generator().manual_seed(head_dim + group)
@@ -492,23 +497,27 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, kv
     k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, kv, gen)
     new_tokens = [new for _, new in PREFILL_SLICES]
     total = sum(new_tokens)
+    pad = 3  # rows before and after the slices', which must stay as they are
     # q as the engine has it: a view into the fused QKV output, its rows strided.
-    qkv = torch.randn(total, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    qkv = torch.randn(total + 2 * pad, (heads + 2 * kv_heads) * head_dim, generator=gen)
     q = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))
-    out = torch.full((total, heads, head_dim), float("nan"))
-    q_start = 0
+    out = torch.full((total + 2 * pad, heads, head_dim), float("nan"))
+    q_start = pad
     for (cached, new), table in zip(PREFILL_SLICES, tables):
         blocks = torch.tensor(table[:-(-(cached + new) // block)], dtype=torch.int32)
-        k.paged_prefill_attention(q, k_cache, v_cache, blocks, q_start, new, cached, out, 0.1,
+        k.paged_prefill_attention(q, k_cache, v_cache, blocks, q_start, new, cached, out, scale,
                                   invariant)
         q_start += new
+    assert out[:pad].isnan().all() and out[-pad:].isnan().all()
     cu_seqlens = torch.tensor([0] + new_tokens).cumsum(0)
     products = kv == "bf16" and invariant and k.bf16_dot_products()  # the tiles' bf16 products
     if kv == "bf16":
         k_cache, v_cache = k_cache.float(), v_cache.float()
-    expected = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu_seqlens,
-                                         torch.tensor(lens), 0.1, bf16_products=products)
-    reference.assert_attention_close(out, expected, products)
+    rows = slice(pad, pad + total)
+    expected = reference.paged_attention(q[rows], k_cache, v_cache, torch.tensor(tables),
+                                         cu_seqlens, torch.tensor(lens), scale,
+                                         bf16_products=products)
+    reference.assert_attention_close(out[rows], expected, products)
 
 
 # head_dim 64 and 128 take the prefill kernel's tiles where AVX-512 is built in (groups 1 to 7:

@@ -48,7 +48,7 @@ class PrefillSlice:
     q_start: int
     q_len: int
     # int32 blocks of the whole context; None: no earlier context and no prefill kernel, attend
-    # to the fresh K/V only
+    # to the fresh K/V only (as SDPA does for any slice with first_pos 0)
     block_ids: torch.Tensor | None
     first_pos: int = 0  # position of the first new token (tokens before it are cached)
     _mask: torch.Tensor | None = None
@@ -85,8 +85,9 @@ class TorchBackend:
     (jetserve_kernels/cpu/): these read the cache in place, decodes all in one call and each
     prefill chunk in one (where the build has AVX-512, or AVX2 and FMA). Otherwise prefill
     chunks run one by one through SDPA over their gathered blocks, and decodes are gathered into
-    groups of similar length for SDPA. With the kernels the element-wise ops and matmuls run on them too, and the
-    activations between ops are fp32 whatever the weights' and the cache's dtype."""
+    groups of similar length for SDPA. With the kernels the element-wise ops and matmuls run on
+    them too, and the activations between ops are fp32 whatever the weights' and the cache's
+    dtype."""
 
     def __init__(self, block_size: int, device: torch.device, dtype: torch.dtype,
                  use_cpu_kernels: bool = True):
@@ -104,10 +105,11 @@ class TorchBackend:
         # row the same bits at every row count (linear.py), and each prefill token's attention
         # gets the bits the decode kernel gives it (the decode kernel runs in the prefill
         # tiles' order of arithmetic, `invariant`; paged_prefill_as_decodes is those tiles, or
-        # decode rows where they are not built). A prefix recomputed after a preemption, or
-        # resumed on another executor, then gets the very numbers its decodes got: bf16 rounds
-        # the cache, so a difference in the last bit of fp32 could otherwise grow into another
-        # token.
+        # decode rows where they are not built or keep another order: AVX2 builds, which have
+        # no bf16 products and so never run a model batch-invariant). A prefix recomputed after
+        # a preemption, or resumed on another executor, then gets the very numbers its decodes
+        # got: bf16 rounds the cache, so a difference in the last bit of fp32 could otherwise
+        # grow into another token.
         self.batch_invariant = (self.cpu_kernels is not None and dtype == torch.bfloat16
                                 and self.cpu_kernels.bf16_dot_products())
 
@@ -228,7 +230,9 @@ class TorchBackend:
             rows = slice(p.q_start, p.q_start + p.q_len)
             query = q[rows].transpose(0, 1).unsqueeze(0)
             mask = None
-            if p.block_ids is None:
+            if p.block_ids is None or p.first_pos == 0:
+                # No earlier context: the fresh K/V as computed (unrounded by a bf16 or int8
+                # cache), causal; e.g. a head_dim the prefill kernel does not take.
                 keys, values = k[rows].unsqueeze(0), v[rows].unsqueeze(0)
             else:
                 keys = _gather_blocks(k_cache, p.block_ids, q.dtype).unsqueeze(0)
