@@ -439,6 +439,11 @@ struct RowReader {
 // elements and one horizontal sum for all 8; the exponentials 8 at a time; the values' sums a
 // query head at a time over whole rows. Rows are asked for ahead of their first use.
 
+// Rows are asked for this many positions before their use, into L2, as on AVX-512 (at 256
+// sequences of 300 tokens, 30 layers: 167 ms, against 213-224 for 16 keys and 8 values ahead
+// into L1, the first rows not asked for ahead).
+constexpr int64_t kAvx2Ahead = 32;
+
 // Lane j: the sum of v[j]'s lanes.
 inline __m256 sums_of_8(const __m256 v[8]) {
   const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -453,7 +458,7 @@ struct Avx2Scratch {
 };
 
 // out[d0 .. d0 + 8 NV) = inv_total * sum over positions p of e[p] * v[p][d0 ..], for one head:
-// whole rows (up to 64 elements) a step, the rows 8 positions ahead asked for.
+// whole rows (up to 64 elements) a step, the rows kAvx2Ahead positions ahead asked for.
 template <int NV>
 void value_sums(const float* const* values, const float* e, int64_t len, int64_t d0,
                 float inv_total, float* out) {
@@ -461,10 +466,11 @@ void value_sums(const float* const* values, const float* e, int64_t len, int64_t
 #pragma GCC unroll 8
   for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
   for (int64_t p = 0; p < len; ++p) {
-    if (p + 8 < len)
+    if (p + kAvx2Ahead < len)
 #pragma GCC unroll 8
       for (int v = 0; v < NV; v += 2)
-        _mm_prefetch(reinterpret_cast<const char*>(values[p + 8] + d0 + 8 * v), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(values[p + kAvx2Ahead] + d0 + 8 * v),
+                     _MM_HINT_T1);
     const __m256 w = _mm256_broadcast_ss(e + p);
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v)
@@ -491,6 +497,11 @@ void decode_group_avx2(const float* qh, int64_t group, int64_t head_dim, float s
     if (cache.kind == paged::Rows::F32) {
       s.keys[p] = reinterpret_cast<const float*>(k_base + at);
       s.values[p] = reinterpret_cast<const float*>(v_base + at);
+      if (p < kAvx2Ahead)  // the first rows the passes below read, asked for now
+        for (int64_t d = 0; d < head_dim; d += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(s.keys[p] + d), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(s.values[p] + d), _MM_HINT_T1);
+        }
     } else {
       float* k = s.widened.data() + p * head_dim;
       float* v = s.widened.data() + (len + p) * head_dim;
@@ -509,10 +520,11 @@ void decode_group_avx2(const float* qh, int64_t group, int64_t head_dim, float s
     const float* q = s.q.data() + h * head_dim;
     float* scores = s.scores.data() + h * padded;
     for (int64_t p0 = 0; p0 < padded; p0 += 8) {
-      if (h == 0 && p0 + 16 < padded)  // the first head's pass reads them from memory
+      if (h == 0 && p0 + kAvx2Ahead < padded)  // the first head's pass reads them from memory
         for (int j = 0; j < 8; ++j)
           for (int64_t d = 0; d < head_dim; d += 16)
-            _mm_prefetch(reinterpret_cast<const char*>(s.keys[p0 + 16 + j] + d), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(s.keys[p0 + kAvx2Ahead + j] + d),
+                         _MM_HINT_T1);
       __m256 acc[8];
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
