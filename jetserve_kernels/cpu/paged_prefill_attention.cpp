@@ -6,13 +6,13 @@
 // AVX2 builds run tiles of 8 rows over 8 keys at a time in the same two passes (prefill_tile8),
 // without the batch-invariant order below.
 //
-// AVX-512 builds: flash-style tiles of 16 (token, query head) rows of one KV head, one row per vector lane, over
-// 16 keys at a time. Scores come out transposed, one vector of the tile's rows per key, so the
-// softmax's maxima and sums run across vectors; the keys and values are read once per tile
-// through the block table, nothing gathered. The arithmetic keeps the batch-invariant order
-// (attention_simd.h): the decode kernel asked for that order gives each token the same bits.
-// Asked for that order (`invariant`, a bf16 model's prefill) over a bf16 cache, where the CPU
-// has AVX512-BF16, its products are bf16 dot products: the queries and weights in bf16 pairs
+// AVX-512 builds: flash-style tiles of 16 (token, query head) rows of one KV head, one row per
+// vector lane, over 16 keys at a time. Scores come out transposed, one vector of the tile's rows
+// per key, so the softmax's maxima and sums run across vectors; the keys and values are read once
+// per tile through the block table, nothing gathered. The arithmetic keeps the batch-invariant
+// order (attention_simd.h): the decode kernel asked for that order gives each token the same
+// bits. Asked for that order (`invariant`, a bf16 model's prefill) over a bf16 cache, where the
+// CPU has AVX512-BF16, its products are bf16 dot products: the queries and weights in bf16 pairs
 // against the keys' pairs of elements and the values' pairs of positions.
 
 #include "ops.h"
@@ -251,8 +251,8 @@ inline void transpose8(__m256 v[8]) {
 // batch-invariant order here: an AVX2 build has no bf16 products, and the engine asks for that
 // order only with them.
 template <int D>
-void prefill_tile8(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t r0,
-                   int64_t num_rows, int64_t group, int64_t first_pos, float scale, Rows kind,
+void prefill_tile8(Rows kind, const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                   int64_t r0, int64_t num_rows, int64_t group, int64_t first_pos, float scale,
                    RowCursor keys, RowCursor values, std::vector<__m256>& kept) {
   const int live = static_cast<int>(std::min<int64_t>(8, num_rows - r0));
   alignas(32) float qt[D][8];
@@ -353,6 +353,34 @@ void prefill_tile8(const float* q, int64_t q_stride, float* out, int64_t out_str
 }  // namespace
 #endif
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+namespace {
+
+// Runs tile(q, q_stride, out, out_stride, first row, rows, group, first_pos, scale, keys, values,
+// kept) for every task of a slice: each tile of `rows` (token, query head) rows of each KV head.
+// Later tiles attend to more keys: tasks alternate between the first and the last tiles, so the
+// contiguous ranges parallel_for hands each thread carry equal work.
+template <typename Vector, typename Tile>
+void for_each_tile(const paged::SliceView& s, int64_t q_start, int64_t q_len, int64_t first_pos,
+                   int64_t rows, const Tile& tile) {
+  const int64_t num_rows = q_len * s.group, tiles = (num_rows + rows - 1) / rows;
+  at::parallel_for(0, tiles * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Vector> kept;  // the scores of a tile
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task % s.num_kv_heads, i = task / s.num_kv_heads;
+      const int64_t t = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
+      tile(s.q + q_start * s.q_stride + kv * s.group * s.head_dim, s.q_stride,
+           s.out + q_start * s.out_stride + kv * s.group * s.head_dim, s.out_stride, t * rows,
+           num_rows, s.group, first_pos, s.scale,
+           RowCursor{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride},
+           RowCursor{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride}, kept);
+    }
+  });
+}
+
+}  // namespace
+#endif
+
 void paged_prefill_attention(
     const torch::Tensor& q,            // [num_tokens, num_heads, head_dim], rows may be strided
     const torch::Tensor& k_cache,      // as paged_decode_attention's, the new keys written already
@@ -369,54 +397,27 @@ void paged_prefill_attention(
   const paged::SliceView s(q, k_cache, v_cache, block_table, out, scale);
   paged::check_slice("paged_prefill_attention", q, out, block_table, s.block_size, q_start, q_len,
                      first_pos);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  TORCH_CHECK(s.head_dim == 64 || s.head_dim == 128,
+              "paged_prefill_attention: head_dim 64 or 128, not ", s.head_dim);
+  const bool d64 = s.head_dim == 64;
 #if defined(__AVX512F__)
-  TORCH_CHECK(s.head_dim == 64 || s.head_dim == 128,
-              "paged_prefill_attention: head_dim 64 or 128, not ", s.head_dim);
-  const int64_t num_rows = q_len * s.group, tiles = (num_rows + 15) / 16;
-  // Later tiles attend to more keys: tasks alternate between the first and the last tiles, so
-  // the contiguous ranges parallel_for hands each thread carry equal work.
-  at::parallel_for(0, tiles * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> kept;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task % s.num_kv_heads, i = task / s.num_kv_heads;
-      const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
-      const float* qs = s.q + q_start * s.q_stride + kv * s.group * s.head_dim;
-      float* o = s.out + q_start * s.out_stride + kv * s.group * s.head_dim;
-      const RowCursor keys{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
-      const RowCursor values{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
-      auto run = [&](auto tile_fn) {
-        tile_fn(qs, s.q_stride, o, s.out_stride, tile * 16, num_rows, s.group, first_pos, s.scale,
-                keys, values, kept);
-      };
-      const bool d64 = s.head_dim == 64;
-      if (kind == paged::Rows::Int8)
-        run(d64 ? prefill_tile<int8_t, 4, false> : prefill_tile<int8_t, 8, false>);
-      else if (kind == paged::Rows::BF16 && invariant)
-        run(d64 ? prefill_tile<c10::BFloat16, 4, true> : prefill_tile<c10::BFloat16, 8, true>);
-      else if (kind == paged::Rows::BF16)
-        run(d64 ? prefill_tile<c10::BFloat16, 4, false> : prefill_tile<c10::BFloat16, 8, false>);
-      else run(d64 ? prefill_tile<float, 4, false> : prefill_tile<float, 8, false>);
-    }
+  for_each_tile<__m512>(s, q_start, q_len, first_pos, 16, [&](auto&&... args) {
+    if (kind == paged::Rows::Int8)
+      (d64 ? prefill_tile<int8_t, 4, false> : prefill_tile<int8_t, 8, false>)(args...);
+    else if (kind == paged::Rows::BF16 && invariant)
+      (d64 ? prefill_tile<c10::BFloat16, 4, true> : prefill_tile<c10::BFloat16, 8, true>)(args...);
+    else if (kind == paged::Rows::BF16)
+      (d64 ? prefill_tile<c10::BFloat16, 4, false> : prefill_tile<c10::BFloat16, 8, false>)(
+          args...);
+    else (d64 ? prefill_tile<float, 4, false> : prefill_tile<float, 8, false>)(args...);
   });
-#elif defined(__AVX2__) && defined(__FMA__)
+#else
   (void)invariant;  // the order of the AVX-512 tiles alone (attention_simd.h)
-  TORCH_CHECK(s.head_dim == 64 || s.head_dim == 128,
-              "paged_prefill_attention: head_dim 64 or 128, not ", s.head_dim);
-  const int64_t num_rows = q_len * s.group, tiles = (num_rows + 7) / 8;
-  at::parallel_for(0, tiles * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m256> kept;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task % s.num_kv_heads, i = task / s.num_kv_heads;
-      const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;  // as on AVX-512
-      const float* qs = s.q + q_start * s.q_stride + kv * s.group * s.head_dim;
-      float* o = s.out + q_start * s.out_stride + kv * s.group * s.head_dim;
-      const RowCursor keys{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
-      const RowCursor values{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride};
-      (s.head_dim == 64 ? prefill_tile8<64> : prefill_tile8<128>)(
-          qs, s.q_stride, o, s.out_stride, tile * 8, num_rows, s.group, first_pos, s.scale, kind,
-          keys, values, kept);
-    }
+  for_each_tile<__m256>(s, q_start, q_len, first_pos, 8, [&](auto&&... args) {
+    (d64 ? prefill_tile8<64> : prefill_tile8<128>)(kind, args...);
   });
+#endif
 #else
   TORCH_CHECK(false, "paged_prefill_attention needs AVX-512 or AVX2 (the torch backend uses SDPA)");
 #endif
