@@ -1,7 +1,7 @@
 """The CPU matmul kernels on their own: every layer's matmuls of a model (distinct random weights,
 so they stream from memory as in the engine) at a range of row counts, for packed fp32, int8 and
 int4 weights (fp32, and bfloat16 for many rows where the CPU has it; with int8 activations, W8A8
-and W4A8, where it has AVX512-VNNI, and the same with x's remainder in a second byte, "a8x2"),
+and W4A8, where it has AVX512-VNNI or AVX2, and the same with x's remainder in a second byte, "a8x2"),
 and bf16 weights (a bf16 model's: "bf16_pairs_avx512", bf16 dot products at every row count,
 where the CPU has AVX512-BF16, and "bf16_pairs_amx", the same pairs on AMX tiles, where it has
 AMX; "bf16_panels", widened to fp32 up to 8 rows, as without it), beside torch's own fp32 and

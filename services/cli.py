@@ -46,8 +46,8 @@ def _quantization_option(parser: argparse.ArgumentParser, default: str | None,
     parser.add_argument("--quantized-activations", choices=["auto", "float32", "int8"],
                         default=activations,
                         help="activations of quantized matmuls: float32 (weight-only) or "
-                             "int8 (W8A8 / W4A8 on AVX512-VNNI); auto: int8 where the CPU has "
-                             "VNNI (default: " + (activations or "the config's") + ")")
+                             "int8 (W8A8 / W4A8 on AVX512-VNNI or AVX2); auto: int8 where the CPU "
+                             "has either (default: " + (activations or "the config's") + ")")
 
 
 def engine_config_of(args: argparse.Namespace) -> EngineConfig:

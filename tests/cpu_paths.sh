@@ -5,9 +5,10 @@
 # tests on each build, and the engine's tests on the two that change what a model runs:
 #   cascadelake     AVX-512 and AVX512-VNNI, no AVX512-BF16 (Cascade Lake, Ice Lake, Zen 3 has
 #                   none of it): an fp32 model by default, bf16 weights widened to fp32
-#   skylake-avx512  AVX-512 without VNNI: int8 activations refused
+#   skylake-avx512  AVX-512 without VNNI: int8 activations on AVX2's 16-bit multiplies
 #   x86-64-v3       AVX2 and FMA, no AVX-512 (Zen 2 and 3, Haswell to Alder Lake): AVX2
-#                   tiles of their own for matmuls and for decode and prefill attention
+#                   tiles of their own for matmuls (int8 activations too) and for decode and
+#                   prefill attention
 # A build runs here only if this CPU has what it needs (a build for a CPU it is not would die
 # of an illegal instruction). Each build takes a minute or so once (cached like the native one,
 # under its own key); the whole script about 8 minutes on 2 cores.

@@ -23,7 +23,8 @@
 // tiles of its own (below), every format dequantized into an fp32 panel first; without AVX2,
 // plain loops the compiler vectorizes.
 //
-// With int8 activations (where the CPU has AVX512-VNNI), x is quantized on entry per row and group
+// With int8 activations (where the CPU has AVX512-VNNI; AVX2 without it, further below, multiplies
+// the same codes and quads as 16-bit integers), x is quantized on entry per row and group
 // of 32 along K, asymmetrically (the group's own range, as GGUF's Q4_1 stores weights): x ~ sx * u
 // + lo, u in 0..255, sx = (max - min) / 255, lo = min. One vpdpbusd multiplies 64 unsigned bytes
 // of x by 64 signed bytes of weights and adds them four at a time into 16 int32 sums: four times
@@ -133,6 +134,37 @@ void Panels::dequant(int64_t j, float* out, int64_t out_stride) const {
   }
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// Asks for [p, p + bytes) into L2 (a hint: never faults, wherever p points).
+inline void request(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+#endif
+
+// Calls tile.template operator()<R>(m0) for tiles of R <= MaxRows rows covering [0, m), as even
+// as they can be (13 rows in tiles of 12 run as 6 + 7, not 12 + 1).
+template <int MaxRows = kPanelRows, typename Tile>
+void for_each_tile(int64_t m, const Tile& tile) {
+  const int64_t tiles = (m + MaxRows - 1) / MaxRows;
+  int64_t m0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = (m - m0) / (tiles - t);
+    switch (rows) {
+#define JETSERVE_TILE(R)                                    \
+  case R:                                                   \
+    if constexpr (R <= MaxRows) tile.template operator()<R>(m0); \
+    break;
+      JETSERVE_TILE(1) JETSERVE_TILE(2) JETSERVE_TILE(3) JETSERVE_TILE(4) JETSERVE_TILE(5)
+      JETSERVE_TILE(6) JETSERVE_TILE(7) JETSERVE_TILE(8) JETSERVE_TILE(9) JETSERVE_TILE(10)
+      JETSERVE_TILE(11) JETSERVE_TILE(12)
+#undef JETSERVE_TILE
+      default: break;  // rows is 1 .. MaxRows by construction
+    }
+    m0 += rows;
+  }
+}
+
 #if defined(__AVX512F__)
 // How far ahead of its use a panel's stream is requested: 64 steps of k (8 KB of fp32, 4 KB of
 // bf16), 8 groups of int8 (9 KB) or int4 (6 KB).
@@ -140,11 +172,6 @@ constexpr int64_t kF32Ahead = 64;
 constexpr int64_t kGroupsAhead = 8;
 // Past this many rows of x, a quantized panel is dequantized once into scratch for all of them.
 constexpr int64_t kScratchRows = 8;
-
-inline void request(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
-}
 
 // One panel's weights as F, dequantized a step of k (32 columns, two vectors) at a time. Reads
 // past the panel's end are only ever prefetch hints, which never fault.
@@ -278,29 +305,6 @@ void panel_row(PanelReader<F> w, int64_t k, const float* x, float* y, int cols) 
   }
   store(y, _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6])),
         _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7])), cols);
-}
-
-// Calls tile.template operator()<R>(m0) for tiles of R <= MaxRows rows covering [0, m), as even
-// as they can be (13 rows in tiles of 12 run as 6 + 7, not 12 + 1).
-template <int MaxRows = kPanelRows, typename Tile>
-void for_each_tile(int64_t m, const Tile& tile) {
-  const int64_t tiles = (m + MaxRows - 1) / MaxRows;
-  int64_t m0 = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t rows = (m - m0) / (tiles - t);
-    switch (rows) {
-#define JETSERVE_TILE(R)                                    \
-  case R:                                                   \
-    if constexpr (R <= MaxRows) tile.template operator()<R>(m0); \
-    break;
-      JETSERVE_TILE(1) JETSERVE_TILE(2) JETSERVE_TILE(3) JETSERVE_TILE(4) JETSERVE_TILE(5)
-      JETSERVE_TILE(6) JETSERVE_TILE(7) JETSERVE_TILE(8) JETSERVE_TILE(9) JETSERVE_TILE(10)
-      JETSERVE_TILE(11) JETSERVE_TILE(12)
-#undef JETSERVE_TILE
-      default: break;  // rows is 1 .. MaxRows by construction
-    }
-    m0 += rows;
-  }
 }
 
 // Every row of x against one panel.
@@ -757,6 +761,7 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kInt8Dot = true;
+constexpr bool kInt8Quads = true;  // vpdpbusd: a lane's four products in one instruction
 constexpr int64_t kQuadsPerGroup = kGroup / 4;
 
 // x [m, K] quantized per row and group of 32: x ~ scale * u + low, u in 0..255. Precise: plus
@@ -935,10 +940,274 @@ void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, i
   const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
   for (int64_t m0 = 0; m0 < m; m0 += rows) run(w, xq, y, m0, std::min(rows, m - m0));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same int8 activations on AVX2 without VNNI (Zen 2 and 3, Haswell to Ice Lake client
+// cores; Skylake-SP's AVX-512 has no VNNI either), over the same quads, multiplied with
+// vpmaddwd: x's bytes and the weights widened to 16 bits, each 32-bit lane two products and
+// their sum, twice an fp32 FMA's products. (vpmaddubsw would take the bytes as they are, but
+// its 16-bit sum of two products saturates: 2 * 255 * 127 is past 32,767.) The 16 bytes of
+// four columns' quads widen into one vector whose lanes are (column c, k pair 0), (c, pair 1),
+// (c + 1, pair 0), ...; a row's four k of x, broadcast as 64 bits, meet them in the same order,
+// and each group's end adds the neighbouring lanes (vphaddd). The int32 sums are the VNNI
+// path's, and the group's end is its arithmetic, 8 lanes at a time.
+constexpr bool kInt8Dot = true;
+constexpr bool kInt8Quads = false;  // vpmaddwd: two
+constexpr int64_t kQuadsPerGroup = kGroup / 4;
+constexpr int64_t kQuadGroupsAhead = 8;  // groups a panel's quads are asked for ahead
+constexpr int64_t kWidenRows = 8;        // past this many rows, a panel is widened first
+
+// x [m, K] quantized per row and group of 32 as on the VNNI path (there, above), the codes kept
+// as 16-bit lanes for vpmaddwd.
+struct QuantizedRows {
+  int64_t k, groups;
+  std::vector<int16_t> u, v;
+  std::vector<float> scale, rscale, low, xsum;
+};
+
+inline float reduce_min8(__m256 v) {
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_min_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t reduce_add8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// 16 codes (0 .. 255 in int32 lanes) stored as int16, in order.
+inline void store_codes(int16_t* out, __m256i a, __m256i b) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
+}
+
+QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, bool precise) {
+  const int64_t groups = k / kGroup;
+  QuantizedRows r{k, groups, std::vector<int16_t>(m * k),
+                  std::vector<int16_t>(precise ? m * k : 0), std::vector<float>(m * groups),
+                  std::vector<float>(precise ? m * groups : 0), std::vector<float>(m * groups),
+                  std::vector<float>(m * groups)};
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    const __m256i cap = _mm256_set1_epi32(255);
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = i * groups + g;
+        const float* xg = x + i * x_stride + g * kGroup;
+        __m256 a[4];
+        for (int c = 0; c < 4; ++c) a[c] = _mm256_loadu_ps(xg + 8 * c);
+        float low = reduce_min8(_mm256_min_ps(_mm256_min_ps(a[0], a[1]), _mm256_min_ps(a[2], a[3])));
+        float high = reduce_max8(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
+        // A NaN in the group: scale and low NaN, so the output is NaN (min / max pass it over).
+        __m256 unordered = _mm256_setzero_ps();
+        for (int c = 0; c < 4; ++c) unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(a[c], a[c], _CMP_UNORD_Q));
+        if (_mm256_movemask_ps(unordered)) low = high = std::numeric_limits<float>::quiet_NaN();
+        const float inverse = high > low ? 255.0f / (high - low) : 0.0f;
+        const float scale = high > low ? (high - low) / 255.0f : high - low;
+        const __m256 lo = _mm256_set1_ps(low), inv = _mm256_set1_ps(inverse);
+        __m256i u[4];
+        for (int c = 0; c < 4; ++c)  // (a failed conversion, 0x80000000, becomes 255)
+          u[c] = _mm256_min_epu32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(a[c], lo), inv)), cap);
+        int16_t* out = r.u.data() + i * k + g * kGroup;
+        store_codes(out, u[0], u[1]);
+        store_codes(out + 16, u[2], u[3]);
+        r.scale[at] = scale;
+        float xsum = scale * static_cast<float>(reduce_add8(
+            _mm256_add_epi32(_mm256_add_epi32(u[0], u[1]), _mm256_add_epi32(u[2], u[3]))));
+        if (precise) {
+          const float rscale = scale / 254.0f;
+          const __m256 s = _mm256_set1_ps(scale), rinv = _mm256_set1_ps(high > low ? 254.0f / scale : 0.0f);
+          const __m256i bias = _mm256_set1_epi32(128), one = _mm256_set1_epi32(1);
+          __m256i v[4];
+          for (int c = 0; c < 4; ++c) {
+            const __m256 rest = _mm256_sub_ps(_mm256_sub_ps(a[c], lo), _mm256_mul_ps(_mm256_cvtepi32_ps(u[c]), s));
+            v[c] = _mm256_max_epi32(_mm256_min_epi32(_mm256_add_epi32(
+                _mm256_cvtps_epi32(_mm256_mul_ps(rest, rinv)), bias), cap), one);
+          }
+          int16_t* rest = r.v.data() + i * k + g * kGroup;
+          store_codes(rest, v[0], v[1]);
+          store_codes(rest + 16, v[2], v[3]);
+          r.rscale[at] = rscale;
+          low -= 128.0f * rscale;
+          xsum += rscale * static_cast<float>(reduce_add8(
+              _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]))));
+        }
+        r.low[at] = low;
+        r.xsum[at] = xsum;
+      }
+  });
+  return r;
+}
+
+// y[0 .. MR, 0 .. cols) for the 4 CV columns of panel j from column c0 (c0 a multiple of 4 CV),
+// cols at most 4 CV; F W8A8 or W4A8; Precise: x's second bytes too; Widened: the panel's
+// weights from widen_panel's scratch, else widened here as they stream in. (Every loop over the
+// rows and vectors unrolled, so that the int32 sums stay in registers.)
+template <Format F, int MR, int CV, bool Precise, bool Widened>
+void quad_tile(const Panels& w, int64_t j, int c0, const int16_t* widened,
+               const QuantizedRows& x, int64_t r0, float* y, int64_t y_stride, int cols) {
+  static_assert(CV % 2 == 0, "the group's end adds the lanes of vectors in pairs");
+  constexpr int64_t kQuadBytes = F == Format::W8A8 ? 4 * kPanel : 2 * kPanel;
+  const uint8_t* q = (F == Format::W8A8 ? reinterpret_cast<const uint8_t*>(w.q8) : w.q4) +
+                     j * (w.k / 4) * kQuadBytes;
+  const int64_t at0 = j * w.groups() * kPanel + c0;  // the tile's scales in group 0
+  const float* s = w.scale + at0;
+  const float* sums = w.sums + at0;
+  const float* mins = F == Format::W4A8 ? w.min + at0 : nullptr;
+  const int chunk0 = c0 / 4;  // the tile's first vector of four columns in a quad (of 8)
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m256i eight = _mm256_set1_epi16(8);
+  alignas(32) float acc[MR][4 * CV] = {};
+  for (int64_t g = 0; g < w.groups(); ++g) {
+    const uint8_t* qg = q + g * kQuadsPerGroup * kQuadBytes;
+    if constexpr (!Widened)
+      request(qg + kQuadGroupsAhead * kQuadsPerGroup * kQuadBytes, kQuadsPerGroup * kQuadBytes);
+    __m256i sum[MR][CV], rest[Precise ? MR : 1][CV];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+      for (int c = 0; c < CV; ++c) sum[i][c] = rest[Precise ? i : 0][c] = _mm256_setzero_si256();
+    const int64_t x_at = r0 * x.k + g * kGroup;
+#pragma GCC unroll 8
+    for (int64_t v = 0; v < kQuadsPerGroup; ++v) {
+      __m256i wq[CV];  // four columns each, their four k
+#pragma GCC unroll 8
+      for (int c = 0; c < CV; ++c) {
+        const int chunk = chunk0 + c;
+        if constexpr (Widened) {
+          wq[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              widened + (g * kQuadsPerGroup + v) * 4 * kPanel + 16 * chunk));
+        } else if constexpr (F == Format::W8A8) {
+          wq[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(qg + v * kQuadBytes + 16 * chunk)));
+        } else {  // columns 0 .. 16 the low nibbles, 16 .. 32 the high ones, minus 8
+          const __m128i bytes = _mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(qg + v * kQuadBytes + 16 * (chunk % 4)));
+          const __m128i nibbles = _mm_and_si128(chunk < 4 ? bytes : _mm_srli_epi16(bytes, 4), nibble);
+          wq[c] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(nibbles), eight);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        int64_t quad;
+        std::memcpy(&quad, x.u.data() + x_at + i * x.k + v * 4, sizeof quad);
+        const __m256i xv = _mm256_set1_epi64x(quad);
+#pragma GCC unroll 8
+        for (int c = 0; c < CV; ++c) sum[i][c] = _mm256_add_epi32(sum[i][c], _mm256_madd_epi16(xv, wq[c]));
+        if constexpr (Precise) {
+          std::memcpy(&quad, x.v.data() + x_at + i * x.k + v * 4, sizeof quad);
+          const __m256i rv = _mm256_set1_epi64x(quad);
+#pragma GCC unroll 8
+          for (int c = 0; c < CV; ++c) rest[i][c] = _mm256_add_epi32(rest[i][c], _mm256_madd_epi16(rv, wq[c]));
+        }
+      }
+      // The sums in registers at the end of each quad: else GCC interleaves the unrolled quads
+      // and spills sums to the stack.
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+        for (int c = 0; c < CV; ++c) {
+          __asm__("" : "+x"(sum[i][c]));
+          if constexpr (Precise) __asm__("" : "+x"(rest[i][c]));
+        }
+    }
+    // As the VNNI path: y += scale_w * (sx * sum(q u) [+ rx * sum(q v)]) [+ min * xsum] + low * sum(w)
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const int64_t at = (r0 + i) * x.groups + g;
+      const __m256 sx = _mm256_set1_ps(x.scale[at]), low = _mm256_set1_ps(x.low[at]);
+#pragma GCC unroll 4
+      for (int e = 0; e < CV / 2; ++e) {  // columns 8e .. 8e + 8: the pairs' lanes added, in order
+        const __m256i dots = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum[i][2 * e], sum[i][2 * e + 1]), 0xD8);
+        __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(dots), sx);
+        if constexpr (Precise) {
+          const __m256i rests = _mm256_permute4x64_epi64(_mm256_hadd_epi32(rest[i][2 * e], rest[i][2 * e + 1]), 0xD8);
+          d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rests), _mm256_set1_ps(x.rscale[at]), d);
+        }
+        d = _mm256_mul_ps(d, _mm256_loadu_ps(s + g * kPanel + 8 * e));
+        if constexpr (F == Format::W4A8)
+          d = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g * kPanel + 8 * e), _mm256_set1_ps(x.xsum[at]), d);
+        float* a = acc[i] + 8 * e;
+        _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_loadu_ps(sums + g * kPanel + 8 * e), low,
+                                           _mm256_add_ps(d, _mm256_load_ps(a))));
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) std::copy(acc[i], acc[i] + cols, y + i * y_stride);
+}
+
+// Panel j's weights as 16-bit lanes in the order the tiles read them: for each quad of k, the
+// eight vectors of four columns (columns 0 .. 4 first).
+template <Format F>
+void widen_panel(const Panels& w, int64_t j, int16_t* out) {
+  const int64_t quads = w.k / 4;
+  if constexpr (F == Format::W8A8) {
+    const int8_t* q = w.q8 + j * quads * 4 * kPanel;
+    for (int64_t b = 0; b < quads * 4 * kPanel; b += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b))));
+  } else {
+    const uint8_t* q = w.q4 + j * quads * 2 * kPanel;
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m256i eight = _mm256_set1_epi16(8);
+    for (int64_t v = 0; v < quads; ++v)
+      for (int c = 0; c < 4; ++c) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + v * 2 * kPanel + 16 * c));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 128 + 16 * c), _mm256_sub_epi16(
+            _mm256_cvtepu8_epi16(_mm_and_si128(bytes, nibble)), eight));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 128 + 64 + 16 * c), _mm256_sub_epi16(
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), eight));
+      }
+  }
+}
+
+template <Format F, bool Precise>
+void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, int64_t m) {
+  // Tiles of 16 columns, two rows (one with the second bytes): 8 int32 sums. int4 weights past
+  // a decode's rows are widened once a panel into scratch (L1 / L2) for every tile; int8 ones
+  // widen as they stream in, which measured as fast.
+  const bool widen = F == Format::W4A8 && m > kWidenRows;
+  at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
+    const auto scratch = scratch_of<int16_t>(widen ? w.k * kPanel : 0);
+    for (int64_t j = begin; j < end; ++j) {
+      const int panel_cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
+      if (widen) widen_panel<F>(w, j, scratch.get());
+      for (int c0 = 0; c0 < panel_cols; c0 += 16) {
+        const int cols = std::min(16, panel_cols - c0);
+        for_each_tile<Precise ? 1 : 2>(m, [&]<int R>(int64_t m0) {
+          float* yt = y + (r0 + m0) * w.n + j * kPanel + c0;
+          if (widen)
+            quad_tile<F, R, 4, Precise, true>(w, j, c0, scratch.get(), x, r0 + m0, yt, w.n, cols);
+          else
+            quad_tile<F, R, 4, Precise, false>(w, j, c0, nullptr, x, r0 + m0, yt, w.n, cols);
+        });
+      }
+    }
+  });
+}
+
+void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m,
+                  bool precise) {
+  const QuantizedRows xq = quantize_rows(x, x_stride, m, w.k, precise);
+  using Run = void (*)(const Panels&, const QuantizedRows&, float*, int64_t, int64_t);
+  const Run run = w.format == Format::W8A8
+      ? (precise ? quads_run<Format::W8A8, true> : quads_run<Format::W8A8, false>)
+      : (precise ? quads_run<Format::W4A8, true> : quads_run<Format::W4A8, false>);
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
+  for (int64_t m0 = 0; m0 < m; m0 += rows) run(w, xq, y, m0, std::min(rows, m - m0));
+}
 #else
 constexpr bool kInt8Dot = false;
+constexpr bool kInt8Quads = false;
 void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t, bool) {
-  TORCH_CHECK(false, "int8 activations need AVX512-VNNI, which this build does not have");
+  TORCH_CHECK(false, "int8 activations need AVX512-VNNI or AVX2, which this build does not have");
 }
 #endif
 
@@ -1092,7 +1361,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
 Panels quad_panels(Format format, const torch::Tensor& x, const torch::Tensor& q,
                    const torch::Tensor& scale, const torch::Tensor& sums, int64_t n,
                    const char* name) {
-  TORCH_CHECK(kInt8Dot, name, ": int8 activations need AVX512-VNNI, not built in here");
+  TORCH_CHECK(kInt8Dot, name, ": int8 activations need AVX512-VNNI or AVX2, not built in here");
   const bool w8 = format == Format::W8A8;
   TORCH_CHECK(q.dim() == 4 && q.size(2) == (w8 ? kPanel : kPanel / 2) && q.size(3) == 4 &&
               q.is_contiguous() && q.scalar_type() == (w8 ? torch::kInt8 : torch::kUInt8),
@@ -1164,6 +1433,11 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
         for (int64_t it = 0; it < iters; ++it)
 #pragma GCC unroll 12
           for (int i = 0; i < 12; ++i) iacc[i] = _mm512_dpbusd_epi32(iacc[i], b, b);
+#elif defined(__AVX512BW__)
+      } else {  // no VNNI: the int8 path's vpmaddwd (its sums add on other pipes)
+        for (int64_t it = 0; it < iters; ++it)
+#pragma GCC unroll 12
+          for (int i = 0; i < 12; ++i) iacc[i] = _mm512_madd_epi16(iacc[i], b);
 #endif
       }
       float sink = 0.0f;
@@ -1176,17 +1450,47 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
 #elif defined(__AVX2__) && defined(__FMA__)
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      __m256 acc[12];
-      for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(1e-3f * i);
-      const __m256 a = _mm256_set1_ps(0.999f);
-      for (int64_t it = 0; it < iters; ++it)
-#pragma GCC unroll 12
-        for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, a);
-      alignas(32) float lanes[8];
       float sink = 0.0f;
-      for (int i = 0; i < 12; ++i) {
-        _mm256_store_ps(lanes, acc[i]);
-        for (const float lane : lanes) sink += lane;
+      if (mode == 0) {  // (one kind's 12 chains live at a time: 16 registers)
+        __m256 acc[12];
+        for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(1e-3f * i);
+        const __m256 a = _mm256_set1_ps(0.999f);
+        for (int64_t it = 0; it < iters; ++it)
+#pragma GCC unroll 12
+          for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, a);
+        alignas(32) float lanes[8];
+        for (int i = 0; i < 12; ++i) {
+          _mm256_store_ps(lanes, acc[i]);
+          for (const float lane : lanes) sink += lane;
+        }
+      } else {
+        // The int8 path's pattern: vpmaddwd products added into int32 sums by vpaddd, 12
+        // pairs an iteration. In assembly: GCC keeps an array of integer vectors (and even named
+        // ones) on the stack here, and a stored sum's reload would be what is measured.
+        __m256i s0 = _mm256_set1_epi32(1), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0;
+        const __m256i a = _mm256_set1_epi32(0x00050004), b = _mm256_set1_epi32(0x00030002);
+        for (int64_t it = 0; it < iters; ++it) {
+          __asm__(
+              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %0, %0\n\t"
+              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %1, %1\n\t"
+              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %2, %2\n\t"
+              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %3, %3\n\t"
+              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %4, %4\n\t"
+              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %5, %5\n\t"
+              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %0, %0\n\t"
+              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %1, %1\n\t"
+              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %2, %2\n\t"
+              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %3, %3\n\t"
+              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %4, %4\n\t"
+              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %5, %5"
+              : "+x"(s0), "+x"(s1), "+x"(s2), "+x"(s3), "+x"(s4), "+x"(s5)
+              : [a] "x"(a), [b] "x"(b)
+              : "xmm14", "xmm15");
+        }
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3)), _mm256_add_epi32(s4, s5)));
+        for (const int32_t lane : lanes) sink += static_cast<float>(lane);
       }
       sinks[t] = sink;
     }
@@ -1198,8 +1502,10 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
   (void)mode;
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  // A product and its sum: 2 flops a lane (fp32), 4 (a bf16 pair), 8 (an int8 quad).
-  const double per_instruction = kLanes * (kind == "fp32" ? 2 : kind == "bf16" ? 4 : 8);
+  // A product and its sum: 2 flops a lane (fp32), 4 (a bf16 pair), 8 (an int8 quad; without
+  // VNNI, vpmaddwd's pair and the vpaddd that adds it, 4).
+  const double per_instruction =
+      kLanes * (kind == "fp32" ? 2 : kind == "bf16" ? 4 : kInt8Quads ? 8 : 4);
   volatile float kept = 0.0f;  // the chains' results used, so that none is optimised away
   for (const float sink : sinks) kept = kept + sink;
   return per_instruction * 12 * static_cast<double>(iters) * threads / seconds;

@@ -54,8 +54,8 @@ torch::Tensor linear_w8a8(const torch::Tensor& x, const torch::Tensor& q, const 
 torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                           const torch::Tensor& min, const torch::Tensor& sums, int64_t n,
                           const std::string& many_rows, bool second_byte);
-// Whether this build has the AVX512-BF16 dot products ("bf16" above), the AVX512-VNNI ones
-// (linear_w8a8, linear_w4a8).
+// Whether this build has the AVX512-BF16 dot products ("bf16" above), int8 ones (linear_w8a8,
+// linear_w4a8: AVX512-VNNI, or AVX2's vpmaddwd).
 bool bf16_dot_products();
 bool amx_bf16();
 bool int8_dot_products();

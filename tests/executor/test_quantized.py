@@ -25,7 +25,7 @@ def vnni() -> bool:
 
 
 int8_activations = pytest.param("int8", marks=pytest.mark.skipif(
-    not vnni(), reason="int8 activations need AVX512-VNNI, which the kernels built here lack"))
+    not vnni(), reason="int8 activations need AVX512-VNNI or AVX2, which the kernels built here lack"))
 
 
 # Measured (BENCHMARKS.md, "int8 activations"): fp32 34.17; weight-only auto 34.14, int8 34.28,

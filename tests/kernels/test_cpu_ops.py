@@ -185,8 +185,8 @@ def eight_bits_per_group(x):
 
 
 int8_dots = pytest.mark.skipif(not (cpu_ops.load() and cpu_ops.load().int8_dot_products()),
-                               reason="the kernels built here have no AVX512-VNNI int8 dot "
-                                      "products")
+                               reason="the kernels built here have no int8 dot products "
+                                      "(AVX512-VNNI or AVX2)")
 
 
 # Rows: one, tiles of up to 6 (7 = 3 + 4, 13 = 4 + 4 + 5; with the second byte up to 4: 6 = 3 +

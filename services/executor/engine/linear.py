@@ -14,7 +14,8 @@ matmul), `tiles` for a bf16 model's matmuls too (the kernels' own tiles), `none`
 
 `model.quantized_activations`: quantized weights multiply either fp32 activations (the weights
 widened in registers) or 8-bit ones (each row quantized per group of 32 over the group's range as
-it enters, then int8 dot products: W8A8 / W4A8); `auto` takes int8 where the CPU has AVX512-VNNI.
+it enters, then int8 dot products: W8A8 / W4A8, on AVX512-VNNI or, without it, AVX2's 16-bit
+multiplies); `auto` takes int8 wherever the kernels have them (AVX512-VNNI or AVX2).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def int8_activations(setting: str, kernels) -> bool:
                          "not available here; use auto or float32")
     built = kernels is not None and kernels.int8_dot_products()
     if setting == "int8" and not built:
-        raise ValueError("model.quantized_activations: int8 needs AVX512-VNNI, which this CPU "
-                         "does not have; use auto or float32")
+        raise ValueError("model.quantized_activations: int8 needs AVX512-VNNI or AVX2, which "
+                         "this CPU does not have; use auto or float32")
     return built and setting != "float32"
 
 
