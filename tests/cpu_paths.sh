@@ -47,9 +47,13 @@ for arch in "${archs[@]}"; do
         continue
     fi
     # The engine's tests on the builds that change what a model runs (the default dtype, the
-    # prefill kernel); the kernel tests on every build.
+    # prefill kernel; on skylake-avx512, int8 activations); the kernel tests on every build.
     tests=(tests/kernels/test_cpu_ops.py)
-    [ "$arch" = skylake-avx512 ] || tests+=(tests/executor)
+    if [ "$arch" = skylake-avx512 ]; then
+        tests+=(tests/executor/test_quantized.py)  # int8 activations on the AVX2 kernel
+    else
+        tests+=(tests/executor)
+    fi
     echo "== $arch: ${tests[*]}"
     # The build first: where it fails the tests would skip the kernels (and the engine fall back
     # to torch) and pass.

@@ -761,7 +761,6 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kInt8Dot = true;
-constexpr bool kInt8Quads = true;  // vpdpbusd: a lane's four products in one instruction
 constexpr int64_t kQuadsPerGroup = kGroup / 4;
 
 // x [m, K] quantized per row and group of 32: x ~ scale * u + low, u in 0..255. Precise: plus
@@ -941,20 +940,55 @@ void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, i
   for (int64_t m0 = 0; m0 < m; m0 += rows) run(w, xq, y, m0, std::min(rows, m - m0));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// The same int8 activations on AVX2 without VNNI (Zen 2 and 3, Haswell to Ice Lake client
-// cores; Skylake-SP's AVX-512 has no VNNI either), over the same quads, multiplied with
+// The same int8 activations on AVX2 without VNNI (Zen 2 and 3; Intel's client cores from Haswell
+// to Comet Lake, and from Alder Lake, whose 256-bit AVX-VNNI is not used here yet; Skylake-SP,
+// whose AVX-512 has no VNNI), over the same quads, multiplied with
 // vpmaddwd: x's bytes and the weights widened to 16 bits, each 32-bit lane two products and
 // their sum, twice an fp32 FMA's products. (vpmaddubsw would take the bytes as they are, but
 // its 16-bit sum of two products saturates: 2 * 255 * 127 is past 32,767.) The 16 bytes of
 // four columns' quads widen into one vector whose lanes are (column c, k pair 0), (c, pair 1),
 // (c + 1, pair 0), ...; a row's four k of x, broadcast as 64 bits, meet them in the same order,
 // and each group's end adds the neighbouring lanes (vphaddd). The int32 sums are the VNNI
-// path's, and the group's end is its arithmetic, 8 lanes at a time.
+// path's, and the group's end is its arithmetic, 8 lanes at a time (the same operations in the
+// same order; -ffast-math leaves the compiler free to round them otherwise, so the outputs agree
+// to fp32 rounding, not to the bit).
 constexpr bool kInt8Dot = true;
-constexpr bool kInt8Quads = false;  // vpmaddwd: two
 constexpr int64_t kQuadsPerGroup = kGroup / 4;
 constexpr int64_t kQuadGroupsAhead = 8;  // groups a panel's quads are asked for ahead
 constexpr int64_t kWidenRows = 8;        // past this many rows, a panel is widened first
+
+// The int8 path's pattern for dot_peak_flops: vpmaddwd products added into int32 sums by
+// vpaddd, 12 pairs an iteration, 8 lanes each. In assembly: GCC keeps an array of integer
+// vectors (and even named ones) on the stack here, and a stored sum's reload would be what is
+// measured. Returns the sums' total, for the caller to keep.
+float int8_pairs_chains(int64_t iters) {
+  __m256i s0 = _mm256_set1_epi32(1), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0;
+  const __m256i a = _mm256_set1_epi32(0x00050004), b = _mm256_set1_epi32(0x00030002);
+  for (int64_t it = 0; it < iters; ++it) {
+    __asm__(
+        "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %0, %0\n\t"
+        "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %1, %1\n\t"
+        "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %2, %2\n\t"
+        "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %3, %3\n\t"
+        "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %4, %4\n\t"
+        "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %5, %5\n\t"
+        "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %0, %0\n\t"
+        "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %1, %1\n\t"
+        "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %2, %2\n\t"
+        "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %3, %3\n\t"
+        "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %4, %4\n\t"
+        "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %5, %5"
+        : "+x"(s0), "+x"(s1), "+x"(s2), "+x"(s3), "+x"(s4), "+x"(s5)
+        : [a] "x"(a), [b] "x"(b)
+        : "xmm14", "xmm15");
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3)), _mm256_add_epi32(s4, s5)));
+  float sink = 0.0f;
+  for (const int32_t lane : lanes) sink += static_cast<float>(lane);
+  return sink;
+}
 
 // x [m, K] quantized per row and group of 32 as on the VNNI path (there, above), the codes kept
 // as 16-bit lanes for vpmaddwd.
@@ -1047,10 +1081,12 @@ QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t
 
 // y[0 .. MR, 0 .. cols) for the 4 CV columns of panel j from column c0 (c0 a multiple of 4 CV),
 // cols at most 4 CV; F W8A8 or W4A8; Precise: x's second bytes too; Widened: the panel's
-// weights from widen_panel's scratch, else widened here as they stream in. (Every loop over the
+// weights from widen_panel's scratch, else widened here as they stream in, and asked for ahead
+// where `first` (the panel's first tile, which asks for both halves: the others find them in
+// cache). (Every loop over the
 // rows and vectors unrolled, so that the int32 sums stay in registers.)
 template <Format F, int MR, int CV, bool Precise, bool Widened>
-void quad_tile(const Panels& w, int64_t j, int c0, const int16_t* widened,
+void quad_tile(const Panels& w, int64_t j, int c0, const int16_t* widened, bool first,
                const QuantizedRows& x, int64_t r0, float* y, int64_t y_stride, int cols) {
   static_assert(CV % 2 == 0, "the group's end adds the lanes of vectors in pairs");
   constexpr int64_t kQuadBytes = F == Format::W8A8 ? 4 * kPanel : 2 * kPanel;
@@ -1066,7 +1102,7 @@ void quad_tile(const Panels& w, int64_t j, int c0, const int16_t* widened,
   alignas(32) float acc[MR][4 * CV] = {};
   for (int64_t g = 0; g < w.groups(); ++g) {
     const uint8_t* qg = q + g * kQuadsPerGroup * kQuadBytes;
-    if constexpr (!Widened)
+    if (!Widened && first)
       request(qg + kQuadGroupsAhead * kQuadsPerGroup * kQuadBytes, kQuadsPerGroup * kQuadBytes);
     __m256i sum[MR][CV], rest[Precise ? MR : 1][CV];
 #pragma GCC unroll 8
@@ -1142,29 +1178,21 @@ void quad_tile(const Panels& w, int64_t j, int c0, const int16_t* widened,
   for (int i = 0; i < MR; ++i) std::copy(acc[i], acc[i] + cols, y + i * y_stride);
 }
 
-// Panel j's weights as 16-bit lanes in the order the tiles read them: for each quad of k, the
-// eight vectors of four columns (columns 0 .. 4 first).
-template <Format F>
+// W4A8 panel j's weights as 16-bit lanes (q - 8) in the order the tiles read them: for each quad
+// of k, the eight vectors of four columns (columns 0 .. 4 first: the low nibbles, then the high).
 void widen_panel(const Panels& w, int64_t j, int16_t* out) {
   const int64_t quads = w.k / 4;
-  if constexpr (F == Format::W8A8) {
-    const int8_t* q = w.q8 + j * quads * 4 * kPanel;
-    for (int64_t b = 0; b < quads * 4 * kPanel; b += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b),
-                          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b))));
-  } else {
-    const uint8_t* q = w.q4 + j * quads * 2 * kPanel;
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m256i eight = _mm256_set1_epi16(8);
-    for (int64_t v = 0; v < quads; ++v)
-      for (int c = 0; c < 4; ++c) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + v * 2 * kPanel + 16 * c));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 128 + 16 * c), _mm256_sub_epi16(
-            _mm256_cvtepu8_epi16(_mm_and_si128(bytes, nibble)), eight));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 128 + 64 + 16 * c), _mm256_sub_epi16(
-            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), eight));
-      }
-  }
+  const uint8_t* q = w.q4 + j * quads * 2 * kPanel;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m256i eight = _mm256_set1_epi16(8);
+  for (int64_t v = 0; v < quads; ++v)
+    for (int c = 0; c < 4; ++c) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + v * 2 * kPanel + 16 * c));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 128 + 16 * c), _mm256_sub_epi16(
+          _mm256_cvtepu8_epi16(_mm_and_si128(bytes, nibble)), eight));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 128 + 64 + 16 * c), _mm256_sub_epi16(
+          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), eight));
+    }
 }
 
 template <Format F, bool Precise>
@@ -1177,15 +1205,20 @@ void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, in
     const auto scratch = scratch_of<int16_t>(widen ? w.k * kPanel : 0);
     for (int64_t j = begin; j < end; ++j) {
       const int panel_cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
-      if (widen) widen_panel<F>(w, j, scratch.get());
+      if constexpr (F == Format::W4A8)
+        if (widen) widen_panel(w, j, scratch.get());
       for (int c0 = 0; c0 < panel_cols; c0 += 16) {
         const int cols = std::min(16, panel_cols - c0);
         for_each_tile<Precise ? 1 : 2>(m, [&]<int R>(int64_t m0) {
           float* yt = y + (r0 + m0) * w.n + j * kPanel + c0;
-          if (widen)
-            quad_tile<F, R, 4, Precise, true>(w, j, c0, scratch.get(), x, r0 + m0, yt, w.n, cols);
-          else
-            quad_tile<F, R, 4, Precise, false>(w, j, c0, nullptr, x, r0 + m0, yt, w.n, cols);
+          if constexpr (F == Format::W4A8)
+            if (widen) {
+              quad_tile<F, R, 4, Precise, true>(w, j, c0, scratch.get(), false, x, r0 + m0, yt,
+                                                w.n, cols);
+              return;
+            }
+          quad_tile<F, R, 4, Precise, false>(w, j, c0, nullptr, m0 == 0 && c0 == 0, x, r0 + m0, yt, w.n,
+                                             cols);
         });
       }
     }
@@ -1205,7 +1238,6 @@ void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, i
 }
 #else
 constexpr bool kInt8Dot = false;
-constexpr bool kInt8Quads = false;
 void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t, bool) {
   TORCH_CHECK(false, "int8 activations need AVX512-VNNI or AVX2, which this build does not have");
 }
@@ -1398,7 +1430,8 @@ torch::Tensor linear_w4a8(const torch::Tensor& x, const torch::Tensor& q, const 
 // The most the cores can multiply, for a benchmark to measure a kernel against: every intra-op
 // thread runs 12 independent chains of one instruction (fp32 FMA, vdpbf16ps, vpdpbusd) on
 // registers, no memory. Flops (int8: integer operations) a second, a product and its sum two.
-// AVX2 builds: fp32 FMAs on 8-lane vectors.
+// AVX2 builds: fp32 FMAs on 8-lane vectors. int8 without VNNI (AVX2, and AVX-512 builds without
+// it, which run the AVX2 kernel): the kernel's vpmaddwd and vpaddd pairs (int8_pairs_chains).
 double dot_peak_flops(const std::string& kind, int64_t iters) {
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
   TORCH_CHECK(false, "dot_peak_flops needs AVX-512 or AVX2, which this build does not have");
@@ -1410,6 +1443,19 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
   const int mode = kind == "fp32" ? 0 : kind == "bf16" ? 1 : 2;
   std::vector<float> sinks(threads);
   const auto start = std::chrono::steady_clock::now();
+  volatile float kept = 0.0f;  // the chains' results used, so that none is optimised away
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__)
+  if (mode == 2) {
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) sinks[t] = int8_pairs_chains(iters);
+    });
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    for (const float sink : sinks) kept = kept + sink;
+    // Two products and their two sums (vpmaddwd's and vpaddd's) a lane, 8 lanes.
+    return 8.0 * 4 * 12 * static_cast<double>(iters) * threads / seconds;
+  }
+#endif
 #if defined(__AVX512F__)
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -1433,11 +1479,6 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
         for (int64_t it = 0; it < iters; ++it)
 #pragma GCC unroll 12
           for (int i = 0; i < 12; ++i) iacc[i] = _mm512_dpbusd_epi32(iacc[i], b, b);
-#elif defined(__AVX512BW__)
-      } else {  // no VNNI: the int8 path's vpmaddwd (its sums add on other pipes)
-        for (int64_t it = 0; it < iters; ++it)
-#pragma GCC unroll 12
-          for (int i = 0; i < 12; ++i) iacc[i] = _mm512_madd_epi16(iacc[i], b);
 #endif
       }
       float sink = 0.0f;
@@ -1450,47 +1491,17 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
 #elif defined(__AVX2__) && defined(__FMA__)
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      float sink = 0.0f;
-      if (mode == 0) {  // (one kind's 12 chains live at a time: 16 registers)
-        __m256 acc[12];
-        for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(1e-3f * i);
-        const __m256 a = _mm256_set1_ps(0.999f);
-        for (int64_t it = 0; it < iters; ++it)
+      __m256 acc[12];
+      for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(1e-3f * i);
+      const __m256 a = _mm256_set1_ps(0.999f);
+      for (int64_t it = 0; it < iters; ++it)
 #pragma GCC unroll 12
-          for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, a);
-        alignas(32) float lanes[8];
-        for (int i = 0; i < 12; ++i) {
-          _mm256_store_ps(lanes, acc[i]);
-          for (const float lane : lanes) sink += lane;
-        }
-      } else {
-        // The int8 path's pattern: vpmaddwd products added into int32 sums by vpaddd, 12
-        // pairs an iteration. In assembly: GCC keeps an array of integer vectors (and even named
-        // ones) on the stack here, and a stored sum's reload would be what is measured.
-        __m256i s0 = _mm256_set1_epi32(1), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0;
-        const __m256i a = _mm256_set1_epi32(0x00050004), b = _mm256_set1_epi32(0x00030002);
-        for (int64_t it = 0; it < iters; ++it) {
-          __asm__(
-              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %0, %0\n\t"
-              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %1, %1\n\t"
-              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %2, %2\n\t"
-              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %3, %3\n\t"
-              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %4, %4\n\t"
-              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %5, %5\n\t"
-              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %0, %0\n\t"
-              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %1, %1\n\t"
-              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %2, %2\n\t"
-              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %3, %3\n\t"
-              "vpmaddwd %[b], %[a], %%ymm14\n\tvpaddd %%ymm14, %4, %4\n\t"
-              "vpmaddwd %[b], %[a], %%ymm15\n\tvpaddd %%ymm15, %5, %5"
-              : "+x"(s0), "+x"(s1), "+x"(s2), "+x"(s3), "+x"(s4), "+x"(s5)
-              : [a] "x"(a), [b] "x"(b)
-              : "xmm14", "xmm15");
-        }
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3)), _mm256_add_epi32(s4, s5)));
-        for (const int32_t lane : lanes) sink += static_cast<float>(lane);
+        for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, a);
+      alignas(32) float lanes[8];
+      float sink = 0.0f;
+      for (int i = 0; i < 12; ++i) {
+        _mm256_store_ps(lanes, acc[i]);
+        for (const float lane : lanes) sink += lane;
       }
       sinks[t] = sink;
     }
@@ -1502,11 +1513,8 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
   (void)mode;
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  // A product and its sum: 2 flops a lane (fp32), 4 (a bf16 pair), 8 (an int8 quad; without
-  // VNNI, vpmaddwd's pair and the vpaddd that adds it, 4).
-  const double per_instruction =
-      kLanes * (kind == "fp32" ? 2 : kind == "bf16" ? 4 : kInt8Quads ? 8 : 4);
-  volatile float kept = 0.0f;  // the chains' results used, so that none is optimised away
+  // A product and its sum: 2 flops a lane (fp32), 4 (a bf16 pair), 8 (an int8 quad).
+  const double per_instruction = kLanes * (kind == "fp32" ? 2 : kind == "bf16" ? 4 : 8);
   for (const float sink : sinks) kept = kept + sink;
   return per_instruction * 12 * static_cast<double>(iters) * threads / seconds;
 }

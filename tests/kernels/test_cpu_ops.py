@@ -190,10 +190,12 @@ int8_dots = pytest.mark.skipif(not (cpu_ops.load() and cpu_ops.load().int8_dot_p
 
 
 # Rows: one, tiles of up to 6 (7 = 3 + 4, 13 = 4 + 4 + 5; with the second byte up to 4: 6 = 3 +
-# 3, 13 = 3 + 3 + 3 + 4), 70 ("amx" is BLAS there), 200 (row blocks 72 + 72 + 56). Shapes as above.
+# 3, 13 = 3 + 3 + 3 + 4; AVX2: tiles of 2 or 1, int4 panels widened first past 8 rows), 70
+# ("amx" is BLAS there), 200 (row blocks 72 + 72 + 56). Shapes as above, and 53 columns: a last
+# panel of 21, so AVX2's second half-panel tile has 5.
 @int8_dots
 @pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 70, 200])
-@pytest.mark.parametrize("shape", [(7, 64), (261, 96), (576, 1536)])
+@pytest.mark.parametrize("shape", [(7, 64), (53, 64), (261, 96), (576, 1536)])
 def test_int8_activations_multiply_the_quantized_rows(k, rows, shape):
     """W8A8 / W4A8 equal the product of x quantized per group of 32 and the dequantized weight:
     to fp32 rounding where every x is within 0.3 of a step of one of its group's levels (so it
@@ -219,6 +221,8 @@ def test_int8_activations_multiply_the_quantized_rows(k, rows, shape):
     x[-1, 32:64] = -2.5
     for bits in (8, 4):
         q = quantize(weight, bits)
+        if bits == 8:  # -128, which a GGUF's Q8_0 blocks may hold (quantize() stops at -127)
+            q.q.view(-1)[::37] = -128
         w = q.dequantize()
         exact = exact_x @ w.t()
         torch.testing.assert_close(int8_activation_linear(k, q, exact_x), exact,
@@ -265,12 +269,18 @@ def test_int8_activations_name_what_they_refuse(k):
         k.linear_w8a8(torch.randn(2, 64), q.q, q.scale, q.sums[:, :1], 32, "fp32", False)
     with pytest.raises(RuntimeError, match="uint8 quads"):
         k.linear_w4a8(torch.randn(2, 64), q.q, q.scale, q.scale, q.sums, 32, "fp32", False)
-    # A NaN in x comes out as NaN (min and max would pass it over), only in its own row.
-    x = torch.randn(3, 64)
-    x[1, 5] = float("nan")
-    for second_byte in (False, True):
-        y = k.linear_w8a8(x, q.q, q.scale, q.sums, 32, "fp32", second_byte)
-        assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    # A NaN in x comes out as NaN (min and max would pass it over), only in its own row: for
+    # a decode's rows and a prefill's (12: AVX2 widens int4 panels first), both formats.
+    q4 = pack_for_int8_activations(pack_quantized(quantize(torch.randn(32, 64), 4)))
+    for rows in (3, 12):
+        x = torch.randn(rows, 64)
+        x[1, 5] = float("nan")
+        others = [r for r in range(rows) if r != 1]
+        for second_byte in (False, True):
+            y8 = k.linear_w8a8(x, q.q, q.scale, q.sums, 32, "fp32", second_byte)
+            y4 = k.linear_w4a8(x, q4.q, q4.scale, q4.min, q4.sums, 32, "fp32", second_byte)
+            for y in (y8, y4):
+                assert y[1].isnan().all() and not y[others].isnan().any()
 
 
 def test_int8_activations_are_chosen_where_they_can_run(k):
