@@ -759,6 +759,19 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
 }
 #endif
 
+// x [m, K] quantized per row and group of 32 for the int8 dot products (quantize_rows, below, per
+// instruction set): the codes u (and with the second bytes v) as Code, per group its scale (and
+// the second bytes'), its low and its sum.
+template <typename Code>
+struct CodedRows {
+  int64_t k, groups;
+  std::vector<Code> u, v;
+  std::vector<float> scale, rscale, low, xsum;
+  CodedRows(int64_t m, int64_t k, bool precise)
+      : k(k), groups(k / kGroup), u(m * k), v(precise ? m * k : 0), scale(m * groups),
+        rscale(precise ? m * groups : 0), low(m * groups), xsum(m * groups) {}
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kInt8Dot = true;
 constexpr int64_t kQuadsPerGroup = kGroup / 4;
@@ -768,18 +781,11 @@ constexpr int64_t kQuadsPerGroup = kGroup / 4;
 // remainder over rscale = scale / 254, + 128; low takes the 128 back out): about 16 bits of
 // the group's range, for twice the dot products. xsum: scale * sum(u) [+ rscale * sum(v)], for
 // w4a8's min.
-struct QuantizedRows {
-  int64_t k, groups;
-  std::vector<uint8_t> u, v;
-  std::vector<float> scale, rscale, low, xsum;
-};
+using QuantizedRows = CodedRows<uint8_t>;
 
 QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, bool precise) {
   const int64_t groups = k / kGroup;
-  QuantizedRows r{k, groups, std::vector<uint8_t>(m * k),
-                  std::vector<uint8_t>(precise ? m * k : 0), std::vector<float>(m * groups),
-                  std::vector<float>(precise ? m * groups : 0), std::vector<float>(m * groups),
-                  std::vector<float>(m * groups)};
+  QuantizedRows r(m, k, precise);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     const __m512i cap = _mm512_set1_epi32(255);
     for (int64_t i = begin; i < end; ++i)
@@ -992,11 +998,7 @@ float int8_pairs_chains(int64_t iters) {
 
 // x [m, K] quantized per row and group of 32 as on the VNNI path (there, above), the codes kept
 // as 16-bit lanes for vpmaddwd.
-struct QuantizedRows {
-  int64_t k, groups;
-  std::vector<int16_t> u, v;
-  std::vector<float> scale, rscale, low, xsum;
-};
+using QuantizedRows = CodedRows<int16_t>;
 
 inline float reduce_min8(__m256 v) {
   __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -1024,10 +1026,7 @@ inline void store_codes(int16_t* out, __m256i a, __m256i b) {
 
 QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, bool precise) {
   const int64_t groups = k / kGroup;
-  QuantizedRows r{k, groups, std::vector<int16_t>(m * k),
-                  std::vector<int16_t>(precise ? m * k : 0), std::vector<float>(m * groups),
-                  std::vector<float>(precise ? m * groups : 0), std::vector<float>(m * groups),
-                  std::vector<float>(m * groups)};
+  QuantizedRows r(m, k, precise);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     const __m256i cap = _mm256_set1_epi32(255);
     for (int64_t i = begin; i < end; ++i)
