@@ -933,18 +933,6 @@ void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, in
   });
 }
 
-void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m,
-                  bool precise) {
-  const QuantizedRows xq = quantize_rows(x, x_stride, m, w.k, precise);
-  using Run = void (*)(const Panels&, const QuantizedRows&, float*, int64_t, int64_t);
-  const Run run = w.format == Format::W8A8
-      ? (precise ? quads_run<Format::W8A8, true> : quads_run<Format::W8A8, false>)
-      : (precise ? quads_run<Format::W4A8, true> : quads_run<Format::W4A8, false>);
-  // Blocks of rows as panels_matmul takes them, so a block's rows stay in L2 across panels.
-  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
-  for (int64_t m0 = 0; m0 < m; m0 += rows) run(w, xq, y, m0, std::min(rows, m - m0));
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 // The same int8 activations on AVX2 without VNNI (Zen 2 and 3; Intel's client cores from Haswell
 // to Comet Lake, and from Alder Lake, whose 256-bit AVX-VNNI is not used here yet; Skylake-SP,
@@ -1224,6 +1212,15 @@ void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, in
   });
 }
 
+#else
+constexpr bool kInt8Dot = false;
+void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t, bool) {
+  TORCH_CHECK(false, "int8 activations need AVX512-VNNI or AVX2, which this build does not have");
+}
+#endif
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+// y = x w^T with x quantized on entry, in either instruction set's quads_run.
 void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m,
                   bool precise) {
   const QuantizedRows xq = quantize_rows(x, x_stride, m, w.k, precise);
@@ -1231,14 +1228,10 @@ void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, i
   const Run run = w.format == Format::W8A8
       ? (precise ? quads_run<Format::W8A8, true> : quads_run<Format::W8A8, false>)
       : (precise ? quads_run<Format::W4A8, true> : quads_run<Format::W4A8, false>);
+  // Blocks of rows as panels_matmul takes them, so a block's rows stay in L2 across panels.
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
   for (int64_t m0 = 0; m0 < m; m0 += rows) run(w, xq, y, m0, std::min(rows, m - m0));
-}
-#else
-constexpr bool kInt8Dot = false;
-void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t, bool) {
-  TORCH_CHECK(false, "int8 activations need AVX512-VNNI or AVX2, which this build does not have");
 }
 #endif
 
