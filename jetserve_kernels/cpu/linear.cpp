@@ -949,7 +949,7 @@ void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, in
 constexpr bool kInt8Dot = true;
 constexpr int64_t kQuadsPerGroup = kGroup / 4;
 constexpr int64_t kQuadGroupsAhead = 8;  // groups a panel's quads are asked for ahead
-constexpr int64_t kWidenRows = 8;        // past this many rows, a panel is widened first
+constexpr int64_t kWidenRows = 8;        // past this many rows, an int4 panel is widened first
 
 // The int8 path's pattern for dot_peak_flops: vpmaddwd products added into int32 sums by
 // vpaddd, 12 pairs an iteration, 8 lanes each. In assembly: GCC keeps an array of integer
