@@ -577,20 +577,121 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 and FMA without AVX-512 (Zen 2 and 3, Haswell to Alder Lake), 16 vector registers of 8
-// fp32. Up to 8 rows (decode) take the whole panel in tiles of one or two rows (8 accumulators;
-// a single row two steps of k at a time, so that 8 FMA chains are in flight), the panel's four
-// vectors of a step loaded once for both rows; the first tile streams the panel from memory,
-// asked for ahead of its use, and the others (up to 4 for 8 rows) read it again from L2 (a
-// SmolLM2 panel is 72-192 KB). More rows (prefill) take half a panel (16 columns) in tiles of
-// up to 6 rows: 12 accumulators, and each step of k loads the half's 2 vectors and broadcasts
-// 6 of x for 12 FMAs. fp32 panels are read where they lie; the other formats are dequantized
-// into an fp32 scratch panel first, once a panel per call (per block of rows past kRowBlock).
+// fp32. One or two rows (decode) take the whole panel in one tile (8 accumulators; a single row
+// two steps of k at a time, so that 8 FMA chains are in flight), the panel's four vectors of a
+// step loaded once for both rows and asked for ahead of their use. More rows take half a panel
+// (16 columns) in tiles of up to 6 rows: 12 accumulators, and each step of k loads the half's 2
+// vectors and broadcasts 6 of x for 12 FMAs; the tiles after the first read the panel again
+// from L2 (a SmolLM2 panel is 72-192 KB). Those tiles are too short to ask for a panel from
+// memory ahead of their own use, so every tile asks for a share of the next panel instead
+// (Ahead). fp32 panels are read where they lie; the other formats are dequantized into an fp32
+// scratch panel first, once a panel per call (per block of rows past kRowBlock).
 constexpr bool kBf16Dot = false;
 constexpr int64_t kScratchRows = 8;
 // Rows of x a block, as on AVX-512, so that a block stays in L2 across panels where the rows are
 // short enough (96 of SmolLM2's K = 576 are 221 KB; of K = 1536, 590 KB: L3 on a 256 KB L2).
 constexpr int64_t kRowBlock = 96;
 constexpr int64_t kF32Ahead = 64;  // steps of k a panel is asked for ahead of its use
+constexpr int64_t kGroupsAhead = 8;  // int8, int4: groups of 32 steps
+
+// A share of the next panel's stream (its weights, and for int8 and int4 its scales and mins:
+// up to three ranges), asked for into L2 while this panel's tiles compute: a line of each range
+// every `every` steps of k of the tile, so the stream arrives spread over the whole panel's
+// work. (Asked for only by the first tile, ahead of its use, the stream came in at the pace of
+// that tile's FMAs: 6 rows by 16 columns of a 576-deep panel take a microsecond a core, a 72 KB
+// panel would need 70 GB/s.)
+struct Ahead {
+  const char* p[3] = {};
+  int64_t lines[3] = {};
+  int64_t every = int64_t{1} << 40;  // none: past any k, and far from overflowing t + every
+
+  // Share n of `shares` of panel j's stream, over a tile of k steps.
+  static Ahead share(const Panels& w, int64_t j, int64_t n, int64_t shares) {
+    Ahead a;
+    const auto range = [&](int r, const void* base, int64_t bytes) {
+      const int64_t all = (bytes + 63) / 64, first = all * n / shares;
+      a.p[r] = static_cast<const char*>(base) + 64 * first;
+      a.lines[r] = all * (n + 1) / shares - first;
+    };
+    const int64_t groups = w.groups() * kPanel;
+    switch (w.format) {
+      case Format::F32: range(0, w.f32 + j * w.k * kPanel, w.k * kPanel * 4); break;
+      case Format::BF16: range(0, w.b16 + j * w.k * kPanel, w.k * kPanel * 2); break;
+      case Format::Int8:
+        range(0, w.q8 + j * w.k * kPanel, w.k * kPanel);
+        range(1, w.scale + j * groups, groups * 4);
+        break;
+      case Format::Int4:
+        range(0, w.q4 + j * w.k * (kPanel / 2), w.k * kPanel / 2);
+        range(1, w.scale + j * groups, groups * 4);
+        range(2, w.min + j * groups, groups * 4);
+        break;
+      default: break;  // W8A8 and W4A8 run on their own tiles
+    }
+    const int64_t most = std::max({a.lines[0], a.lines[1], a.lines[2]});
+    a.every = std::max<int64_t>(1, w.k / std::max<int64_t>(most, 1));
+    return a;
+  }
+
+  inline void next() {
+#pragma GCC unroll 3
+    for (int r = 0; r < 3; ++r) {
+      if (lines[r] > 0) {
+        _mm_prefetch(p[r], _MM_HINT_T1);
+        p[r] += 64;
+        --lines[r];
+      }
+    }
+  }
+};
+
+// Panel j of a bf16, int8 or int4 W dequantized into out [K, 32] (fp32), a step of k at a time
+// in four vectors.
+void dequant_avx2(const Panels& w, int64_t j, float* out) {
+  const int64_t k = w.k;
+  if (w.format == Format::BF16) {  // a bf16 is the high half of an fp32
+    const uint16_t* b = w.b16 + j * k * kPanel;
+    for (int64_t t = 0; t < k; ++t)
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + t * kPanel + 8 * v));
+        _mm256_storeu_ps(out + t * kPanel + 8 * v,
+                         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      }
+    return;
+  }
+  const float* scale = w.scale + j * w.groups() * kPanel;
+  for (int64_t g = 0; g < w.groups(); ++g) {
+    __m256 s[4], lo[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) {
+      s[v] = _mm256_loadu_ps(scale + g * kPanel + 8 * v);
+      if (w.format == Format::Int4) lo[v] = _mm256_loadu_ps(w.min + (j * w.groups() + g) * kPanel + 8 * v);
+    }
+    for (int64_t t = g * kGroup; t < (g + 1) * kGroup; ++t) {
+      float* row = out + t * kPanel;
+      if (w.format == Format::Int8) {
+        const int8_t* q = w.q8 + (j * k + t) * kPanel;
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v));
+          _mm256_storeu_ps(row + 8 * v, _mm256_mul_ps(s[v], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
+        }
+      } else {  // byte c: column c in its low nibble, c + 16 in its high one
+        const uint8_t* q = w.q4 + (j * k + t) * (kPanel / 2);
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; ++v) {
+          const __m256i b = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v)));
+          const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xF)));
+          const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+          _mm256_storeu_ps(row + 8 * v, _mm256_fmadd_ps(s[v], low, lo[v]));
+          _mm256_storeu_ps(row + 16 + 8 * v, _mm256_fmadd_ps(s[v + 2], high, lo[v + 2]));
+        }
+      }
+    }
+  }
+}
 
 // The first cols (at most 8; none if cols <= 0) of v.
 inline void store8(float* y, __m256 v, int cols) {
@@ -603,10 +704,86 @@ inline void store8(float* y, __m256 v, int cols) {
   }
 }
 
-// y[0 .. MR, 0 .. cols) = x[0 .. MR, :] p^T for a whole panel p [K, 32], MR 1 or 2.
-template <int MR>
-void panel_rows_whole(const float* p, int64_t k, const float* x, int64_t x_stride, float* y,
-                      int64_t y_stride, int cols) {
+// Panel j's weights as fp32, a step of k (its 32 columns, four vectors) at a time, dequantized
+// in registers; its own stream asked for ahead of its use. Reads past the panel's end are only
+// ever prefetch hints, which never fault.
+template <Format F>
+struct StepReader {
+  const float* f = nullptr;
+  const uint16_t* b = nullptr;
+  const int8_t* q8 = nullptr;
+  const uint8_t* q4 = nullptr;
+  const float* s = nullptr;
+  const float* mn = nullptr;
+  __m256 scale[4], low[4];
+
+  StepReader(const Panels& w, int64_t j) {
+    if constexpr (F == Format::F32) f = w.f32 + j * w.k * kPanel;
+    if constexpr (F == Format::BF16) b = w.b16 + j * w.k * kPanel;
+    if constexpr (F == Format::Int8 || F == Format::Int4) s = w.scale + j * w.groups() * kPanel;
+    if constexpr (F == Format::Int8) q8 = w.q8 + j * w.k * kPanel;
+    if constexpr (F == Format::Int4) {
+      q4 = w.q4 + j * w.k * (kPanel / 2);
+      mn = w.min + j * w.groups() * kPanel;
+    }
+  }
+
+  // Group g's scales (and mins) into registers, and group g + kGroupsAhead asked for.
+  inline void start_group(int64_t g) {
+    if constexpr (F == Format::Int8 || F == Format::Int4) {
+      const int64_t ahead = g + kGroupsAhead;
+      request(s + ahead * kPanel, kPanel * 4);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) scale[v] = _mm256_loadu_ps(s + g * kPanel + 8 * v);
+      if constexpr (F == Format::Int8) request(q8 + ahead * kGroup * kPanel, kGroup * kPanel);
+      if constexpr (F == Format::Int4) {
+        request(q4 + ahead * kGroup * (kPanel / 2), kGroup * kPanel / 2);
+        request(mn + ahead * kPanel, kPanel * 4);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) low[v] = _mm256_loadu_ps(mn + g * kPanel + 8 * v);
+      }
+    }
+  }
+
+  inline void load(int64_t t, __m256 out[4]) const {
+    if constexpr (F == Format::F32) {
+      const float* soon = f + (t + kF32Ahead) * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(soon), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(soon + 16), _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) out[v] = _mm256_loadu_ps(f + t * kPanel + 8 * v);
+    } else if constexpr (F == Format::BF16) {  // a bf16 is the high half of an fp32
+      _mm_prefetch(reinterpret_cast<const char*>(b + (t + kF32Ahead) * kPanel), _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + t * kPanel + 8 * v));
+        out[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      }
+    } else if constexpr (F == Format::Int8) {
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q8 + t * kPanel + 8 * v));
+        out[v] = _mm256_mul_ps(scale[v], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+      }
+    } else {  // byte c: column c in its low nibble, c + 16 in its high one
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) {
+        const __m256i q = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q4 + t * (kPanel / 2) + 8 * v)));
+        out[v] = _mm256_fmadd_ps(
+            scale[v], _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0xF))), low[v]);
+        out[v + 2] = _mm256_fmadd_ps(scale[v + 2], _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)),
+                                     low[v + 2]);
+      }
+    }
+  }
+};
+
+// y[0 .. MR, 0 .. cols) = x[0 .. MR, :] w^T for a whole panel, MR 1 or 2, the weights read and
+// dequantized once for both rows.
+template <Format F, int MR>
+void whole_panel_tile(StepReader<F> w, int64_t k, const float* x, int64_t x_stride, float* y,
+                      int64_t y_stride, int cols, Ahead ahead) {
   // (Every loop but k's unrolled, as in half_panel_tile below.)
   constexpr int kSteps = MR == 1 ? 2 : 1;  // steps of k a pass: 8 accumulators either way
   __m256 acc[kSteps][MR][4];
@@ -616,33 +793,34 @@ void panel_rows_whole(const float* p, int64_t k, const float* x, int64_t x_strid
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
       for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_setzero_ps();
-  int64_t t = 0;
-  for (; t + kSteps <= k; t += kSteps) {
+  // Groups of 32 start on even steps, so a pass of two steps never straddles two groups.
+  const int64_t whole = k / kSteps * kSteps;
+  const int64_t chunk = (ahead.every + kSteps - 1) / kSteps * kSteps;
+  for (int64_t t0 = 0; t0 < whole; t0 += chunk) {
+    ahead.next();
+    for (int64_t t = t0; t < std::min(whole, t0 + chunk); t += kSteps) {
+      if (t % kGroup == 0) w.start_group(t / kGroup);
 #pragma GCC unroll 8
-    for (int u = 0; u < kSteps; ++u) {
-      const float* ahead = p + (t + u + kF32Ahead) * kPanel;  // a hint: never faults past the end
-      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + 16), _MM_HINT_T0);
-      const float* wt = p + (t + u) * kPanel;
-      const __m256 w0 = _mm256_loadu_ps(wt), w1 = _mm256_loadu_ps(wt + 8);
-      const __m256 w2 = _mm256_loadu_ps(wt + 16), w3 = _mm256_loadu_ps(wt + 24);
+      for (int u = 0; u < kSteps; ++u) {
+        __m256 wv[4];
+        w.load(t + u, wv);
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t + u);
-        acc[u][i][0] = _mm256_fmadd_ps(xv, w0, acc[u][i][0]);
-        acc[u][i][1] = _mm256_fmadd_ps(xv, w1, acc[u][i][1]);
-        acc[u][i][2] = _mm256_fmadd_ps(xv, w2, acc[u][i][2]);
-        acc[u][i][3] = _mm256_fmadd_ps(xv, w3, acc[u][i][3]);
+        for (int i = 0; i < MR; ++i) {
+          const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t + u);
+#pragma GCC unroll 4
+          for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_fmadd_ps(xv, wv[v], acc[u][i][v]);
+        }
       }
     }
   }
-  for (; t < k; ++t) {  // one step left over (a single row, K odd)
+  if (whole < k) {  // one step left over (fp32, a single row, K odd)
+    __m256 wv[4];
+    w.load(whole, wv);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t);
-#pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v)
-        acc[0][i][v] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(p + t * kPanel + 8 * v), acc[0][i][v]);
+      const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + whole);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[0][i][v] = _mm256_fmadd_ps(xv, wv[v], acc[0][i][v]);
     }
   }
 #pragma GCC unroll 8
@@ -659,19 +837,23 @@ void panel_rows_whole(const float* p, int64_t k, const float* x, int64_t x_strid
 // apart), cols at most 16.
 template <int MR>
 void half_panel_tile(const float* h, int64_t k, const float* x, int64_t x_stride, float* y,
-                     int64_t y_stride, int cols) {
+                     int64_t y_stride, int cols, Ahead ahead) {
   // (Every loop over the rows unrolled: else GCC stores the accumulators to the stack after
   // every step of k.)
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < k; ++t) {
-    const __m256 w0 = _mm256_loadu_ps(h + t * kPanel), w1 = _mm256_loadu_ps(h + t * kPanel + 8);
+  for (int64_t t0 = 0; t0 < k; t0 += ahead.every) {
+    ahead.next();
+    const int64_t t1 = std::min(k, t0 + ahead.every);
+    for (int64_t t = t0; t < t1; ++t) {
+      const __m256 w0 = _mm256_loadu_ps(h + t * kPanel), w1 = _mm256_loadu_ps(h + t * kPanel + 8);
 #pragma GCC unroll 6
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t);
-      lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
-      hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t);
+        lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
+        hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
+      }
     }
   }
 #pragma GCC unroll 6
@@ -681,60 +863,73 @@ void half_panel_tile(const float* h, int64_t k, const float* x, int64_t x_stride
   }
 }
 
-// Every row of x against one fp32 panel p [K, 32].
-void panel_rows_avx2(const float* p, int64_t k, const float* x, int64_t x_stride, float* y,
-                     int64_t y_stride, int64_t m, int cols) {
-  if (m <= kScratchRows) {
-    for (int64_t i = 0; i < m; i += 2) {
-      if (m - i == 1)
-        panel_rows_whole<1>(p, k, x + i * x_stride, x_stride, y + i * y_stride, y_stride, cols);
-      else
-        panel_rows_whole<2>(p, k, x + i * x_stride, x_stride, y + i * y_stride, y_stride, cols);
-    }
-    return;
-  }
-  for (int half = 0; half < 2; ++half) {
+// Rows of x (3 or more) against one fp32 panel p [K, 32] (panel j's weights, or its dequantized
+// copy) in half-panel tiles, while panel `next`'s stream (none if -1) is asked for.
+void half_panel_rows(const float* p, const Panels& w, int64_t next, const float* x,
+                     int64_t x_stride, float* y, int64_t y_stride, int64_t m, int cols) {
+  // Tiles of 6 rows, the last ones as even as they can be (13 rows: 6 + 7 -> 4 + 4 + 5).
+  const int64_t tiles = (m + 5) / 6;
+  const int halves = cols > 16 ? 2 : 1;
+  for (int half = 0; half < halves; ++half) {
     const int half_cols = std::min(cols - 16 * half, 16);
-    if (half_cols <= 0) break;
-    // Tiles of 6 rows, the last ones as even as they can be (13 rows: 6 + 7 -> 4 + 4 + 5).
-    const int64_t tiles = (m + 5) / 6;
     int64_t i0 = 0;
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t rows = (m - i0) / (tiles - tile);
       const float* h = p + 16 * half;
       const float* xi = x + i0 * x_stride;
       float* yi = y + i0 * y_stride + 16 * half;
+      const Ahead a = next < 0 ? Ahead{} : Ahead::share(w, next, half * tiles + tile,
+                                                         halves * tiles);
+      const int64_t k = w.k;
       switch (rows) {
-        case 1: half_panel_tile<1>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
-        case 2: half_panel_tile<2>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
-        case 3: half_panel_tile<3>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
-        case 4: half_panel_tile<4>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
-        case 5: half_panel_tile<5>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
-        default: half_panel_tile<6>(h, k, xi, x_stride, yi, y_stride, half_cols); break;
+        case 1: half_panel_tile<1>(h, k, xi, x_stride, yi, y_stride, half_cols, a); break;
+        case 2: half_panel_tile<2>(h, k, xi, x_stride, yi, y_stride, half_cols, a); break;
+        case 3: half_panel_tile<3>(h, k, xi, x_stride, yi, y_stride, half_cols, a); break;
+        case 4: half_panel_tile<4>(h, k, xi, x_stride, yi, y_stride, half_cols, a); break;
+        case 5: half_panel_tile<5>(h, k, xi, x_stride, yi, y_stride, half_cols, a); break;
+        default: half_panel_tile<6>(h, k, xi, x_stride, yi, y_stride, half_cols, a); break;
       }
       i0 += rows;
     }
   }
 }
 
+template <Format F>
+void panels_run(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
+  at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
+    const bool dequantized = F != Format::F32 && m > 2;
+    const auto scratch = scratch_of<float>(dequantized ? w.k * kPanel : 0);
+    for (int64_t j = begin; j < end; ++j) {
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
+      const int64_t next = j + 1 < end ? j + 1 : -1;  // this thread's next panel
+      float* yj = y + j * kPanel;
+      if (m <= 2) {
+        const StepReader<F> r(w, j);
+        const Ahead a = next < 0 ? Ahead{} : Ahead::share(w, next, 0, 1);
+        if (m == 1)
+          whole_panel_tile<F, 1>(r, w.k, x, x_stride, yj, w.n, cols, a);
+        else
+          whole_panel_tile<F, 2>(r, w.k, x, x_stride, yj, w.n, cols, a);
+        continue;
+      }
+      if (dequantized) dequant_avx2(w, j, scratch.get());
+      const float* p = dequantized ? scratch.get() : w.f32 + j * w.k * kPanel;
+      half_panel_rows(p, w, next, x, x_stride, yj, w.n, m, cols);
+    }
+  });
+}
+
 void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m, bool) {
   if (m == 0) return;
+  using Run = void (*)(const Panels&, const float*, int64_t, float*, int64_t);
+  const Run run = w.format == Format::BF16   ? panels_run<Format::BF16>
+                  : w.format == Format::Int8 ? panels_run<Format::Int8>
+                  : w.format == Format::Int4 ? panels_run<Format::Int4>
+                                             : panels_run<Format::F32>;
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t block_rows = (m + blocks - 1) / blocks;
-  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-    const int64_t rows = std::min(block_rows, m - m0);
-    at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
-      const bool dequantized = w.format != Format::F32;
-      const auto scratch = scratch_of<float>(dequantized ? w.k * kPanel : 0);
-      for (int64_t j = begin; j < end; ++j) {
-        if (dequantized) w.dequant(j, scratch.get());
-        const float* p = dequantized ? scratch.get() : w.f32 + j * w.k * kPanel;
-        const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
-        panel_rows_avx2(p, w.k, x + m0 * x_stride, x_stride, y + m0 * w.n + j * kPanel, w.n,
-                        rows, cols);
-      }
-    });
-  }
+  for (int64_t m0 = 0; m0 < m; m0 += block_rows)
+    run(w, x + m0 * x_stride, x_stride, y + m0 * w.n, std::min(block_rows, m - m0));
 }
 #else
 // Portable path (no AVX2): each panel dequantized into a scratch panel, then plain loops the
