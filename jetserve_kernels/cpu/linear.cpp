@@ -165,6 +165,64 @@ void for_each_tile(int64_t m, const Tile& tile) {
   }
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// A share of the next panel's stream (its weights, and for int8 and int4 its scales and mins:
+// up to three ranges), asked for into L2 while this panel's tiles compute: a line of each range
+// every `every` steps of k of the tile, so the stream arrives spread over the whole panel's
+// work. (Asked for only by the first tile, ahead of its use, the stream came in at the pace of
+// that tile's FMAs: 6 rows by 16 columns of a 576-deep panel take a microsecond a core, a 72 KB
+// panel would need 70 GB/s.)
+struct Ahead {
+  const char* p[3] = {};
+  int64_t lines[3] = {};
+  int64_t every = int64_t{1} << 40;  // none: past any k, and far from overflowing t + every
+
+  // Share n of `shares` of panel j's stream, over a tile of k steps.
+  static Ahead share(const Panels& w, int64_t j, int64_t n, int64_t shares) {
+    Ahead a;
+    const int64_t groups = w.groups() * kPanel;
+    switch (w.format) {
+      case Format::F32: a.add(0, w.f32 + j * w.k * kPanel, w.k * kPanel * 4, n, shares); break;
+      case Format::BF16: a.add(0, w.b16 + j * w.k * kPanel, w.k * kPanel * 2, n, shares); break;
+      case Format::Int8:
+        a.add(0, w.q8 + j * w.k * kPanel, w.k * kPanel, n, shares);
+        a.add(1, w.scale + j * groups, groups * 4, n, shares);
+        break;
+      case Format::Int4:
+        a.add(0, w.q4 + j * w.k * (kPanel / 2), w.k * kPanel / 2, n, shares);
+        a.add(1, w.scale + j * groups, groups * 4, n, shares);
+        a.add(2, w.min + j * groups, groups * 4, n, shares);
+        break;
+      default: break;  // W8A8 and W4A8 run on their own tiles
+    }
+    a.pace(w.k);
+    return a;
+  }
+
+  void add(int r, const void* base, int64_t bytes, int64_t n, int64_t shares) {
+    const int64_t all = (bytes + 63) / 64, first = all * n / shares;
+    p[r] = static_cast<const char*>(base) + 64 * first;
+    lines[r] = all * (n + 1) / shares - first;
+  }
+
+  void pace(int64_t steps) {
+    const int64_t most = std::max({lines[0], lines[1], lines[2]});
+    every = std::max<int64_t>(1, steps / std::max<int64_t>(most, 1));
+  }
+
+  inline void next() {
+#pragma GCC unroll 3
+    for (int r = 0; r < 3; ++r) {
+      if (lines[r] > 0) {
+        _mm_prefetch(p[r], _MM_HINT_T1);
+        p[r] += 64;
+        --lines[r];
+      }
+    }
+  }
+};
+#endif
+
 #if defined(__AVX512F__)
 // How far ahead of its use a panel's stream is requested: 64 steps of k (8 KB of fp32, 4 KB of
 // bf16), 8 groups of int8 (9 KB) or int4 (6 KB).
@@ -258,12 +316,17 @@ inline void store(float* y, __m512 lo, __m512 hi, int cols) {
 // y[0 .. MR, 0 .. cols) = x[0 .. MR, :] w^T for one panel.
 template <Format F, int MR>
 void panel_tile(PanelReader<F> w, int64_t k, const float* x, int64_t x_stride, float* y,
-                int64_t y_stride, int cols) {
+                int64_t y_stride, int cols, Ahead ahead) {
   __m512 lo[MR], hi[MR];
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  int64_t soon = 0;  // the step that asks for the next line of the next panel
   for (int64_t g = 0; g * kGroup < k; ++g) {
     w.start_group(g);
     for (int64_t t = g * kGroup; t < std::min(k, (g + 1) * kGroup); ++t) {
+      if (t == soon) {
+        ahead.next();
+        soon += ahead.every;
+      }
       __m512 w_lo, w_hi;
       w.load(t, w_lo, w_hi);
       for (int i = 0; i < MR; ++i) {
@@ -310,13 +373,16 @@ void panel_row(PanelReader<F> w, int64_t k, const float* x, float* y, int cols) 
 // Every row of x against one panel.
 template <Format F>
 void panel_rows(PanelReader<F> w, int64_t k, const float* x, int64_t x_stride, float* y,
-                int64_t y_stride, int64_t m, int cols) {
+                int64_t y_stride, int64_t m, int cols, const Panels& all, int64_t next) {
   if (m == 1) {
     panel_row(w, k, x, y, cols);
     return;
   }
+  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
+  int64_t tile = 0;
   for_each_tile(m, [&]<int R>(int64_t m0) {
-    panel_tile<F, R>(w, k, x + m0 * x_stride, x_stride, y + m0 * y_stride, y_stride, cols);
+    const Ahead a = next < 0 ? Ahead{} : Ahead::share(all, next, tile++, tiles);
+    panel_tile<F, R>(w, k, x + m0 * x_stride, x_stride, y + m0 * y_stride, y_stride, cols, a);
   });
 }
 
@@ -344,11 +410,16 @@ void panels_run(const Panels& w, const float* x, int64_t x_stride, float* y, int
     for (int64_t j = begin; j < end; ++j) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
       float* yj = y + j * kPanel;
+      // This thread's next panel, asked for across this one's tiles where there are several or
+      // the tiles read a dequantized copy (one tile over the weights asks for them itself).
+      const bool ask = dequantized || m > kPanelRows;
+      const int64_t next = j + 1 < end && ask ? j + 1 : -1;
       if (!dequantized) {
-        panel_rows(PanelReader<F>(w, j), w.k, x, x_stride, yj, w.n, m, cols);
+        panel_rows(PanelReader<F>(w, j), w.k, x, x_stride, yj, w.n, m, cols, w, next);
       } else {
         dequant_panel<F>(w, j, scratch.get());
-        panel_rows(PanelReader<Format::F32>(dense, 0), w.k, x, x_stride, yj, w.n, m, cols);
+        panel_rows(PanelReader<Format::F32>(dense, 0), w.k, x, x_stride, yj, w.n, m, cols, w,
+                   next);
       }
     }
   });
@@ -593,57 +664,6 @@ constexpr int64_t kScratchRows = 8;
 constexpr int64_t kRowBlock = 96;
 constexpr int64_t kF32Ahead = 64;  // steps of k a panel is asked for ahead of its use
 constexpr int64_t kGroupsAhead = 8;  // int8, int4: groups of 32 steps
-
-// A share of the next panel's stream (its weights, and for int8 and int4 its scales and mins:
-// up to three ranges), asked for into L2 while this panel's tiles compute: a line of each range
-// every `every` steps of k of the tile, so the stream arrives spread over the whole panel's
-// work. (Asked for only by the first tile, ahead of its use, the stream came in at the pace of
-// that tile's FMAs: 6 rows by 16 columns of a 576-deep panel take a microsecond a core, a 72 KB
-// panel would need 70 GB/s.)
-struct Ahead {
-  const char* p[3] = {};
-  int64_t lines[3] = {};
-  int64_t every = int64_t{1} << 40;  // none: past any k, and far from overflowing t + every
-
-  // Share n of `shares` of panel j's stream, over a tile of k steps.
-  static Ahead share(const Panels& w, int64_t j, int64_t n, int64_t shares) {
-    Ahead a;
-    const auto range = [&](int r, const void* base, int64_t bytes) {
-      const int64_t all = (bytes + 63) / 64, first = all * n / shares;
-      a.p[r] = static_cast<const char*>(base) + 64 * first;
-      a.lines[r] = all * (n + 1) / shares - first;
-    };
-    const int64_t groups = w.groups() * kPanel;
-    switch (w.format) {
-      case Format::F32: range(0, w.f32 + j * w.k * kPanel, w.k * kPanel * 4); break;
-      case Format::BF16: range(0, w.b16 + j * w.k * kPanel, w.k * kPanel * 2); break;
-      case Format::Int8:
-        range(0, w.q8 + j * w.k * kPanel, w.k * kPanel);
-        range(1, w.scale + j * groups, groups * 4);
-        break;
-      case Format::Int4:
-        range(0, w.q4 + j * w.k * (kPanel / 2), w.k * kPanel / 2);
-        range(1, w.scale + j * groups, groups * 4);
-        range(2, w.min + j * groups, groups * 4);
-        break;
-      default: break;  // W8A8 and W4A8 run on their own tiles
-    }
-    const int64_t most = std::max({a.lines[0], a.lines[1], a.lines[2]});
-    a.every = std::max<int64_t>(1, w.k / std::max<int64_t>(most, 1));
-    return a;
-  }
-
-  inline void next() {
-#pragma GCC unroll 3
-    for (int r = 0; r < 3; ++r) {
-      if (lines[r] > 0) {
-        _mm_prefetch(p[r], _MM_HINT_T1);
-        p[r] += 64;
-        --lines[r];
-      }
-    }
-  }
-};
 
 // Panel j of a bf16, int8 or int4 W dequantized into out [K, 32] (fp32), a step of k at a time
 // in four vectors.
