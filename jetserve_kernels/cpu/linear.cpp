@@ -803,7 +803,7 @@ struct StepReader {
 // dequantized once for both rows.
 template <Format F, int MR>
 void whole_panel_tile(StepReader<F> w, int64_t k, const float* x, int64_t x_stride, float* y,
-                      int64_t y_stride, int cols, Ahead ahead) {
+                      int64_t y_stride, int cols) {
   // (Every loop but k's unrolled, as in half_panel_tile below.)
   constexpr int kSteps = MR == 1 ? 2 : 1;  // steps of k a pass: 8 accumulators either way
   __m256 acc[kSteps][MR][4];
@@ -815,21 +815,17 @@ void whole_panel_tile(StepReader<F> w, int64_t k, const float* x, int64_t x_stri
       for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_setzero_ps();
   // Groups of 32 start on even steps, so a pass of two steps never straddles two groups.
   const int64_t whole = k / kSteps * kSteps;
-  const int64_t chunk = (ahead.every + kSteps - 1) / kSteps * kSteps;
-  for (int64_t t0 = 0; t0 < whole; t0 += chunk) {
-    ahead.next();
-    for (int64_t t = t0; t < std::min(whole, t0 + chunk); t += kSteps) {
-      if (t % kGroup == 0) w.start_group(t / kGroup);
+  for (int64_t t = 0; t < whole; t += kSteps) {
+    if (t % kGroup == 0) w.start_group(t / kGroup);
 #pragma GCC unroll 8
-      for (int u = 0; u < kSteps; ++u) {
-        __m256 wv[4];
-        w.load(t + u, wv);
+    for (int u = 0; u < kSteps; ++u) {
+      __m256 wv[4];
+      w.load(t + u, wv);
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) {
-          const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t + u);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + t + u);
 #pragma GCC unroll 4
-          for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_fmadd_ps(xv, wv[v], acc[u][i][v]);
-        }
+        for (int v = 0; v < 4; ++v) acc[u][i][v] = _mm256_fmadd_ps(xv, wv[v], acc[u][i][v]);
       }
     }
   }
@@ -923,13 +919,12 @@ void panels_run(const Panels& w, const float* x, int64_t x_stride, float* y, int
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
       const int64_t next = j + 1 < end ? j + 1 : -1;  // this thread's next panel
       float* yj = y + j * kPanel;
-      if (m <= 2) {
+      if (m <= 2) {  // one tile, which asks for the panel's stream itself
         const StepReader<F> r(w, j);
-        const Ahead a = next < 0 ? Ahead{} : Ahead::share(w, next, 0, 1);
         if (m == 1)
-          whole_panel_tile<F, 1>(r, w.k, x, x_stride, yj, w.n, cols, a);
+          whole_panel_tile<F, 1>(r, w.k, x, x_stride, yj, w.n, cols);
         else
-          whole_panel_tile<F, 2>(r, w.k, x, x_stride, yj, w.n, cols, a);
+          whole_panel_tile<F, 2>(r, w.k, x, x_stride, yj, w.n, cols);
         continue;
       }
       if (dequantized) dequant_avx2(w, j, scratch.get());
