@@ -20,8 +20,8 @@
 // into bfloat16 pairs for vdpbf16ps), and every tile of x runs over it, so dequantizing costs once
 // per panel rather than once per tile. Past 96 rows, fp32 FMAs take x in blocks that stay in L2.
 // That is the AVX-512 path. Without AVX-512, an AVX2 build (16 registers of 8 lanes) has smaller
-// tiles of its own (below), every format dequantized into an fp32 panel first; without AVX2,
-// plain loops the compiler vectorizes.
+// tiles of its own (below): one or two rows dequantize in registers, more rows read an fp32 panel
+// (a quantized one dequantized first); without AVX2, plain loops the compiler vectorizes.
 //
 // With int8 activations (where the CPU has AVX512-VNNI; AVX2 without it, further below, multiplies
 // the same codes and quads as 16-bit integers), x is quantized on entry per row and group
@@ -658,7 +658,7 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
 // (Ahead). fp32 panels are read where they lie; the other formats are dequantized into an fp32
 // scratch panel first, once a panel per call (per block of rows past kRowBlock).
 constexpr bool kBf16Dot = false;
-constexpr int64_t kScratchRows = 8;
+constexpr int64_t kWholeRows = 2;  // up to this many rows, whole-panel tiles; past it, half-panel
 // Rows of x a block, as on AVX-512, so that a block stays in L2 across panels where the rows are
 // short enough (96 of SmolLM2's K = 576 are 221 KB; of K = 1536, 590 KB: L3 on a 256 KB L2).
 constexpr int64_t kRowBlock = 96;
@@ -735,7 +735,7 @@ struct StepReader {
   const uint8_t* q4 = nullptr;
   const float* s = nullptr;
   const float* mn = nullptr;
-  __m256 scale[4], low[4];
+  __m256 scale[4] = {}, low[4] = {};  // int8 and int4: group g's (int4: low, its mins)
 
   StepReader(const Panels& w, int64_t j) {
     if constexpr (F == Format::F32) f = w.f32 + j * w.k * kPanel;
@@ -913,13 +913,13 @@ void half_panel_rows(const float* p, const Panels& w, int64_t next, const float*
 template <Format F>
 void panels_run(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m) {
   at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
-    const bool dequantized = F != Format::F32 && m > 2;
+    const bool dequantized = F != Format::F32 && m > kWholeRows;
     const auto scratch = scratch_of<float>(dequantized ? w.k * kPanel : 0);
     for (int64_t j = begin; j < end; ++j) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
       const int64_t next = j + 1 < end ? j + 1 : -1;  // this thread's next panel
       float* yj = y + j * kPanel;
-      if (m <= 2) {  // one tile, which asks for the panel's stream itself
+      if (m <= kWholeRows) {  // one tile, which asks for the panel's stream itself
         const StepReader<F> r(w, j);
         if (m == 1)
           whole_panel_tile<F, 1>(r, w.k, x, x_stride, yj, w.n, cols);
@@ -936,6 +936,8 @@ void panels_run(const Panels& w, const float* x, int64_t x_stride, float* y, int
 
 void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m, bool) {
   if (m == 0) return;
+  TORCH_CHECK(w.format != Format::W8A8 && w.format != Format::W4A8,
+              "panels_matmul: quads multiply on quads_matmul");
   using Run = void (*)(const Panels&, const float*, int64_t, float*, int64_t);
   const Run run = w.format == Format::BF16   ? panels_run<Format::BF16>
                   : w.format == Format::Int8 ? panels_run<Format::Int8>

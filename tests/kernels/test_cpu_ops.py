@@ -32,9 +32,9 @@ def quantized_linear(k, weight, x, many_rows="fp32"):
     return k.linear_int4(x, w.q, w.scale, w.min, w.n, many_rows)
 
 
-# Rows: one (its own loop), 2 (on AVX2 the last rows dequantized in registers), 3 and 8
+# Rows: one (its own loop), 2 (on AVX2 the most that dequantize in registers), 3 and 8
 # (registers on AVX-512; AVX2's tiles over a scratch panel), 9 and 70 (tiles over a scratch
-# panel; "amx" is BLAS at 70), 200 (blocks of 72, 72 and 56 rows). Shapes: N short of a panel (7), last panels
+# panel; "amx" is BLAS at 70), 200 (blocks of 72, 72 and 56 rows on AVX-512; 67, 67, 66 on AVX2). Shapes: N short of a panel (7), last panels
 # of 13 and 27 columns (45, 59: on AVX2, a vector and a part one; a half panel and a part one),
 # past whole panels (261), SmolLM2's down projection.
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 70, 200])
@@ -296,7 +296,7 @@ def test_int8_activations_are_chosen_where_they_can_run(k):
 # (DenseLinear leaves other N to torch); an odd K; SmolLM2's down projection. (Part panels are
 # the quantized formats', above.)
 @pytest.mark.parametrize("rows", list(range(1, 14)) + [25, 70, 200])
-@pytest.mark.parametrize("shape", [(32, 64), (96, 40), (64, 33), (576, 1536)])
+@pytest.mark.parametrize("shape", [(32, 64), (96, 40), (64, 33), (32, 7), (576, 1536)])
 def test_packed_fp32_linear_matches_torch(k, rows, shape):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(shape, generator=gen)
@@ -305,15 +305,40 @@ def test_packed_fp32_linear_matches_torch(k, rows, shape):
                                atol=1e-4, rtol=1e-4)
 
 
+def test_linear_on_one_thread(k):
+    """One thread owns every panel, so each panel's tiles ask for shares of the next one (on
+    two threads a weight of a few panels may never get there): fp32 with K even and odd, int8
+    and int4 past a panel's 32 columns, at the row counts of each kind of tile."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(7)
+        for shape in [(96, 40), (64, 33)]:
+            weight = torch.randn(shape, generator=gen)
+            for rows in (1, 2, 3, 13, 25):
+                x = torch.randn(rows, shape[1], generator=gen)
+                torch.testing.assert_close(k.linear_f32(x, pack_panels(weight)), x @ weight.t(),
+                                           atol=1e-4, rtol=1e-4)
+        weight = torch.randn(261, 96, generator=gen)
+        for rows in (1, 2, 3, 9, 13):
+            x = torch.randn(rows, 96, generator=gen)
+            for bits in (8, 4):
+                q = quantize(weight, bits)
+                torch.testing.assert_close(quantized_linear(k, q, x), x @ q.dequantize().t(),
+                                           atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_linear_reads_strided_rows_and_rejects_bad_shapes(k):
     weight = torch.randn(32, 64)
-    for rows in (20, 3):  # the prefill tiles and the decode ones
+    q8 = quantize(weight, 8)
+    for rows in (20, 3, 2):  # the prefill tiles and the decode ones (AVX2: 2 in registers)
         x = torch.randn(rows, 200)[:, :64]  # rows with a stride, as the model's views have
         torch.testing.assert_close(k.linear_f32(x, pack_panels(weight)), x @ weight.t(),
                                    atol=1e-5, rtol=1e-5)
-    q8 = quantize(weight, 8)
-    torch.testing.assert_close(quantized_linear(k, q8, x), x @ q8.dequantize().t(),
-                               atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(quantized_linear(k, q8, x), x @ q8.dequantize().t(),
+                                   atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="x has 64 columns, the weight 32"):
         k.linear_f32(x, pack_panels(torch.randn(32, 32)))
     with pytest.raises(RuntimeError, match="fp32 panels"):
