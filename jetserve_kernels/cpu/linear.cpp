@@ -665,54 +665,6 @@ constexpr int64_t kRowBlock = 96;
 constexpr int64_t kF32Ahead = 64;  // steps of k a panel is asked for ahead of its use
 constexpr int64_t kGroupsAhead = 8;  // int8, int4: groups of 32 steps
 
-// Panel j of a bf16, int8 or int4 W dequantized into out [K, 32] (fp32), a step of k at a time
-// in four vectors.
-void dequant_avx2(const Panels& w, int64_t j, float* out) {
-  const int64_t k = w.k;
-  if (w.format == Format::BF16) {  // a bf16 is the high half of an fp32
-    const uint16_t* b = w.b16 + j * k * kPanel;
-    for (int64_t t = 0; t < k; ++t)
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + t * kPanel + 8 * v));
-        _mm256_storeu_ps(out + t * kPanel + 8 * v,
-                         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-      }
-    return;
-  }
-  const float* scale = w.scale + j * w.groups() * kPanel;
-  for (int64_t g = 0; g < w.groups(); ++g) {
-    __m256 s[4], lo[4];
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) {
-      s[v] = _mm256_loadu_ps(scale + g * kPanel + 8 * v);
-      if (w.format == Format::Int4) lo[v] = _mm256_loadu_ps(w.min + (j * w.groups() + g) * kPanel + 8 * v);
-    }
-    for (int64_t t = g * kGroup; t < (g + 1) * kGroup; ++t) {
-      float* row = out + t * kPanel;
-      if (w.format == Format::Int8) {
-        const int8_t* q = w.q8 + (j * k + t) * kPanel;
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
-          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v));
-          _mm256_storeu_ps(row + 8 * v, _mm256_mul_ps(s[v], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
-        }
-      } else {  // byte c: column c in its low nibble, c + 16 in its high one
-        const uint8_t* q = w.q4 + (j * k + t) * (kPanel / 2);
-#pragma GCC unroll 2
-        for (int v = 0; v < 2; ++v) {
-          const __m256i b = _mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v)));
-          const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xF)));
-          const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-          _mm256_storeu_ps(row + 8 * v, _mm256_fmadd_ps(s[v], low, lo[v]));
-          _mm256_storeu_ps(row + 16 + 8 * v, _mm256_fmadd_ps(s[v + 2], high, lo[v + 2]));
-        }
-      }
-    }
-  }
-}
-
 // The first cols (at most 8; none if cols <= 0) of v.
 inline void store8(float* y, __m256 v, int cols) {
   if (cols >= 8) {
@@ -798,6 +750,19 @@ struct StepReader {
     }
   }
 };
+
+// Panel j of a bf16, int8 or int4 W dequantized into out [K, 32] (fp32), for tiles of more rows.
+template <Format F>
+void dequant_avx2(const Panels& w, int64_t j, float* out) {
+  StepReader<F> panel(w, j);
+  for (int64_t t = 0; t < w.k; ++t) {
+    if (t % kGroup == 0) panel.start_group(t / kGroup);
+    __m256 v[4];
+    panel.load(t, v);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + t * kPanel + 8 * i, v[i]);
+  }
+}
 
 // y[0 .. MR, 0 .. cols) = x[0 .. MR, :] w^T for a whole panel, MR 1 or 2, the weights read and
 // dequantized once for both rows.
@@ -927,7 +892,8 @@ void panels_run(const Panels& w, const float* x, int64_t x_stride, float* y, int
           whole_panel_tile<F, 2>(r, w.k, x, x_stride, yj, w.n, cols);
         continue;
       }
-      if (dequantized) dequant_avx2(w, j, scratch.get());
+      if constexpr (F != Format::F32)
+        if (dequantized) dequant_avx2<F>(w, j, scratch.get());
       const float* p = dequantized ? scratch.get() : w.f32 + j * w.k * kPanel;
       half_panel_rows(p, w, next, x, x_stride, yj, w.n, m, cols);
     }
