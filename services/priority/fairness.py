@@ -64,9 +64,12 @@ class TenantCounters:
             self.backlog.pop(tenant, None)
 
     def charge(self, tenant: str, tokens: float) -> None:
-        """`tokens` served (negative: a correction of an advance charge)."""
+        """`tokens` served (negative: a correction of an advance charge). A tenant with no
+        counter (never seen here, or forgotten) is charged from the highest counter forgotten,
+        not from zero: a Done this replica hears for a tenant it forgot (another replica
+        dispatched the request) must not leave it below where it was."""
         weight = self.weights.get(tenant, 1.0)
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens / weight
+        self.counters[tenant] = self.counters.get(tenant, self.highest) + tokens / weight
 
     def lag(self, tenant: str) -> float:
         """How far (in weighted tokens) the tenant is ahead of the least-served active one."""

@@ -420,6 +420,7 @@ class RequestScheduler:
                 "tenants_counted": len(self.counters.counters),
                 "tenant_counters": _largest({t: round(c, 1)
                                              for t, c in self.counters.counters.items()}),
+                "tenant_counter_forgotten": round(self.counters.highest, 1),
                 "backlogged_tenants": _largest(self.counters.backlog),
                 "running_tenants": sorted(self.counters.running)[:TENANT_LABELS_MAX],
                 "tenant_served": self.served}
