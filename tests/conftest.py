@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 from collections import Counter
 
@@ -36,12 +35,8 @@ def pytest_configure(config):
 
 
 # pytest-xdist hands out whole files, those with the most tests first (the Makefile keeps this
-# order with --no-loadscope-reorder). The container test is one long test that mostly waits on
-# containers, so it goes first, beside files that keep the cores busy, instead of alone at the end.
-# Only in the workers: a run in one process keeps pytest's order (and --stepwise with it).
-RUN_FIRST = "tests/integration/test_podman_compose.py"
-
-
+# order with --no-loadscope-reorder). Only in the workers: a run in one process keeps pytest's
+# order (and --stepwise with it).
 def pytest_collection_modifyitems(items):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
@@ -50,7 +45,7 @@ def pytest_collection_modifyitems(items):
         return item.nodeid.split("::")[0]
 
     tests_in = Counter(file(item) for item in items)
-    items.sort(key=lambda item: -math.inf if file(item) == RUN_FIRST else -tests_in[file(item)])
+    items.sort(key=lambda item: -tests_in[file(item)])
 
 
 def tiny_config(settings: dict | None = None, **fields) -> EngineConfig:

@@ -5,9 +5,9 @@ generate and a durable request complete from the host; the node leading LLM_STAT
 host does not connect through) is SIGKILLed and requests sent at once still complete; it
 rejoins; then one replica each of admission, priority and the batcher is SIGKILLed under 16
 durable and 16 generate requests, and each gets its one answer (LLM_RESULTS holds one result
-per durable request). Skips, saying why, where podman is not set up, and unless
-JETSERVE_CONTAINER_CLUSTER=1: it takes about 80 s more than make test's ten minutes allow
-(docs/operations.md gives its last run)."""
+per durable request). `make test-containers` runs it with JETSERVE_CONTAINER_CLUSTER=1 (about
+80 s more than CI's budget holds; docs/operations.md gives its last run); it skips, saying why,
+without that or where podman is not set up."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from tests.integration.test_podman_compose import (
     run,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.containers]  # make test-containers, not make test
 
 FILES = ("-f", "compose.yaml", "-f", "deploy/local/compose.podman.yaml",
          "-f", "deploy/compose.cluster.yaml", "-f", "deploy/local/compose.cluster.podman.yaml")
@@ -46,7 +46,7 @@ FILES = ("-f", "compose.yaml", "-f", "deploy/local/compose.podman.yaml",
 def cluster():
     if os.environ.get("JETSERVE_CONTAINER_CLUSTER") != "1":
         pytest.skip("the compose cluster in containers runs with JETSERVE_CONTAINER_CLUSTER=1 "
-                    "(about 80 s; beyond make test's time budget)")
+                    "(about 80 s more than CI's budget holds)")
     reason = podman_usable()
     if reason:
         pytest.skip(reason)

@@ -31,7 +31,7 @@ from shared.client import JetserveClient
 from shared.protocol import Completion, GenerateRequest
 from shared.subjects import RESULTS_STREAM, Subjects
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.containers]  # make test-containers, not make test
 
 ROOT = Path(__file__).resolve().parents[2]
 JETSERVE = ("admission", "priority", "batcher", "gateway", "executor")
