@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run the first variant with this model.amx (on a CPU with "
                         "AMX: tiles, a bf16 model's matmuls on the kernels' own AMX tiles; "
                         "none, no AMX at all)")
+    parser.add_argument("--also-no-huge-pages", action="store_true",
+                        help="also run the first variant with model.huge_pages off (the packed "
+                        "weights and KV cache on torch's 4 KiB pages)")
     parser.add_argument("--result-json", default="results/engine_bench.json")
     args = parser.parse_args(argv)
 
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         variants[f"engine_{args.also_dtype}"] = {**first, "model.dtype": args.also_dtype}
     if args.also_amx:
         variants[f"engine_amx_{args.also_amx}"] = {**first, "model.amx": args.also_amx}
+    if args.also_no_huge_pages:
+        variants["engine_no_huge_pages"] = {**first, "model.huge_pages": False}
     if args.no_pipeline:
         variants["engine_no_pipeline"] = {**first, "scheduler.token_level.pipeline": False}
     variants = {name: engine_config(settings) for name, settings in variants.items()}

@@ -78,6 +78,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # on AVX-512 (the kernels' own tiles have not yet been measured on an AMX CPU). tiles: a bf16
     # model's matmuls on the kernels' own AMX tiles too, at every row count. none: no AMX.
     amx: Literal["auto", "tiles", "none"] = "auto"
+    # A CPU engine's packed weights and KV cache in transparent huge pages, where the host's THP
+    # mode is madvise or always (services/executor/engine/huge_pages.py; off: torch's 4 KiB pages).
+    huge_pages: bool = True
     # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: Annotated[int, msgspec.Meta(ge=16)] | None = None

@@ -243,6 +243,11 @@ class DenseLinear:
             return self.kernels.linear_f32(x, self.weight)
         return F.linear(x, self.weight)
 
+    def place(self, arena) -> None:
+        """The packed weight moved into `arena` (huge_pages.py); torch's matmul's stays."""
+        if self.kernels is not None:
+            self.weight = arena.take(self.weight)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W (an embedding lookup, for a table tied to the output projection)."""
         if self.pairs:
@@ -265,6 +270,11 @@ class QuantizedLinear:
             self.weight = pack_for_int8_activations(self.weight)
         self.kernels = kernels
         self.many_rows = many_rows_precision(kernels, amx)
+
+    def place(self, arena) -> None:
+        """The packed weight moved into `arena` (huge_pages.py)."""
+        w = self.weight
+        w.q, w.scale, w.min, w.sums = (arena.take(t) for t in (w.q, w.scale, w.min, w.sums))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, k = self.weight, self.kernels

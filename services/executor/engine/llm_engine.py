@@ -164,13 +164,14 @@ class Engine:
                                  "torch backend; with triton, set model.dtype: bfloat16 instead")
             model = self.on_model_thread(LlamaModel, model_config, weights, backend,
                                           self.max_model_len, config.model.quantized_activations,
-                                          config.model.amx)
+                                          config.model.amx, config.model.huge_pages)
             self.pool_sizes = self._split_pools(config.kv_cache.num_blocks
                                                 or self._blocks_that_fit())
             self.runner = self.on_model_thread(ModelRunner, model, backend, self.pool_sizes[0],
                                                 config.kv_cache.block_size,
                                                 getattr(torch, self.kv_dtype_name),
-                                                self.device, sum(self.pool_sizes[1:]))
+                                                self.device, sum(self.pool_sizes[1:]),
+                                                config.model.huge_pages)
             self.on_model_thread(self.runner.warm_up)
             self.matmuls = model.matmuls()
         self.kv_pool_dtypes = [self.kv_dtype_name, "int8"][

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.executor.engine import huge_pages
 from services.executor.engine.linear import (DenseLinear, QuantizedLinear, QuantizedWeight,
                                              concat, int8_activations, make_linear)
 from shared.model_files import ModelConfig
@@ -51,7 +52,8 @@ def rotary_cos_sin(config: ModelConfig, max_position: int, device: torch.device)
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict, backend, max_position: int,
-                 quantized_activations: str = "float32", amx: str = "auto"):
+                 quantized_activations: str = "float32", amx: str = "auto",
+                 huge_pages_on: bool = True):
         self.config = config
         self.backend = backend
         self.scale = config.head_dim ** -0.5
@@ -86,6 +88,13 @@ class LlamaModel:
                 gate_up_proj=take("mlp.gate_proj", "mlp.up_proj"),
                 down_proj=take("mlp.down_proj"),
             ))
+        if kernels is not None and huge_pages_on and huge_pages.available():
+            # Packed weights into huge pages, one at a time (the old copy freed as it goes).
+            arena = huge_pages.HugePageArena()
+            for linear in [self.lm_head, *(m for layer in self.layers for m in (
+                    layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))]:
+                linear.place(arena)
+            huge_pages.release_freed()
         self.cos_sin_cache = rotary_cos_sin(config, max_position, embed_tokens.device)
         self.q_size = config.num_heads * config.head_dim
 

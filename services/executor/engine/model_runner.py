@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from jetserve_kernels import kv_int8
+from services.executor.engine import huge_pages
 from services.executor.engine.attention import SeqSlice, TorchBackend
 from services.executor.engine.model import KvSegment, LlamaModel
 from services.executor.engine.sampler import SamplingBatch, sample, token_seed
@@ -45,7 +46,8 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: TorchBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, int8_blocks: int = 0):
+                 dtype: torch.dtype, device: torch.device, int8_blocks: int = 0,
+                 huge_pages_on: bool = True):
         """`dtype`: the KV cache's, the model's or int8 (jetserve_kernels/kv_int8.py).
         `int8_blocks`: the size of a second, int8 pool (pool 1:
         kv_cache.compress_below_priority)."""
@@ -54,11 +56,19 @@ class ModelRunner:
         self.backend = backend
         self.device = device
 
+        # On a CPU, the cache in huge pages (huge_pages.py), zeroed as torch.zeros would: the
+        # memory is taken at start, not when the pool fills.
+        arena = (huge_pages.HugePageArena() if device.type == "cpu" and huge_pages_on
+                 and huge_pages.available() else None)
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if arena is None:
+                return torch.zeros(shape, dtype=dtype, device=device)
+            return arena.empty(shape, dtype).zero_()
+
         def pool(blocks: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
             shape = (blocks, block_size, cfg.num_kv_heads, kv_cache_row(cfg, dtype))
-            return [(torch.zeros(shape, dtype=dtype, device=device),
-                     torch.zeros(shape, dtype=dtype, device=device))
-                    for _ in range(cfg.num_layers)]
+            return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(cfg.num_layers)]
 
         self.kv_pools = [pool(num_blocks, dtype)]
         if int8_blocks:
