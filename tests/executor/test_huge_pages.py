@@ -67,6 +67,8 @@ def test_an_empty_tensor_is_shaped_and_typed():
     t = arena.empty((4, 8, 3), torch.bfloat16)
     assert t.shape == (4, 8, 3) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert arena.empty((0,), torch.float32).numel() == 0
+    fresh = HugePageArena()
+    assert fresh.empty((0, 4), torch.int8).shape == (0, 4) and fresh.region is None  # no region
 
 
 @needs_thp

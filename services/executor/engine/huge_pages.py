@@ -70,6 +70,8 @@ class HugePageArena:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized contiguous tensor (its pages are zero until written)."""
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
         with self.lock:
             if self.region is None or self.used + nbytes > self.region.numel():
                 self._new_region(nbytes)
