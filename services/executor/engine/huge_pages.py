@@ -5,10 +5,10 @@ over gigabytes: on 4 KiB pages that is a TLB miss every 4 KiB and a page walk th
 prefetchers cannot run ahead of. Most Linux hosts ship transparent huge pages in `madvise` mode
 (`/sys/kernel/mm/transparent_hugepage/enabled`), where memory gets 2 MiB pages only if it asks:
 torch's allocator does not ask (unless THP_MEM_ALLOC_ENABLE=1 is set before it starts), and its
-tensors of a few MiB would each straddle a huge page's boundaries anyway. So the engine packs its
-weights, and allocates its CPU KV cache, into regions of its own: anonymous private mappings,
-2 MiB-aligned, advised MADV_HUGEPAGE before their first touch. Where THP is `never`, or the
-platform has no MADV_HUGEPAGE, tensors stay where torch put them.
+tensors of a few MiB would each straddle a huge page's boundaries anyway. So the engine moves
+each weight, once packed, and allocates its CPU KV cache, into regions of its own: anonymous
+private mappings aligned to a huge page and advised MADV_HUGEPAGE before their first touch.
+Where THP is `never`, or the platform has no MADV_HUGEPAGE, tensors stay where torch put them.
 """
 
 from __future__ import annotations
@@ -20,16 +20,26 @@ from pathlib import Path
 
 import torch
 
-HUGE_PAGE = 2 << 20
-REGION = 64 << 20  # a region's size, unless one tensor needs more
+THP = Path("/sys/kernel/mm/transparent_hugepage")
+REGION = 64 << 20  # a region's size; a tensor as large or larger gets a region of its own
 ALIGN = 64  # each tensor starts on a cache line
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_page_size() -> int:
+    """The size of a transparent huge page: 2 MiB on x86-64 (and arm64 on 4 KiB pages)."""
+    try:
+        return int((THP / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE_PAGE = huge_page_size()
 
 
 def thp_mode() -> str:
     """always, madvise or never (the bracketed word of the sysfs file); never where unreadable."""
     try:
-        text = THP_MODE.read_text()
+        text = (THP / "enabled").read_text()
     except OSError:
         return "never"
     start, end = text.find("["), text.find("]")
@@ -59,22 +69,31 @@ class HugePageArena:
         self.used = 0
         self.lock = threading.Lock()
 
-    def _new_region(self, nbytes: int) -> None:
-        size = -(-max(nbytes, self.region_bytes) // HUGE_PAGE) * HUGE_PAGE
+    @staticmethod
+    def _map(nbytes: int) -> torch.Tensor:
+        """A new region of at least `nbytes` (uint8), starting on a huge page."""
+        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
         mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: faults take 2 MiB pages
-        whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while it lives
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: faults take huge pages
+        except OSError:  # refused (a sandbox): 4 KiB pages, still one aligned region
+            pass
+        # The tensor holds the mapping, which is unmapped when the last view of it goes. Never
+        # keep `mapping` itself or close() it: torch does not stop a close under live tensors.
+        whole = torch.frombuffer(mapping, dtype=torch.uint8)
         start = -whole.data_ptr() % HUGE_PAGE
-        self.region, self.used = whole[start:start + size], 0
+        return whole[start:start + size]
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized contiguous tensor (its pages are zero until written)."""
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
+        if nbytes >= self.region_bytes:  # its own region; the current one goes on filling
+            return self._map(nbytes)[:nbytes].view(dtype).view(shape)
         with self.lock:
             if self.region is None or self.used + nbytes > self.region.numel():
-                self._new_region(nbytes)
+                self.region, self.used = self._map(self.region_bytes), 0
             out = self.region[self.used:self.used + nbytes]
             self.used = -(-(self.used + nbytes) // ALIGN) * ALIGN
         return out.view(dtype).view(shape)

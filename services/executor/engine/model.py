@@ -62,7 +62,19 @@ class LlamaModel:
             int8_activations(quantized_activations, kernels)
         embed_tokens = weights.pop("model.embed_tokens.weight")
         lm_head = weights.pop("lm_head.weight", embed_tokens)
-        self.lm_head = make_linear(lm_head, kernels, int8_acts, amx)
+        arena = (huge_pages.HugePageArena() if kernels is not None and huge_pages_on
+                 and huge_pages.available() else None)
+
+        def linear(weight: torch.Tensor | QuantizedWeight) -> Linear:
+            """The matmul for a weight, its packed copy moved into huge pages at once, so the
+            next one's packing reuses what the move freed (placed at the end, the load's peak
+            held every packed weight twice)."""
+            made = make_linear(weight, kernels, int8_acts, amx)
+            if arena is not None:
+                made.place(arena)
+            return made
+
+        self.lm_head = linear(lm_head)
         # A tied table is looked up in the output projection's own (maybe packed) copy.
         tied = lm_head is embed_tokens and isinstance(self.lm_head, DenseLinear)
         # Activations are fp32 where the CPU kernels run (bf16 weights included), else the
@@ -77,8 +89,7 @@ class LlamaModel:
         self.layers = []
         for i in range(config.num_layers):
             def take(*names: str, prefix: str = f"model.layers.{i}.") -> Linear:
-                return make_linear(concat([weights.pop(prefix + n + ".weight") for n in names]),
-                                   kernels, int8_acts, amx)
+                return linear(concat([weights.pop(prefix + n + ".weight") for n in names]))
 
             self.layers.append(LayerWeights(
                 input_norm=weights.pop(f"model.layers.{i}.input_layernorm.weight").to(act),
@@ -88,12 +99,7 @@ class LlamaModel:
                 gate_up_proj=take("mlp.gate_proj", "mlp.up_proj"),
                 down_proj=take("mlp.down_proj"),
             ))
-        if kernels is not None and huge_pages_on and huge_pages.available():
-            # Packed weights into huge pages, one at a time (the old copy freed as it goes).
-            arena = huge_pages.HugePageArena()
-            for linear in [self.lm_head, *(m for layer in self.layers for m in (
-                    layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))]:
-                linear.place(arena)
+        if arena is not None:
             huge_pages.release_freed()
         self.cos_sin_cache = rotary_cos_sin(config, max_position, embed_tokens.device)
         self.q_size = config.num_heads * config.head_dim
