@@ -7,8 +7,9 @@ where the CPU has AVX512-BF16, and "bf16_pairs_amx", the same pairs on AMX tiles
 AMX; "bf16_panels", widened to fp32 up to 8 rows, as without it), beside torch's own fp32 and
 bf16 matmuls (BLAS: oneDNN's AMX kernels for bf16 where the CPU has AMX) on the same shapes,
 and the share of the cores' peak (`dot_peak_flops`: fp32 FMAs, bf16 and int8 dot products from
-registers) that the fp32, bf16-pairs and W8A8 kernels reach.
-The best of `--repeats` runs, in ms for all the layers.
+registers) that the fp32, bf16-pairs and W8A8 kernels reach. Every weight, torch's included, is
+in transparent huge pages where the host allows, as the engine's (`--no-huge-pages`: torch's
+4 KiB pages). The best of `--repeats` runs, in ms for all the layers.
 
     python -m loadtest.linear_bench --rows 1 8 40 128 512 --result-json results/linear_bench.json
 """
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from jetserve_kernels import cpu_ops
 from loadtest.metrics import write_result
+from services.executor.engine import huge_pages
 from services.executor.engine.linear import (pack_for_int8_activations, pack_pairs,
                                              pack_panels, pack_quantized, quantize)
 from shared.model_files import DUMMY_SHAPES
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(DUMMY_SHAPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 40, 128, 512])
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="the weights on torch's pages, not in huge pages as the engine's")
     parser.add_argument("--result-json", default="results/linear_bench.json")
     args = parser.parse_args(argv)
     kernels = cpu_ops.load()
@@ -83,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     dense16 = [w.bfloat16() for w in dense]
     bf16_panels = [pack_panels(w) for w in dense16]
     bf16_pairs = [pack_pairs(w.bfloat16()) for w in dense] if kernels.bf16_dot_products() else []
+    placed = not args.no_huge_pages and huge_pages.available()
+    if placed:  # as the engine places its packed weights (huge_pages.py)
+        arena = huge_pages.HugePageArena()
+        for tensors in (dense, panels, dense16, bf16_panels, bf16_pairs):
+            tensors[:] = [arena.take(t) for t in tensors]
+        for w in [w for ws in (*quantized.values(), *quads.values()) for w in ws]:
+            w.q, w.scale, w.min, w.sums = (arena.take(t) for t in (w.q, w.scale, w.min, w.sums))
 
     def run_int8_activations(bits: int, xs: dict, second_byte: bool = False):
         for w in quads[bits]:
@@ -113,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{kind} {peak:.0f}" for kind, peak in peaks.items())
               + " GFLOP/s (int8: GOP/s)")
     results = []
-    print(f"{len(dense)} matmuls ({args.shape}), ms for all of them, best of {args.repeats}")
+    print(f"{len(dense)} matmuls ({args.shape}), ms for all of them, best of {args.repeats}, "
+          f"weights {'in huge pages' if placed else 'on 4 KiB pages'}")
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k in {k for _, k in layer_shapes(shape)}}
         xs16 = {k: x.bfloat16() for k, x in xs.items()}
@@ -155,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                         else f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                         for k, v in row.items()), flush=True)
     write_result(args.result_json, "linear_bench", shape=args.shape,
-                 threads=torch.get_num_threads(), peak_gflop_per_s=peaks, results=results)
+                 threads=torch.get_num_threads(), huge_pages=placed, peak_gflop_per_s=peaks,
+                 results=results)
     return 0
 
 
