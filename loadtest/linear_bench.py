@@ -89,11 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     bf16_pairs = [pack_pairs(w.bfloat16()) for w in dense] if kernels.bf16_dot_products() else []
     placed = not args.no_huge_pages and huge_pages.available()
     if placed:  # as the engine places its packed weights (huge_pages.py)
-        arena = huge_pages.HugePageArena()
+        arena, copies = huge_pages.HugePageArena(), {}
+
+        def take(t):  # once per tensor: quads share their scales with the int8/int4 panels
+            if t is not None and id(t) not in copies:
+                copies[id(t)] = (t, arena.take(t))  # (t kept: its id stays its own)
+            return None if t is None else copies[id(t)][1]
+
         for tensors in (dense, panels, dense16, bf16_panels, bf16_pairs):
-            tensors[:] = [arena.take(t) for t in tensors]
+            for i, t in enumerate(tensors):
+                tensors[i] = take(t)
         for w in [w for ws in (*quantized.values(), *quads.values()) for w in ws]:
-            w.q, w.scale, w.min, w.sums = (arena.take(t) for t in (w.q, w.scale, w.min, w.sums))
+            w.q, w.scale, w.min, w.sums = (take(t) for t in (w.q, w.scale, w.min, w.sums))
+        copies.clear()
 
     def run_int8_activations(bits: int, xs: dict, second_byte: bool = False):
         for w in quads[bits]:

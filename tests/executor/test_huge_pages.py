@@ -18,8 +18,10 @@ from shared.protocol import GenerateRequest
 from tests.conftest import generate_all, tiny_config
 
 
-def mapping_of(address: int) -> dict[str, int] | None:
-    """The /proc/self/smaps entry holding `address`: its start, end and AnonHugePages (bytes)."""
+def mapping_of(address: int) -> dict | None:
+    """The /proc/self/smaps entry holding `address`: its start and end, AnonHugePages (bytes:
+    huge pages the kernel gave, over the whole mapping, which adjacent regions may share) and
+    whether it was advised MADV_HUGEPAGE (`hg` in VmFlags: exact, whatever the kernel gave)."""
     entry = None
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
@@ -29,6 +31,8 @@ def mapping_of(address: int) -> dict[str, int] | None:
                 entry = {"start": start, "end": end} if start <= address < end else None
             elif entry is not None and head == "AnonHugePages:":
                 entry["huge"] = int(line.split()[1]) * 1024
+            elif entry is not None and head == "VmFlags:":
+                entry["advised"] = "hg" in line.split()[1:]
                 return entry
     return None
 
@@ -53,9 +57,9 @@ def test_tensors_are_exact_copies_in_huge_pages_and_a_region_goes_with_its_last_
     assert copies[1].data_ptr() - copies[0].data_ptr() == -(-513 * 77 * 4 // 64) * 64  # packed
     assert copies[3].data_ptr() % HUGE_PAGE == 0  # its own region
     assert copies[4].data_ptr() - copies[2].data_ptr() == 64  # after the 15 floats, aligned
-    for copy in (copies[0], copies[3]):
+    for copy in (copies[0], copies[3]):  # advised, and the kernel gave huge pages
         entry = mapping_of(copy.data_ptr())
-        assert entry is not None and entry["huge"] >= HUGE_PAGE, entry
+        assert entry is not None and entry["advised"] and entry["huge"] >= HUGE_PAGE, entry
     assert arena.take(None) is None
     big = copies[3].data_ptr()
     del arena, copies[3], copy  # (the loops above left copy bound to it)
@@ -94,10 +98,9 @@ async def test_the_engine_gives_the_same_tokens_with_and_without_huge_pages(sett
                 w = linear.weight
                 tensors += [w] if isinstance(w, torch.Tensor) else [
                     t for t in (w.q, w.scale, w.min, w.sums) if t is not None]
-            for tensor in tensors:  # packed weights (every field) and KV: in huge pages or not
+            for tensor in tensors:  # packed weights (every field) and KV: advised or not
                 entry = mapping_of(tensor.data_ptr())
-                if on or huge_pages.thp_mode() == "madvise":  # (in `always`, torch's may be)
-                    assert entry is not None and (entry["huge"] > 0) == on, (on, entry)
+                assert entry is not None and entry["advised"] == on, (on, entry)
             tokens[on] = [o.token_ids for o in await generate_all(engine, requests)]
         finally:
             await engine.stop()

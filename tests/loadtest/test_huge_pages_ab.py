@@ -17,5 +17,5 @@ def test_each_setting_runs_in_its_own_processes_and_is_summarized(tmp_path):
     assert set(result["summary"]) == {"fp32_on", "fp32_off"}
     for setting in ("on", "off"):
         [run] = result["runs"]["fp32"][setting]
-        assert run["ttft_ms"] > 0 and run["tpot_ms"] > 0
+        assert run["load_s"] > 0 and run["ttft_ms"] > 0 and run["tpot_ms"] > 0
         assert result["summary"][f"fp32_{setting}"]["tpot_ms"]["median"] == run["tpot_ms"]

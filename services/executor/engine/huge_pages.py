@@ -14,6 +14,7 @@ Where THP is `never`, or the platform has no MADV_HUGEPAGE, tensors stay where t
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import threading
 from pathlib import Path
@@ -46,8 +47,20 @@ def thp_mode() -> str:
     return text[start + 1:end] if 0 <= start < end else "never"
 
 
+@functools.cache
 def available() -> bool:
-    return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
+    """Whether a mapping may ask for huge pages here: THP on, and the advice taken (a sandbox
+    may refuse it)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or thp_mode() not in ("always", "madvise"):
+        return False
+    probe = mmap.mmap(-1, HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        probe.madvise(mmap.MADV_HUGEPAGE)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def release_freed() -> None:
