@@ -11,7 +11,8 @@
 #                   prefill attention
 # A build runs here only if this CPU has what it needs (a build for a CPU it is not would die
 # of an illegal instruction). Each build takes a minute or so once (cached like the native one,
-# under its own key); the whole script about 8 minutes on 2 cores.
+# under its own key); the tests run on two workers (TEST_JOBS=N for another count); the whole
+# script about 4 minutes on 2 cores with the builds cached, 8 with the builds.
 #
 #   bash tests/cpu_paths.sh [ARCH ...]        # default: all three
 set -euo pipefail
@@ -63,7 +64,9 @@ for arch in "${archs[@]}"; do
         status=1
         continue
     fi
-    if ! JETSERVE_CPU_ARCH="$arch" "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}"; then
+    # Two workers, whole files each (as make test's): the build is cached by then.
+    if ! JETSERVE_CPU_ARCH="$arch" "$PY" -m pytest -q -p no:cacheprovider -n "${TEST_JOBS:-2}" \
+            --dist loadfile "${tests[@]}"; then
         echo "== $arch: FAILED"
         status=1
     fi
