@@ -63,6 +63,11 @@ def available() -> bool:
         probe.close()
 
 
+def arena_if(on: bool) -> HugePageArena | None:
+    """An arena where `model.huge_pages` is on and the host can give huge pages, else None."""
+    return HugePageArena() if on and available() else None
+
+
 def release_freed() -> None:
     """Hand what the process freed back to the OS (glibc's malloc_trim; nothing elsewhere). glibc
     keeps freed memory in its heap for later: after a load, the unpacked weights and the packed
@@ -99,7 +104,7 @@ class HugePageArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized contiguous tensor (its pages are zero until written)."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         if nbytes >= self.region_bytes:  # its own region; the current one goes on filling

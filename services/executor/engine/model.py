@@ -62,8 +62,7 @@ class LlamaModel:
             int8_activations(quantized_activations, kernels)
         embed_tokens = weights.pop("model.embed_tokens.weight")
         lm_head = weights.pop("lm_head.weight", embed_tokens)
-        arena = (huge_pages.HugePageArena() if kernels is not None and huge_pages_on
-                 and huge_pages.available() else None)
+        arena = huge_pages.arena_if(kernels is not None and huge_pages_on)
 
         def linear(weight: torch.Tensor | QuantizedWeight) -> Linear:
             """The matmul for a weight, its packed copy moved into huge pages at once, so the

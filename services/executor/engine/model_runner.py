@@ -58,8 +58,7 @@ class ModelRunner:
 
         # On a CPU, the cache in huge pages (huge_pages.py), zeroed as torch.zeros would: the
         # memory is taken at start, not when the pool fills.
-        arena = (huge_pages.HugePageArena() if device.type == "cpu" and huge_pages_on
-                 and huge_pages.available() else None)
+        arena = huge_pages.arena_if(device.type == "cpu" and huge_pages_on)
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             if arena is None:
