@@ -250,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                         "none, no AMX at all)")
     parser.add_argument("--also-no-huge-pages", action="store_true",
                         help="also run the first variant with model.huge_pages off (the packed "
-                        "weights and KV cache on torch's 4 KiB pages)")
+                        "weights on torch's 4 KiB pages)")
+    parser.add_argument("--also-kv-huge-pages", action="store_true",
+                        help="also run the first variant with kv_cache.huge_pages on (the KV "
+                        "cache in huge pages too)")
     parser.add_argument("--result-json", default="results/engine_bench.json")
     args = parser.parse_args(argv)
 
@@ -279,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         variants[f"engine_amx_{args.also_amx}"] = {**first, "model.amx": args.also_amx}
     if args.also_no_huge_pages:
         variants["engine_no_huge_pages"] = {**first, "model.huge_pages": False}
+    if args.also_kv_huge_pages:
+        variants["engine_kv_huge_pages"] = {**first, "kv_cache.huge_pages": True}
     if args.no_pipeline:
         variants["engine_no_pipeline"] = {**first, "scheduler.token_level.pipeline": False}
     variants = {name: engine_config(settings) for name, settings in variants.items()}

@@ -1,12 +1,13 @@
-"""Single-stream latency with the CPU engine's weights and KV cache in huge pages and without
-(`model.huge_pages`), each run in a process of its own, the two alternating (on first, then off
-first): on a cloud VM one process's memory can be a fifth slower than the next one's for its
+"""Single-stream latency with the CPU engine's weights in huge pages and without
+(`model.huge_pages`; with --kv-cache, its KV cache too: `kv_cache.huge_pages`), each run in a
+process of its own, the two alternating (on first, then off first): on a cloud VM one process's memory can be a fifth slower than the next one's for its
 whole life, so a comparison within one process, or of one process each, says little.
 
 Each process loads the engine (its time reported: the weights packed and placed, the KV cache
 allocated) and runs engine_bench's single stream (the three chat prompts alone, 256 tokens
-each, greedy), reporting the medians of its TTFT and TPOT; the table gives each setting's median
-over its processes, and the range.
+each, greedy), and with --long-prompts one prompt of each length alone (16 tokens out: decode
+over a long context reads far more KV), reporting the medians of its TTFT and TPOT; the table
+gives each setting's median over its processes, and the range.
 
     python -m loadtest.huge_pages_ab --pairs 5 --variants bf16 fp32 int8
 """
@@ -30,19 +31,24 @@ VARIANTS = {  # name -> settings over the shipped defaults
 }
 
 ONE_RUN = """
-import json, sys
+import json, statistics, sys
 from loadtest.engine_bench import run_engine
 from shared.config import engine_config
-settings = json.loads(sys.argv[1])
-result = run_engine(engine_config(settings), {}, single_stream=True)
-print(json.dumps({"load_s": result["load_s"], "ttft_ms": result["single_stream"]["ttft_ms"],
-                  "tpot_ms": result["single_stream"]["tpot_ms"]}))
+settings, long_lengths = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+result = run_engine(engine_config(settings), {}, single_stream=True, long_lengths=long_lengths)
+run = {"load_s": result["load_s"], "ttft_ms": result["single_stream"]["ttft_ms"],
+       "tpot_ms": result["single_stream"]["tpot_ms"]}
+if long_lengths:
+    for metric in ("ttft_ms", "tpot_ms"):
+        run["long_" + metric] = statistics.median(r[metric] for r in result["long_prompts"])
+print(json.dumps(run))
 """
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_run(settings: dict) -> dict:
-    done = subprocess.run([sys.executable, "-c", ONE_RUN, json.dumps(settings)], cwd=ROOT,
+def one_run(settings: dict, long_lengths: list[int] = ()) -> dict:
+    done = subprocess.run([sys.executable, "-c", ONE_RUN, json.dumps(settings),
+                           json.dumps(list(long_lengths))], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"a run with {settings} exited {done.returncode}:\n"
@@ -55,37 +61,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
     parser.add_argument("--model", default=None, help="model.name (default: the shipped one)")
+    parser.add_argument("--kv-cache", action="store_true",
+                        help="a third setting: the weights and the KV cache in huge pages")
+    parser.add_argument("--long-prompts", nargs="*", type=int, default=[],
+                        help="also one prompt of each length alone (e.g. 4096 4096 4096)")
     parser.add_argument("--result-json", default="results/huge_pages_ab.json")
     args = parser.parse_args(argv)
-    runs: dict[str, dict[bool, list[dict]]] = {v: {True: [], False: []} for v in args.variants}
+    arms = {"on": {"model.huge_pages": True}, "off": {"model.huge_pages": False}}
+    if args.kv_cache:
+        arms["on+kv"] = {"model.huge_pages": True, "kv_cache.huge_pages": True}
+    metrics = ["load_s", "ttft_ms", "tpot_ms"] + (
+        ["long_ttft_ms", "long_tpot_ms"] if args.long_prompts else [])
+    runs = {v: {arm: [] for arm in arms} for v in args.variants}
     for pair in range(args.pairs):
         for variant in args.variants:
-            for on in ((True, False) if pair % 2 == 0 else (False, True)):
+            order = list(arms)[pair % len(arms):] + list(arms)[:pair % len(arms)]
+            for arm in order:  # each setting first in turn
                 settings = {**VARIANTS[variant], "kv_cache.enable_prefix_caching": False,
-                            "model.huge_pages": on,
-                            **({"model.name": args.model} if args.model else {})}
-                run = one_run(settings)
-                runs[variant][on].append(run)
-                print(f"  pair {pair + 1} {variant:<8} huge pages {'on ' if on else 'off'} "
-                      f"load {run['load_s']:5.2f} s  TTFT {run['ttft_ms']:6.1f} ms  "
-                      f"TPOT {run['tpot_ms']:5.2f} ms", flush=True)
+                            **arms[arm], **({"model.name": args.model} if args.model else {})}
+                run = one_run(settings, args.long_prompts)
+                runs[variant][arm].append(run)
+                print(f"  pair {pair + 1} {variant:<8} huge pages {arm:<6} "
+                      + "  ".join(f"{m} {run[m]:.2f}" for m in metrics), flush=True)
     print(f"\nsingle stream, medians over {args.pairs} processes each (range)")
-    print(f"{'variant':<10}{'huge pages':<12}{'load s':>22}{'TTFT ms':>22}{'TPOT ms':>22}")
+    print(f"{'variant':<10}{'huge pages':<12}" + "".join(f"{m:>22}" for m in metrics))
     summary = {}
     for variant, by_setting in runs.items():
-        for on, results in by_setting.items():
+        for arm, results in by_setting.items():
             row = {}
-            for metric in ("load_s", "ttft_ms", "tpot_ms"):
+            for metric in metrics:
                 values = [r[metric] for r in results]
                 row[metric] = {"median": statistics.median(values), "min": min(values),
                                "max": max(values)}
-            summary[f"{variant}_{'on' if on else 'off'}"] = row
-            print(f"{variant:<10}{'on' if on else 'off':<12}"
+            summary[f"{variant}_{arm}"] = row
+            print(f"{variant:<10}{arm:<12}"
                   + "".join(f"{row[m]['median']:>9.1f} ({row[m]['min']:.1f}-{row[m]['max']:.1f})"
-                            .rjust(22) for m in ("load_s", "ttft_ms", "tpot_ms")))
+                            .rjust(22) for m in metrics))
     write_result(args.result_json, "huge_pages_ab", pairs=args.pairs, summary=summary,
-                 runs={v: {("on" if on else "off"): r for on, r in by.items()}
-                       for v, by in runs.items()})
+                 long_prompts=args.long_prompts, runs=runs)
     return 0
 
 

@@ -78,8 +78,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # on AVX-512 (the kernels' own tiles have not yet been measured on an AMX CPU). tiles: a bf16
     # model's matmuls on the kernels' own AMX tiles too, at every row count. none: no AMX.
     amx: Literal["auto", "tiles", "none"] = "auto"
-    # A CPU engine's packed weights and KV cache in transparent huge pages, where the host's THP
-    # mode is madvise or always (services/executor/engine/huge_pages.py; off: torch's 4 KiB pages).
+    # A CPU engine's packed weights in transparent huge pages, where the host's THP mode is
+    # madvise or always (services/executor/engine/huge_pages.py; off: torch's 4 KiB pages); the
+    # KV cache's: kv_cache.huge_pages.
     huge_pages: bool = True
     # auto: triton on CUDA, torch on a CPU (triton on a CPU needs TRITON_INTERPRET=1: tests only)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
@@ -100,6 +101,11 @@ class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
     cpu_cache_gib: Annotated[float, msgspec.Meta(gt=0.0)] = 4.0
     enable_prefix_caching: bool = True
+    # A CPU engine's KV cache in transparent huge pages too (huge_pages.py; model.huge_pages is
+    # the weights'). Off: on SmolLM2 it lowered TPOT ~5 % at a 4,096-token context and left
+    # throughput level, and where a VM backs its memory on first touch, faulting in the default
+    # 4 GiB as 2 MiB pages added 0.5-5 s to every start (BENCHMARKS, "huge pages").
+    huge_pages: bool = False
     # auto: the model's dtype; int8: each (token, head) row as int8 codes with an fp16 scale and
     # offset per 32 (jetserve_kernels/kv_int8.py), ~3.56x the tokens of fp32 in the same memory;
     # bfloat16: bf16 rows under an fp32 model (the CPU kernels widen them as they read), 2x.

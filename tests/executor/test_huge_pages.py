@@ -1,6 +1,7 @@
 """The CPU engine's weights and KV cache in transparent huge pages (huge_pages.py): copies are
 exact, regions are 2 MiB-aligned and get huge pages where the host's THP mode allows, a region
-goes when its last tensor does, and the engine's tokens do not change."""
+goes when its last tensor does, and the engine's tokens do not change (the KV cache's pages:
+kv_cache.huge_pages, off by default)."""
 
 from __future__ import annotations
 
@@ -83,28 +84,34 @@ def test_an_empty_tensor_is_shaped_and_typed():
     {}, {"model.dtype": "bfloat16"}, {"model.quantization": "int8"},
     {"model.quantization": "int4"},
     {"model.quantization": "int4", "model.quantized_activations": "int8"},
-    {"kv_cache.dtype": "int8"}])
+    {"kv_cache.dtype": "int8"}, {"kv_cache.compress_below_priority": 5}])
 async def test_the_engine_gives_the_same_tokens_with_and_without_huge_pages(settings):
     requests = [GenerateRequest(prompt_token_ids=list(range(5 + i, 40 + 7 * i)), max_tokens=12,
                                 temperature=0.0, ignore_eos=True) for i in range(4)]
     tokens = {}
-    for on in (True, False):
-        engine = Engine(tiny_config({**settings, "model.huge_pages": on}))
+    # (weights, KV cache) in huge pages: both; the weights alone (the default); neither
+    for on, kv_on in ((True, True), (True, False), (False, False)):
+        engine = Engine(tiny_config({**settings, "model.huge_pages": on,
+                                     "kv_cache.huge_pages": kv_on}))
         try:
             model = engine.runner.model
-            tensors = [t for k, v in engine.runner.kv_caches for t in (k, v)]
+            kv = [t for pool in engine.runner.kv_pools for k, v in pool for t in (k, v)]
+            for tensor in kv:
+                entry = mapping_of(tensor.data_ptr())
+                assert entry is not None and entry["advised"] == kv_on, (kv_on, entry)
+            tensors = []
             for linear in [model.lm_head, *(m for layer in model.layers for m in (
                     layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))]:
                 w = linear.weight
                 tensors += [w] if isinstance(w, torch.Tensor) else [
                     t for t in (w.q, w.scale, w.min, w.sums) if t is not None]
-            for tensor in tensors:  # packed weights (every field) and KV: advised or not
+            for tensor in tensors:  # packed weights (every field): advised or not
                 entry = mapping_of(tensor.data_ptr())
                 assert entry is not None and entry["advised"] == on, (on, entry)
-            tokens[on] = [o.token_ids for o in await generate_all(engine, requests)]
+            tokens[on, kv_on] = [o.token_ids for o in await generate_all(engine, requests)]
         finally:
             await engine.stop()
-    assert tokens[True] == tokens[False]
+    assert tokens[True, True] == tokens[True, False] == tokens[False, False]
 
 
 RESIDENT = """

@@ -6,8 +6,9 @@ prefetchers cannot run ahead of. Most Linux hosts ship transparent huge pages in
 (`/sys/kernel/mm/transparent_hugepage/enabled`), where memory gets 2 MiB pages only if it asks:
 torch's allocator does not ask (unless THP_MEM_ALLOC_ENABLE=1 is set before it starts), and its
 tensors of a few MiB would each straddle a huge page's boundaries anyway. So the engine moves
-each weight, once packed, and allocates its CPU KV cache, into regions of its own: anonymous
-private mappings aligned to a huge page and advised MADV_HUGEPAGE before their first touch.
+each weight, once packed (model.huge_pages), and allocates its CPU KV cache where
+kv_cache.huge_pages asks, into regions of its own: anonymous private mappings aligned to a huge
+page and advised MADV_HUGEPAGE before their first touch.
 Where THP is `never`, or the platform has no MADV_HUGEPAGE, tensors stay where torch put them.
 """
 

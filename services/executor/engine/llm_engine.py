@@ -171,7 +171,7 @@ class Engine:
                                                 config.kv_cache.block_size,
                                                 getattr(torch, self.kv_dtype_name),
                                                 self.device, sum(self.pool_sizes[1:]),
-                                                config.model.huge_pages)
+                                                config.kv_cache.huge_pages)
             self.on_model_thread(self.runner.warm_up)
             self.matmuls = model.matmuls()
         self.kv_pool_dtypes = [self.kv_dtype_name, "int8"][

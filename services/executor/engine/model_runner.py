@@ -47,7 +47,7 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: TorchBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, int8_blocks: int = 0,
-                 huge_pages_on: bool = True):
+                 huge_pages_on: bool = False):
         """`dtype`: the KV cache's, the model's or int8 (jetserve_kernels/kv_int8.py).
         `int8_blocks`: the size of a second, int8 pool (pool 1:
         kv_cache.compress_below_priority)."""
@@ -56,8 +56,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
 
-        # On a CPU, the cache in huge pages (huge_pages.py), zeroed as torch.zeros would: the
-        # memory is taken at start, not when the pool fills.
+        # On a CPU, the cache in huge pages where kv_cache.huge_pages asks (huge_pages.py), zeroed
+        # as torch.zeros would: the memory is taken at start, not when the pool fills.
         arena = huge_pages.arena_if(device.type == "cpu" and huge_pages_on)
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
