@@ -354,33 +354,6 @@ inline void load_chunk_rows(RowCursor& cursor, int n, float (*dst)[16 * DV]) {
     for (int d = 0; d < DV; ++d) _mm512_store_ps(dst[i] + 16 * d, _mm512_setzero_ps());
 }
 
-#if defined(__AVX512BF16__)
-// The next n bf16 rows of a cursor as they are, each 16 * DV values as 8 * DV pairs of
-// elements, into dst[i][0 .. 8 DV); zeros past them.
-template <int DV>
-inline void load_chunk_raw(RowCursor& cursor, int n, uint32_t (*dst)[16 * DV]) {
-  for (int i = 0; i < 16; ++i) {
-    const char* row = i < n ? cursor.next() : nullptr;
-    for (int b = 0; b < DV / 2; ++b)
-      _mm512_store_si512(dst[i] + 16 * b, row ? _mm512_loadu_si512(row + 64 * b)
-                                               : _mm512_setzero_si512());
-  }
-}
-
-// The next n bf16 rows of a cursor in pairs of rows: dst[m][d] = (row 2m's d, row 2m + 1's d),
-// a row of zeros past them.
-template <int DV>
-inline void load_chunk_pairs(RowCursor& cursor, int n, uint32_t (*dst)[16 * DV]) {
-  alignas(64) static const uint16_t zeros[16 * DV] = {};
-  for (int m = 0; m < 8; ++m) {
-    const char* a = 2 * m < n ? cursor.next() : reinterpret_cast<const char*>(zeros);
-    const char* b = 2 * m + 1 < n ? cursor.next() : reinterpret_cast<const char*>(zeros);
-    for (int d = 0; d < DV; ++d)
-      _mm512_store_si512(dst[m] + 16 * d, interleave_bf16(a + 32 * d, b + 32 * d));
-  }
-}
-#endif
-
 // Asks for a cache row's lines, into L2, ahead of their use: rows are scattered over blocks, so
 // the hardware prefetcher alone leaves the loads waiting on memory.
 template <typename T, int DV>

@@ -13,7 +13,8 @@
 // order (attention_simd.h): the decode kernel asked for that order gives each token the same
 // bits. Asked for that order (`invariant`, a bf16 model's prefill) over a bf16 cache, where the
 // CPU has AVX512-BF16, its products are bf16 dot products: the queries and weights in bf16 pairs
-// against the keys' pairs of elements and the values' pairs of positions.
+// against the keys' pairs of elements and the values' pairs of positions (prefill_tile_pairs),
+// over the slice's keys and values staged once a call for all its tiles (stage_pairs).
 
 #include "ops.h"
 #include "attention_simd.h"
@@ -23,6 +24,17 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+namespace {
+
+// A tile's scratch at least n long. Never shrunk: tiles alternate between short and long (see
+// for_each_tile), and a resize up zero-fills what it adds, each time.
+template <typename Vector>
+void grow(std::vector<Vector>& kept, int64_t n) {
+  if (static_cast<int64_t>(kept.size()) < n) kept.resize(n);
+}
+
+}  // namespace
 
 #if defined(__AVX512F__)
 namespace {
@@ -34,14 +46,12 @@ using namespace paged;
 // head's first query head. Two passes rather than an online softmax (which would rescale the
 // sums as the maximum grows, in an order no decode keeps): first every key's scores, kept in
 // `kept`, with each lane's maximum; then the exponentials, the lanes' 16 partial totals and the
-// value sums, in position order (in pairs of positions with bf16 products: Pairs, over a bf16
-// cache where the CPU has AVX512-BF16).
-template <typename T, int DV, bool Pairs>
+// value sums, in position order. (With bf16 products: prefill_tile_pairs below.)
+template <typename T, int DV>
 void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t r0,
                   int64_t num_rows, int64_t group, int64_t first_pos, float scale, RowCursor keys,
                   RowCursor values, std::vector<__m512>& kept) {
   constexpr int D = 16 * DV;
-  constexpr bool kPairs = Pairs && bf16_products<T>;
   const int live = static_cast<int>(std::min<int64_t>(16, num_rows - r0));
   __m512 rows[16][DV], qt[D];  // the tile's scaled queries; transposed, one vector per d
   alignas(64) float lane_pos[16];
@@ -55,7 +65,7 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
   const __m512 pos = _mm512_load_ps(lane_pos);
   const int64_t all_see = first_pos + r0 / group;  // the keys every lane sees: [0, all_see]
   const int64_t num_keys = first_pos + (r0 + live - 1) / group + 1;
-  kept.resize((num_keys + 15) / 16 * 16);
+  grow(kept, (num_keys + 15) / 16 * 16);
   // Which of 16 keys from c0 each lane sees (all of them, far enough back).
   auto seen = [&](int64_t c0, int n, int j) -> __mmask16 {
     if (j >= n) return 0;
@@ -66,38 +76,17 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
   // Scores, and each lane's largest.
   alignas(64) float buf[16][D];
   __m512 peak = _mm512_set1_ps(-INFINITY);
-#if defined(__AVX512BF16__)
-  // bf16 products: the scaled queries as bf16 pairs of elements; a chunk's keys (pairs of
-  // elements) or values (pairs of rows).
-  __m512i qp[kPairs ? D / 2 : 1];
-  alignas(64) uint32_t pairs[kPairs ? 16 : 1][D];
-  if constexpr (kPairs)
-    for (int i = 0; i < D / 2; ++i) qp[i] = bf16_pairs(qt[2 * i], qt[2 * i + 1]);
-#endif
   for (int64_t c0 = 0; c0 < num_keys; c0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
     __m512 sc[16];
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) sc[j] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-    if constexpr (kPairs) {
-      load_chunk_raw<DV>(keys, n, pairs);
-      for (int i = 0; i < D / 2; ++i) {
-        const __m512i qi = qp[i];
+    load_chunk_rows<T, DV>(keys, n, buf);
+    for (int d = 0; d < D; ++d) {
+      const __m512 qd = qt[d];
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j)
-          sc[j] = dot_pairs(sc[j], qi, _mm512_set1_epi32(static_cast<int>(pairs[j][i])));
-      }
-    } else
-#endif
-    {
-      load_chunk_rows<T, DV>(keys, n, buf);
-      for (int d = 0; d < D; ++d) {
-        const __m512 qd = qt[d];
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j)
-          sc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(buf[j][d]), sc[j]);
-      }
+      for (int j = 0; j < 16; ++j)
+        sc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(buf[j][d]), sc[j]);
     }
     for (int j = 0; j < n; ++j) {
       kept[c0 + j] = sc[j];
@@ -112,35 +101,6 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
   for (int64_t c0 = 0; c0 < num_keys; c0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
     __m512 e[16];
-#if defined(__AVX512BF16__)
-    if constexpr (kPairs) {
-      // Weights rounded to bf16, zero where a lane does not see the key; values in pairs of
-      // positions: pairs[m][d] = (v[2m][d], v[2m + 1][d]).
-      load_chunk_pairs<DV>(values, n, pairs);
-      __m512i ep[8];
-      for (int j = 0; j < 16; ++j) {
-        const __mmask16 sees = seen(c0, n, j);
-        e[j] = bf16_rounded(_mm512_maskz_mov_ps(
-            sees, exp_nonpositive(_mm512_sub_ps(j < n ? kept[c0 + j] : peak, peak))));
-        part[j] = _mm512_mask_add_ps(part[j], sees, part[j], e[j]);
-      }
-      for (int m = 0; m < 8; ++m) ep[m] = bf16_pairs(e[2 * m], e[2 * m + 1]);
-      const int live_pairs = (n + 1) / 2;
-      for (int d0 = 0; d0 < D; d0 += 8) {
-        __m512 o[8];
-#pragma GCC unroll 8
-        for (int dd = 0; dd < 8; ++dd) o[dd] = ot[d0 + dd];
-        for (int m = 0; m < live_pairs; ++m)
-#pragma GCC unroll 8
-          for (int dd = 0; dd < 8; ++dd)
-            o[dd] = dot_pairs(o[dd], ep[m],
-                              _mm512_set1_epi32(static_cast<int>(pairs[m][d0 + dd])));
-#pragma GCC unroll 8
-        for (int dd = 0; dd < 8; ++dd) ot[d0 + dd] = o[dd];
-      }
-      continue;
-    }
-#endif
     load_chunk_rows<T, DV>(values, n, buf);
     // Every lane sees every key (all chunks but the last few of a tile): unmasked, the same
     // sums as the masked loop below with all lanes set, which measured ~16% slower on
@@ -196,6 +156,172 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
       _mm512_storeu_ps(dst + 16 * b, _mm512_mul_ps(outs[16 * b + lane], inv));
   }
 }
+
+
+#if defined(__AVX512BF16__)
+// A bf16 cache's rows of one slice, staged once a call for every tile of its KV heads (a bf16
+// model's prefill, `invariant`): each KV head's keys contiguous and as they are (pairs of
+// elements), and its values in pairs of positions, values[m][d] = (v[2m][d], v[2m + 1][d]);
+// zeros past the last position, up to a multiple of 16. A tile then reads both straight
+// through: before, each tile copied and interleaved every row it read, and a 2,048-token slice
+// has 384 tiles a KV head.
+struct StagedPairs {
+  int64_t positions;  // a KV head's rows: the slice's last position + 1, rounded up to 16
+  int64_t head_dim;
+  const uint16_t* keys;    // [KV head][positions][head_dim]
+  const uint32_t* values;  // [KV head][positions / 2][head_dim]
+
+  const uint16_t* keys_of(int64_t kv) const { return keys + kv * positions * head_dim; }
+  const uint32_t* values_of(int64_t kv) const { return values + kv * positions / 2 * head_dim; }
+};
+
+template <int DV>
+StagedPairs stage_pairs(const SliceView& s, int64_t num_keys, std::vector<__m512i>& scratch) {
+  constexpr int D = 16 * DV;
+  alignas(64) static const uint16_t zeros[D] = {};
+  const int64_t positions = (num_keys + 15) / 16 * 16, chunks = positions / 16;
+  scratch.resize(s.num_kv_heads * positions * D * 4 / 64);  // 2 bytes a key, 2 a value
+  uint16_t* keys = reinterpret_cast<uint16_t*>(scratch.data());
+  uint32_t* values = reinterpret_cast<uint32_t*>(keys + s.num_kv_heads * positions * D);
+  at::parallel_for(0, s.num_kv_heads * chunks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / chunks, c0 = task % chunks * 16;
+      const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
+      RowCursor k{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
+                  c0 / s.block_size, c0 % s.block_size};
+      RowCursor v{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
+                  c0 / s.block_size, c0 % s.block_size};
+      uint16_t* kd = keys + (kv * positions + c0) * D;
+      for (int j = 0; j < 16; ++j) {
+        const char* row = j < n ? k.next() : reinterpret_cast<const char*>(zeros);
+        for (int b = 0; b < DV / 2; ++b)
+          _mm512_store_si512(kd + j * D + 32 * b, _mm512_loadu_si512(row + 64 * b));
+      }
+      uint32_t* vd = values + (kv * positions + c0) / 2 * D;
+      for (int m = 0; m < 8; ++m) {
+        const char* a = 2 * m < n ? v.next() : reinterpret_cast<const char*>(zeros);
+        const char* b = 2 * m + 1 < n ? v.next() : reinterpret_cast<const char*>(zeros);
+        for (int d = 0; d < DV; ++d)
+          _mm512_store_si512(vd + m * D + 16 * d, interleave_bf16(a + 32 * d, b + 32 * d));
+      }
+    }
+  });
+  return {positions, D, keys, values};
+}
+
+// prefill_tile's rows in the batch-invariant order with bf16 products (attention_simd.h), over
+// staged keys and values (stage_pairs): the same chains as the decode kernel's. Scores as
+// prefill_tile makes them; then every weight, rounded and paired by position, into `kept` after
+// the scores; then the values' sums 16 elements at a time, each a chain over every pair of
+// positions in registers, reading each pair of value rows as it is, with no copy.
+template <int DV>
+void prefill_tile_pairs(const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                        int64_t r0, int64_t num_rows, int64_t group, int64_t first_pos,
+                        float scale, const uint16_t* keys, const uint32_t* values,
+                        std::vector<__m512>& kept) {
+  constexpr int D = 16 * DV;
+  const int live = static_cast<int>(std::min<int64_t>(16, num_rows - r0));
+  __m512 rows[16][DV], qt[D];
+  alignas(64) float lane_pos[16];
+  for (int lane = 0; lane < 16; ++lane) {
+    const int64_t r = r0 + std::min(lane, live - 1);  // spare lanes repeat the last row
+    scaled_query<DV>(q + (r / group) * q_stride + (r % group) * D, scale,
+                     reinterpret_cast<float*>(rows[lane]));
+    lane_pos[lane] = static_cast<float>(first_pos + r / group);
+  }
+  for (int b = 0; b < DV; ++b) transpose16(&rows[0][b], DV, qt + 16 * b);
+  const __m512 pos = _mm512_load_ps(lane_pos);
+  const int64_t all_see = first_pos + r0 / group;  // the keys every lane sees: [0, all_see]
+  const int64_t num_keys = first_pos + (r0 + live - 1) / group + 1;
+  const int64_t padded = (num_keys + 15) / 16 * 16;
+  grow(kept, padded + padded / 2);  // the scores, then the weights' pairs
+  __m512* scores = kept.data();
+  __m512i* weights = reinterpret_cast<__m512i*>(kept.data() + padded);
+  auto seen = [&](int64_t c0, int n, int j) -> __mmask16 {
+    if (j >= n) return 0;
+    if (c0 + j <= all_see) return 0xFFFF;
+    return _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(c0 + j)), pos, _CMP_LE_OQ);
+  };
+
+  // Scores: the scaled queries as bf16 pairs of elements against each key's pairs.
+  __m512i qp[D / 2];
+  for (int i = 0; i < D / 2; ++i) qp[i] = bf16_pairs(qt[2 * i], qt[2 * i + 1]);
+  __m512 peak = _mm512_set1_ps(-INFINITY);
+  for (int64_t c0 = 0; c0 < num_keys; c0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
+    const uint32_t* k = reinterpret_cast<const uint32_t*>(keys + c0 * D);
+    __m512 sc[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) sc[j] = _mm512_setzero_ps();
+    for (int i = 0; i < D / 2; ++i) {
+      const __m512i qi = qp[i];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+        sc[j] = dot_pairs(sc[j], qi, _mm512_set1_epi32(static_cast<int>(k[j * D / 2 + i])));
+    }
+    for (int j = 0; j < n; ++j) {
+      scores[c0 + j] = sc[j];
+      peak = _mm512_mask_max_ps(peak, seen(c0, n, j), peak, sc[j]);
+    }
+  }
+
+  // Weights rounded to bf16, zero where a lane does not see the key, and the partial totals.
+  __m512 part[16];
+  for (int j = 0; j < 16; ++j) part[j] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < num_keys; c0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
+    __m512 e[16];
+    if (n == 16 && c0 + 15 <= all_see) {  // every lane sees every key: no masks
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        e[j] = bf16_rounded(exp_nonpositive(_mm512_sub_ps(scores[c0 + j], peak)));
+        part[j] = _mm512_mask_add_ps(part[j], 0xFFFF, part[j], e[j]);
+      }
+    } else {
+      for (int j = 0; j < 16; ++j) {
+        const __mmask16 sees = seen(c0, n, j);
+        e[j] = bf16_rounded(_mm512_maskz_mov_ps(
+            sees, exp_nonpositive(_mm512_sub_ps(j < n ? scores[c0 + j] : peak, peak))));
+        part[j] = _mm512_mask_add_ps(part[j], sees, part[j], e[j]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < 8; ++m) weights[c0 / 2 + m] = bf16_pairs(e[2 * m], e[2 * m + 1]);
+  }
+
+  // The value sums, 16 elements at a time: one chain a lane and element over the pairs of
+  // positions in order.
+  const int64_t num_pairs = (num_keys + 1) / 2;
+  __m512 ot[D];
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    __m512 o[16];
+#pragma GCC unroll 16
+    for (int dd = 0; dd < 16; ++dd) o[dd] = _mm512_setzero_ps();
+    const uint32_t* v = values + d0;
+    for (int64_t m = 0; m < num_pairs; ++m, v += D) {
+      const __m512i w = weights[m];
+#pragma GCC unroll 16
+      for (int dd = 0; dd < 16; ++dd)
+        o[dd] = dot_pairs(o[dd], w, _mm512_set1_epi32(static_cast<int>(v[dd])));
+    }
+#pragma GCC unroll 16
+    for (int dd = 0; dd < 16; ++dd) ot[d0 + dd] = o[dd];
+  }
+
+  // Each lane's total from its 16 partials, then its outputs.
+  __m512 partials[16];
+  transpose16(part, 1, partials);
+  __m512 outs[D];
+  for (int b = 0; b < DV; ++b) transpose16(ot + 16 * b, 1, outs + 16 * b);
+  for (int lane = 0; lane < live; ++lane) {
+    const int64_t r = r0 + lane;
+    const __m512 inv = _mm512_set1_ps(reciprocal(lane_sum(partials[lane])));
+    float* dst = out + (r / group) * out_stride + (r % group) * D;
+    for (int b = 0; b < DV; ++b)
+      _mm512_storeu_ps(dst + 16 * b, _mm512_mul_ps(outs[16 * b + lane], inv));
+  }
+}
+#endif
 
 }  // namespace
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -276,7 +402,7 @@ void prefill_tile8(Rows kind, const float* q, int64_t q_stride, float* out, int6
   const __m256 pos = _mm256_load_ps(lane_pos);
   const int64_t all_see = first_pos + r0 / group;  // the keys every lane sees: [0, all_see]
   const int64_t num_keys = first_pos + (r0 + live - 1) / group + 1;
-  kept.resize((num_keys + 7) / 8 * 8);
+  grow(kept, (num_keys + 7) / 8 * 8);
   // All ones in the lanes that see key c0 + j.
   auto seen = [&](int64_t c0, int n, int j) -> __m256 {
     if (j >= n) return _mm256_setzero_ps();
@@ -356,10 +482,11 @@ void prefill_tile8(Rows kind, const float* q, int64_t q_stride, float* out, int6
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 namespace {
 
-// Runs tile(q, q_stride, out, out_stride, first row, rows, group, first_pos, scale, keys, values,
-// kept) for every task of a slice: each tile of `rows` (token, query head) rows of each KV head.
-// Later tiles attend to more keys: tasks alternate between the first and the last tiles, so the
-// contiguous ranges parallel_for hands each thread carry equal work.
+// Runs tile(KV head, q, q_stride, out, out_stride, first row, rows, group, first_pos, scale, keys,
+// values, kept) for every task of a slice: each tile of `rows` (token, query head) rows of each
+// KV head. Tasks go KV head by KV head, so a thread reads one head's rows at a time; within a
+// head later tiles attend to more keys, so tasks alternate between its first and last tiles and
+// the contiguous ranges parallel_for hands each thread carry equal work.
 template <typename Vector, typename Tile>
 void for_each_tile(const paged::SliceView& s, int64_t q_start, int64_t q_len, int64_t first_pos,
                    int64_t rows, const Tile& tile) {
@@ -367,9 +494,9 @@ void for_each_tile(const paged::SliceView& s, int64_t q_start, int64_t q_len, in
   at::parallel_for(0, tiles * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<Vector> kept;  // the scores of a tile
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task % s.num_kv_heads, i = task / s.num_kv_heads;
+      const int64_t kv = task / tiles, i = task % tiles;
       const int64_t t = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
-      tile(s.q + q_start * s.q_stride + kv * s.group * s.head_dim, s.q_stride,
+      tile(kv, s.q + q_start * s.q_stride + kv * s.group * s.head_dim, s.q_stride,
            s.out + q_start * s.out_stride + kv * s.group * s.head_dim, s.out_stride, t * rows,
            num_rows, s.group, first_pos, s.scale,
            RowCursor{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride},
@@ -402,19 +529,33 @@ void paged_prefill_attention(
               "paged_prefill_attention: head_dim 64 or 128, not ", s.head_dim);
   const bool d64 = s.head_dim == 64;
 #if defined(__AVX512F__)
-  for_each_tile<__m512>(s, q_start, q_len, first_pos, 16, [&](auto&&... args) {
+#if defined(__AVX512BF16__)
+  if (kind == paged::Rows::BF16 && invariant) {
+    static thread_local std::vector<__m512i> scratch;  // kept for the next call: no page faults
+    const auto staged = d64 ? stage_pairs<4>(s, first_pos + q_len, scratch)
+                            : stage_pairs<8>(s, first_pos + q_len, scratch);
+    for_each_tile<__m512>(
+        s, q_start, q_len, first_pos, 16,
+        [&](int64_t kv, const float* q_, int64_t q_stride, float* out_, int64_t out_stride,
+            int64_t r0, int64_t num_rows, int64_t group, int64_t first, float scale_,
+            paged::RowCursor, paged::RowCursor, std::vector<__m512>& kept) {
+          (d64 ? prefill_tile_pairs<4> : prefill_tile_pairs<8>)(
+              q_, q_stride, out_, out_stride, r0, num_rows, group, first, scale_,
+              staged.keys_of(kv), staged.values_of(kv), kept);
+        });
+    return;
+  }
+#endif
+  for_each_tile<__m512>(s, q_start, q_len, first_pos, 16, [&](int64_t, auto&&... args) {
     if (kind == paged::Rows::Int8)
-      (d64 ? prefill_tile<int8_t, 4, false> : prefill_tile<int8_t, 8, false>)(args...);
-    else if (kind == paged::Rows::BF16 && invariant)
-      (d64 ? prefill_tile<c10::BFloat16, 4, true> : prefill_tile<c10::BFloat16, 8, true>)(args...);
+      (d64 ? prefill_tile<int8_t, 4> : prefill_tile<int8_t, 8>)(args...);
     else if (kind == paged::Rows::BF16)
-      (d64 ? prefill_tile<c10::BFloat16, 4, false> : prefill_tile<c10::BFloat16, 8, false>)(
-          args...);
-    else (d64 ? prefill_tile<float, 4, false> : prefill_tile<float, 8, false>)(args...);
+      (d64 ? prefill_tile<c10::BFloat16, 4> : prefill_tile<c10::BFloat16, 8>)(args...);
+    else (d64 ? prefill_tile<float, 4> : prefill_tile<float, 8>)(args...);
   });
 #else
   (void)invariant;  // the order of the AVX-512 tiles alone (attention_simd.h)
-  for_each_tile<__m256>(s, q_start, q_len, first_pos, 8, [&](auto&&... args) {
+  for_each_tile<__m256>(s, q_start, q_len, first_pos, 8, [&](int64_t, auto&&... args) {
     (d64 ? prefill_tile8<64> : prefill_tile8<128>)(kind, args...);
   });
 #endif
