@@ -3,8 +3,9 @@
 // against its cached context and themselves, causal, over an fp32, bf16 or int8 cache
 // (jetserve_kernels/kv_int8.py).
 //
-// AVX2 builds run tiles of 8 rows over 8 keys at a time in the same two passes (prefill_tile8),
-// without the batch-invariant order below.
+// AVX2 builds run tiles of 16 rows (two vectors of 8) in the same two passes (prefill_tile16),
+// over the slice's rows staged once a call as fp32 (stage_rows), without the batch-invariant
+// order below.
 //
 // AVX-512 builds: flash-style tiles of 16 (token, query head) rows of one KV head, one row per
 // vector lane, over 16 keys at a time. Scores come out transposed, one vector of the tile's rows
@@ -23,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -329,21 +331,56 @@ namespace {
 
 using namespace paged;
 
-// The next n rows of a cursor as fp32: an fp32 cache's rows in place, bf16 and int8 rows widened
-// into buf; past n, the last row again (its weight is 0, and its values are finite).
-template <int D>
-inline void chunk_rows8(RowCursor& cursor, int n, Rows kind, float (*buf)[D],
-                        const float* rows[8]) {
-  for (int j = 0; j < n; ++j) {
-    const char* row = cursor.next();
-    if (kind == Rows::F32) {
-      rows[j] = reinterpret_cast<const float*>(row);
-    } else {
-      widen_row8(kind, row, D, buf[j]);
-      rows[j] = buf[j];
-    }
+// A slice's rows staged once a call for every tile of its KV heads, as fp32: each KV head's keys
+// and values contiguous, bf16 and int8 rows widened once (each tile had widened, or read
+// through the block table, every row it attended to), zero rows past the last position, up to a
+// multiple of 8.
+struct StagedRows {
+  int64_t positions;  // a KV head's rows: the slice's last position + 1, rounded up to 8
+  int64_t head_dim;
+  const float* keys;    // [KV head][positions][head_dim]
+  const float* values;  // the same
+
+  const float* keys_of(int64_t kv) const { return keys + kv * positions * head_dim; }
+  const float* values_of(int64_t kv) const { return values + kv * positions * head_dim; }
+};
+
+inline void stage_row(Rows kind, const char* row, int64_t head_dim, float* dst) {
+  if (kind == Rows::F32) {
+    std::memcpy(dst, row, head_dim * sizeof(float));
+  } else {
+    widen_row8(kind, row, head_dim, dst);
   }
-  for (int j = n; j < 8; ++j) rows[j] = rows[n - 1];
+}
+
+StagedRows stage_rows(const SliceView& s, Rows kind, int64_t num_keys,
+                      std::vector<__m256>& scratch) {
+  const int64_t D = s.head_dim, positions = (num_keys + 7) / 8 * 8, chunks = positions / 8;
+  scratch.resize(2 * s.num_kv_heads * positions * D / 8);
+  float* keys = reinterpret_cast<float*>(scratch.data());
+  float* values = keys + s.num_kv_heads * positions * D;
+  at::parallel_for(0, s.num_kv_heads * chunks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / chunks, c0 = task % chunks * 8;
+      const int64_t n = std::min<int64_t>(8, num_keys - c0);
+      RowCursor k{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
+                  c0 / s.block_size, c0 % s.block_size};
+      RowCursor v{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
+                  c0 / s.block_size, c0 % s.block_size};
+      for (int64_t j = 0; j < 8; ++j) {
+        float* kd = keys + (kv * positions + c0 + j) * D;
+        float* vd = values + (kv * positions + c0 + j) * D;
+        if (j < n) {
+          stage_row(kind, k.next(), D, kd);
+          stage_row(kind, v.next(), D, vd);
+        } else {
+          std::memset(kd, 0, D * sizeof(float));
+          std::memset(vd, 0, D * sizeof(float));
+        }
+      }
+    }
+  });
+  return {positions, D, keys, values};
 }
 
 // Transposes 8 vectors of 8 in place: v[i]'s lane l becomes v[l]'s lane i.
@@ -368,112 +405,129 @@ inline void transpose8(__m256 v[8]) {
   }
 }
 
-// AVX2 (8 lanes, 16 registers): rows [r0, r0 + 8) of a slice's (token, head) rows of one KV
-// head over 8 keys at a time, in the AVX-512 tile's two passes. Scores: the scaled queries kept
-// transposed (qt[d]: element d of the 8 rows), each key's element d broadcast against them, so a
-// score is a chain of FMAs in one lane and no horizontal sum is taken; each lane's maximum.
-// Then the exponentials (0 for a key a lane does not see), their totals, and the value sums row
-// by row: a value row's 8 elements at a time against each row's weight broadcast. No
-// batch-invariant order here: an AVX2 build has no bf16 products, and the engine asks for that
-// order only with them.
+// AVX2 (8 lanes, 16 registers): rows [r0, r0 + 16) of a slice's (token, head) rows of one KV
+// head, two vectors of 8, over staged keys and values (stage_rows), in the AVX-512 tile's two
+// passes. Scores: the scaled queries kept transposed (qt[d]: element d of the 16 rows), 4 keys
+// at a time, each key's element d broadcast against both vectors (8 multiply-adds to 6 loads);
+// a score is a chain of FMAs in one lane, no horizontal sum; each lane's maximum. Then the
+// weights (0 for a key a lane does not see) in place of the scores, and their totals. Then the
+// value sums, also rows in lanes: 4 elements at a time for 64 keys at a time, each key's 4
+// values broadcast against the rows' weights, the sums in registers. No batch-invariant order
+// here: an AVX2 build has no bf16 products, and the engine asks for that order only with them.
 template <int D>
-void prefill_tile8(Rows kind, const float* q, int64_t q_stride, float* out, int64_t out_stride,
-                   int64_t r0, int64_t num_rows, int64_t group, int64_t first_pos, float scale,
-                   RowCursor keys, RowCursor values, std::vector<__m256>& kept) {
-  const int live = static_cast<int>(std::min<int64_t>(8, num_rows - r0));
-  alignas(32) float qt[D][8];
-  alignas(32) float lane_pos[8];
-  const float* src[8];
-  for (int lane = 0; lane < 8; ++lane) {
+void prefill_tile16(const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                    int64_t r0, int64_t num_rows, int64_t group, int64_t first_pos, float scale,
+                    const float* keys, const float* values, std::vector<__m256>& kept) {
+  const int live = static_cast<int>(std::min<int64_t>(16, num_rows - r0));
+  alignas(32) float qt[D][16];
+  alignas(32) float lane_pos[16];
+  const float* src[16];
+  for (int lane = 0; lane < 16; ++lane) {
     const int64_t r = r0 + std::min(lane, live - 1);  // spare lanes repeat the last row
     src[lane] = q + (r / group) * q_stride + (r % group) * D;
     lane_pos[lane] = static_cast<float>(first_pos + r / group);
   }
   const __m256 scale8 = _mm256_set1_ps(scale);
-  for (int d = 0; d < D; d += 8) {
-    __m256 block[8];
+  for (int h = 0; h < 2; ++h)
+    for (int d = 0; d < D; d += 8) {
+      __m256 block[8];
 #pragma GCC unroll 8
-    for (int lane = 0; lane < 8; ++lane)
-      block[lane] = _mm256_mul_ps(_mm256_loadu_ps(src[lane] + d), scale8);
-    transpose8(block);
+      for (int lane = 0; lane < 8; ++lane)
+        block[lane] = _mm256_mul_ps(_mm256_loadu_ps(src[8 * h + lane] + d), scale8);
+      transpose8(block);
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) _mm256_store_ps(qt[d + i], block[i]);
-  }
-  const __m256 pos = _mm256_load_ps(lane_pos);
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(qt[d + i] + 8 * h, block[i]);
+    }
+  const __m256 pos[2] = {_mm256_load_ps(lane_pos), _mm256_load_ps(lane_pos + 8)};
   const int64_t all_see = first_pos + r0 / group;  // the keys every lane sees: [0, all_see]
   const int64_t num_keys = first_pos + (r0 + live - 1) / group + 1;
-  grow(kept, (num_keys + 7) / 8 * 8);
-  // All ones in the lanes that see key c0 + j.
-  auto seen = [&](int64_t c0, int n, int j) -> __m256 {
-    if (j >= n) return _mm256_setzero_ps();
-    if (c0 + j <= all_see) return _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    return _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(c0 + j)), pos, _CMP_LE_OQ);
+  grow(kept, 2 * ((num_keys + 7) / 8 * 8));  // two vectors a key: scores, then weights
+  __m256* w = kept.data();
+  // All ones in the lanes of half h that see key c.
+  auto seen = [&](int64_t c, int h) -> __m256 {
+    if (c <= all_see) return _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    return _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(c)), pos[h], _CMP_LE_OQ);
   };
-  alignas(32) float buf[8][D];  // a chunk's bf16 or int8 rows, widened
-  const float* rows[8];
 
   // Scores, and each lane's largest.
   const __m256 lowest = _mm256_set1_ps(-INFINITY);
-  __m256 peak = lowest;
-  for (int64_t c0 = 0; c0 < num_keys; c0 += 8) {
-    const int n = static_cast<int>(std::min<int64_t>(8, num_keys - c0));
-    chunk_rows8<D>(keys, n, kind, buf, rows);
-    __m256 sc[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) sc[j] = _mm256_setzero_ps();
+  __m256 peak[2] = {lowest, lowest};
+  for (int64_t c0 = 0; c0 < num_keys; c0 += 4) {
+    const float* k = keys + c0 * D;
+    __m256 sc[4][2];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) sc[j][0] = sc[j][1] = _mm256_setzero_ps();
     for (int d = 0; d < D; ++d) {
-      const __m256 qd = _mm256_load_ps(qt[d]);
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j)
-        sc[j] = _mm256_fmadd_ps(qd, _mm256_broadcast_ss(rows[j] + d), sc[j]);
-    }
-    for (int j = 0; j < n; ++j) {
-      kept[c0 + j] = sc[j];
-      peak = _mm256_max_ps(peak, _mm256_blendv_ps(lowest, sc[j], seen(c0, n, j)));
-    }
-  }
-
-  // Exponentials, their totals and the value sums: a row's sums in its own vectors (row-major),
-  // a value row's 8 elements at a time against each row's weight broadcast.
-  alignas(32) float acc[8][D] = {};
-  alignas(32) float ew[8][8];  // ew[j][lane]: the lane's weight for key c0 + j
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t c0 = 0; c0 < num_keys; c0 += 8) {
-    const int n = static_cast<int>(std::min<int64_t>(8, num_keys - c0));
-    chunk_rows8<D>(values, n, kind, buf, rows);
-    __m256 e[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      e[j] = _mm256_and_ps(seen(c0, n, j),
-                           exp_nonpositive8(_mm256_sub_ps(j < n ? kept[c0 + j] : peak, peak)));
-      _mm256_store_ps(ew[j], e[j]);
-    }
-    total = _mm256_add_ps(total, _mm256_add_ps(
-        _mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3])),
-        _mm256_add_ps(_mm256_add_ps(e[4], e[5]), _mm256_add_ps(e[6], e[7]))));
-    for (int d0 = 0; d0 < D; d0 += 8) {
-      __m256 o[8];
-#pragma GCC unroll 8
-      for (int r = 0; r < 8; ++r) o[r] = _mm256_load_ps(acc[r] + d0);
-      for (int j = 0; j < n; ++j) {
-        const __m256 v = _mm256_loadu_ps(rows[j] + d0);
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r) o[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ew[j][r]), v, o[r]);
+      const __m256 q0 = _mm256_load_ps(qt[d]), q1 = _mm256_load_ps(qt[d] + 8);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 b = _mm256_broadcast_ss(k + j * D + d);
+        sc[j][0] = _mm256_fmadd_ps(q0, b, sc[j][0]);
+        sc[j][1] = _mm256_fmadd_ps(q1, b, sc[j][1]);
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < 8; ++r) _mm256_store_ps(acc[r] + d0, o[r]);
+    }
+    const int n = static_cast<int>(std::min<int64_t>(4, num_keys - c0));
+    for (int j = 0; j < n; ++j)
+      for (int h = 0; h < 2; ++h) {
+        w[2 * (c0 + j) + h] = sc[j][h];
+        peak[h] = _mm256_max_ps(peak[h], _mm256_blendv_ps(lowest, sc[j][h], seen(c0 + j, h)));
+      }
+  }
+
+  // The weights, in place of the scores, and their totals.
+  __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < num_keys; ++c)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 e = _mm256_and_ps(seen(c, h),
+                                     exp_nonpositive8(_mm256_sub_ps(w[2 * c + h], peak[h])));
+      w[2 * c + h] = e;
+      total[h] = _mm256_add_ps(total[h], e);
+    }
+
+  // The value sums, rows in lanes: ot[d] holds element d of the 16 rows.
+  alignas(32) float ot[D][16];
+  constexpr int64_t kKeys = 64;  // a block of keys: its weights and value rows stay in L1
+  for (int64_t c0 = 0; c0 < num_keys; c0 += kKeys) {
+    const int64_t c1 = std::min(num_keys, c0 + kKeys);
+    for (int d0 = 0; d0 < D; d0 += 4) {
+      __m256 o[4][2];
+#pragma GCC unroll 4
+      for (int dd = 0; dd < 4; ++dd)
+        for (int h = 0; h < 2; ++h)
+          o[dd][h] = c0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(ot[d0 + dd] + 8 * h);
+      const float* v = values + c0 * D + d0;
+      for (int64_t c = c0; c < c1; ++c, v += D) {
+        const __m256 w0 = w[2 * c], w1 = w[2 * c + 1];
+#pragma GCC unroll 4
+        for (int dd = 0; dd < 4; ++dd) {
+          const __m256 b = _mm256_broadcast_ss(v + dd);
+          o[dd][0] = _mm256_fmadd_ps(w0, b, o[dd][0]);
+          o[dd][1] = _mm256_fmadd_ps(w1, b, o[dd][1]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int dd = 0; dd < 4; ++dd)
+        for (int h = 0; h < 2; ++h) _mm256_store_ps(ot[d0 + dd] + 8 * h, o[dd][h]);
     }
   }
 
-  alignas(32) float totals[8];
-  _mm256_store_ps(totals, total);
-  for (int lane = 0; lane < live; ++lane) {
-    const int64_t r = r0 + lane;
-    const __m256 inv = _mm256_set1_ps(1.0f / totals[lane]);
-    float* dst = out + (r / group) * out_stride + (r % group) * D;
-    for (int d = 0; d < D; d += 8)
-      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(acc[lane] + d), inv));
-  }
+  // Each row's outputs: 8 elements of 8 rows transposed at a time, over its total.
+  alignas(32) float totals[16];
+  _mm256_store_ps(totals, total[0]);
+  _mm256_store_ps(totals + 8, total[1]);
+  for (int h = 0; h < 2; ++h)
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m256 block[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) block[i] = _mm256_load_ps(ot[d0 + i] + 8 * h);
+      transpose8(block);  // block[lane]: row 8h + lane's elements [d0, d0 + 8)
+      for (int lane = 0; lane < 8 && 8 * h + lane < live; ++lane) {
+        const int64_t r = r0 + 8 * h + lane;
+        _mm256_storeu_ps(out + (r / group) * out_stride + (r % group) * D + d0,
+                         _mm256_mul_ps(block[lane], _mm256_set1_ps(1.0f / totals[8 * h + lane])));
+      }
+    }
 }
 
 }  // namespace
@@ -555,9 +609,17 @@ void paged_prefill_attention(
   });
 #else
   (void)invariant;  // the order of the AVX-512 tiles alone (attention_simd.h)
-  for_each_tile<__m256>(s, q_start, q_len, first_pos, 8, [&](int64_t, auto&&... args) {
-    (d64 ? prefill_tile8<64> : prefill_tile8<128>)(kind, args...);
-  });
+  static thread_local std::vector<__m256> scratch;  // kept for the next call: no page faults
+  const auto staged = stage_rows(s, kind, first_pos + q_len, scratch);
+  for_each_tile<__m256>(
+      s, q_start, q_len, first_pos, 16,
+      [&](int64_t kv, const float* q_, int64_t q_stride, float* out_, int64_t out_stride,
+          int64_t r0, int64_t num_rows, int64_t group, int64_t first, float scale_,
+          paged::RowCursor, paged::RowCursor, std::vector<__m256>& kept) {
+        (d64 ? prefill_tile16<64> : prefill_tile16<128>)(
+            q_, q_stride, out_, out_stride, r0, num_rows, group, first, scale_,
+            staged.keys_of(kv), staged.values_of(kv), kept);
+      });
 #endif
 #else
   TORCH_CHECK(false, "paged_prefill_attention needs AVX-512 or AVX2 (the torch backend uses SDPA)");
