@@ -36,6 +36,19 @@ void grow(std::vector<Vector>& kept, int64_t n) {
   if (static_cast<int64_t>(kept.size()) < n) kept.resize(n);
 }
 
+// A slice's keys and values staged once a call, as fp32, for every tile of its KV heads (the
+// tiles with fp32 products): each KV head's rows contiguous, positions rounded up to a tile's
+// chunk of keys with zero rows.
+struct StagedRows {
+  int64_t positions;  // a KV head's rows
+  int64_t head_dim;
+  const float* keys;    // [KV head][positions][head_dim]
+  const float* values;  // the same
+
+  const float* keys_of(int64_t kv) const { return keys + kv * positions * head_dim; }
+  const float* values_of(int64_t kv) const { return values + kv * positions * head_dim; }
+};
+
 }  // namespace
 
 #if defined(__AVX512F__)
@@ -43,16 +56,57 @@ namespace {
 
 using namespace paged;
 
-// Rows [r0, r0 + 16) of a slice's (token, head) rows, r = token * group + head, for one KV head,
-// over keys [0, last row's position]. q and out point at the slice's first token and the KV
-// head's first query head. Two passes rather than an online softmax (which would rescale the
-// sums as the maximum grows, in an order no decode keeps): first every key's scores, kept in
-// `kept`, with each lane's maximum; then the exponentials, the lanes' 16 partial totals and the
-// value sums, in position order. (With bf16 products: prefill_tile_pairs below.)
+// A slice's fp32, bf16 or int8 rows staged once a call as fp32 for every tile of its KV heads:
+// each KV head's keys and values contiguous, widened as the tiles widened them (load_row), zero
+// rows past the last position, up to a multiple of 16. Each tile had copied (and widened) every
+// row it read, and a 2,048-token slice has 384 tiles a KV head.
 template <typename T, int DV>
+StagedRows stage_rows(const SliceView& s, int64_t num_keys, std::vector<__m512>& scratch) {
+  constexpr int D = 16 * DV;
+  const int64_t positions = (num_keys + 15) / 16 * 16, chunks = positions / 16;
+  scratch.resize(2 * s.num_kv_heads * positions * D / 16);
+  float* keys = reinterpret_cast<float*>(scratch.data());
+  float* values = keys + s.num_kv_heads * positions * D;
+  at::parallel_for(0, s.num_kv_heads * chunks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / chunks, c0 = task % chunks * 16;
+      const int64_t n = std::min<int64_t>(16, num_keys - c0);
+      RowCursor k{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
+                  c0 / s.block_size, c0 % s.block_size};
+      RowCursor v{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
+                  c0 / s.block_size, c0 % s.block_size};
+      for (int64_t j = 0; j < 16; ++j) {
+        float* kd = keys + (kv * positions + c0 + j) * D;
+        float* vd = values + (kv * positions + c0 + j) * D;
+        __m512 kr[DV], vr[DV];
+        if (j < n) {
+          load_row<T, DV>(k.next(), kr);
+          load_row<T, DV>(v.next(), vr);
+        } else {
+          for (int d = 0; d < DV; ++d) kr[d] = vr[d] = _mm512_setzero_ps();
+        }
+        for (int d = 0; d < DV; ++d) {
+          _mm512_store_ps(kd + 16 * d, kr[d]);
+          _mm512_store_ps(vd + 16 * d, vr[d]);
+        }
+      }
+    }
+  });
+  return {positions, D, keys, values};
+}
+
+// Rows [r0, r0 + 16) of a slice's (token, head) rows, r = token * group + head, for one KV head,
+// over keys [0, last row's position], staged (stage_rows). q and out point at the slice's first
+// token and the KV head's first query head. Two passes rather than an online softmax (which
+// would rescale the sums as the maximum grows, in an order no decode keeps): first every key's
+// scores, kept in `kept`, with each lane's maximum; then the exponentials in their place and
+// the lanes' 16 partial totals; then the value sums 16 elements at a time, in registers, each a
+// chain over the positions in order (a lane skipping the keys it does not see). (With bf16
+// products: prefill_tile_pairs below.)
+template <int DV>
 void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stride, int64_t r0,
-                  int64_t num_rows, int64_t group, int64_t first_pos, float scale, RowCursor keys,
-                  RowCursor values, std::vector<__m512>& kept) {
+                  int64_t num_rows, int64_t group, int64_t first_pos, float scale,
+                  const float* keys, const float* values, std::vector<__m512>& kept) {
   constexpr int D = 16 * DV;
   const int live = static_cast<int>(std::min<int64_t>(16, num_rows - r0));
   __m512 rows[16][DV], qt[D];  // the tile's scaled queries; transposed, one vector per d
@@ -76,19 +130,17 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
   };
 
   // Scores, and each lane's largest.
-  alignas(64) float buf[16][D];
   __m512 peak = _mm512_set1_ps(-INFINITY);
   for (int64_t c0 = 0; c0 < num_keys; c0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
+    const float* k = keys + c0 * D;
     __m512 sc[16];
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) sc[j] = _mm512_setzero_ps();
-    load_chunk_rows<T, DV>(keys, n, buf);
     for (int d = 0; d < D; ++d) {
       const __m512 qd = qt[d];
 #pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j)
-        sc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(buf[j][d]), sc[j]);
+      for (int j = 0; j < 16; ++j) sc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[j * D + d]), sc[j]);
     }
     for (int j = 0; j < n; ++j) {
       kept[c0 + j] = sc[j];
@@ -96,53 +148,56 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
     }
   }
 
-  // Exponentials, their partial totals and the value sums, position by position.
-  __m512 part[16], ot[D];
+  // The exponentials in place of the scores, and their partial totals.
+  __m512 part[16];
   for (int j = 0; j < 16; ++j) part[j] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) ot[d] = _mm512_setzero_ps();
   for (int64_t c0 = 0; c0 < num_keys; c0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
-    __m512 e[16];
-    load_chunk_rows<T, DV>(values, n, buf);
     // Every lane sees every key (all chunks but the last few of a tile): unmasked, the same
-    // sums as the masked loop below with all lanes set, which measured ~16% slower on
-    // every chunk (2,048 tokens: 984 ms against 840).
+    // sums as the masked loop below with all lanes set.
     if (n == 16 && c0 + 15 <= all_see) {
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
-        e[j] = exp_nonpositive(_mm512_sub_ps(kept[c0 + j], peak));
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(kept[c0 + j], peak));
         // A masked add, as the decode's partials take (a plain vector add is open to
         // -ffast-math's reassociation, were this loop ever unrolled over positions).
-        part[j] = _mm512_mask_add_ps(part[j], 0xFFFF, part[j], e[j]);
-      }
-      for (int d0 = 0; d0 < D; d0 += 8) {
-        __m512 o[8];
-#pragma GCC unroll 8
-        for (int dd = 0; dd < 8; ++dd) o[dd] = ot[d0 + dd];
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j)
-#pragma GCC unroll 8
-          for (int dd = 0; dd < 8; ++dd)
-            o[dd] = _mm512_fmadd_ps(e[j], _mm512_set1_ps(buf[j][d0 + dd]), o[dd]);
-#pragma GCC unroll 8
-        for (int dd = 0; dd < 8; ++dd) ot[d0 + dd] = o[dd];
+        part[j] = _mm512_mask_add_ps(part[j], 0xFFFF, part[j], e);
+        kept[c0 + j] = e;
       }
       continue;
     }
-    __mmask16 sees[16];
-    for (int j = 0; j < 16; ++j) {
-      sees[j] = seen(c0, n, j);
-      e[j] = exp_nonpositive(_mm512_sub_ps(j < n ? kept[c0 + j] : peak, peak));
-      part[j] = _mm512_mask_add_ps(part[j], sees[j], part[j], e[j]);
+    for (int j = 0; j < n; ++j) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(kept[c0 + j], peak));
+      part[j] = _mm512_mask_add_ps(part[j], seen(c0, n, j), part[j], e);
+      kept[c0 + j] = e;
     }
-    for (int d0 = 0; d0 < D; d0 += 8) {
-      __m512 o[8];
-      for (int dd = 0; dd < 8; ++dd) o[dd] = ot[d0 + dd];
-      for (int j = 0; j < n; ++j)
-        for (int dd = 0; dd < 8; ++dd)
-          o[dd] = _mm512_mask3_fmadd_ps(e[j], _mm512_set1_ps(buf[j][d0 + dd]), o[dd], sees[j]);
-      for (int dd = 0; dd < 8; ++dd) ot[d0 + dd] = o[dd];
+  }
+
+  // The value sums, 16 elements at a time: keys every lane sees, then the last few, which some
+  // lanes skip (a masked multiply-add leaves their sums as they were).
+  const int64_t full = std::min(num_keys, all_see + 1);
+  __mmask16 tail[16];  // the tile spans at most 16 tokens: at most 15 keys after all_see
+  for (int64_t c = full; c < num_keys; ++c) tail[c - full] = seen(c, 1, 0);
+  __m512 ot[D];
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    __m512 o[16];
+#pragma GCC unroll 16
+    for (int dd = 0; dd < 16; ++dd) o[dd] = _mm512_setzero_ps();
+    const float* v = values + d0;
+    for (int64_t c = 0; c < full; ++c, v += D) {
+      const __m512 w = kept[c];
+#pragma GCC unroll 16
+      for (int dd = 0; dd < 16; ++dd) o[dd] = _mm512_fmadd_ps(w, _mm512_set1_ps(v[dd]), o[dd]);
     }
+    for (int64_t c = full; c < num_keys; ++c, v += D) {
+      const __m512 w = kept[c];
+      const __mmask16 m = tail[c - full];
+#pragma GCC unroll 16
+      for (int dd = 0; dd < 16; ++dd)
+        o[dd] = _mm512_mask3_fmadd_ps(w, _mm512_set1_ps(v[dd]), o[dd], m);
+    }
+#pragma GCC unroll 16
+    for (int dd = 0; dd < 16; ++dd) ot[d0 + dd] = o[dd];
   }
 
   // Each lane's total from its 16 partials, then its outputs.
@@ -331,20 +386,8 @@ namespace {
 
 using namespace paged;
 
-// A slice's rows staged once a call for every tile of its KV heads, as fp32: each KV head's keys
-// and values contiguous, bf16 and int8 rows widened once (each tile had widened, or read
-// through the block table, every row it attended to), zero rows past the last position, up to a
-// multiple of 8.
-struct StagedRows {
-  int64_t positions;  // a KV head's rows: the slice's last position + 1, rounded up to 8
-  int64_t head_dim;
-  const float* keys;    // [KV head][positions][head_dim]
-  const float* values;  // the same
-
-  const float* keys_of(int64_t kv) const { return keys + kv * positions * head_dim; }
-  const float* values_of(int64_t kv) const { return values + kv * positions * head_dim; }
-};
-
+// AVX2: a slice's rows as fp32, bf16 and int8 rows widened once, zero rows past the last
+// position up to a multiple of 8 (StagedRows).
 inline void stage_row(Rows kind, const char* row, int64_t head_dim, float* dst) {
   if (kind == Rows::F32) {
     std::memcpy(dst, row, head_dim * sizeof(float));
@@ -536,9 +579,8 @@ void prefill_tile16(const float* q, int64_t q_stride, float* out, int64_t out_st
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 namespace {
 
-// Runs tile(KV head, q, q_stride, out, out_stride, first row, rows, group, first_pos, scale, keys,
-// values, kept) for every task of a slice: each tile of `rows` (token, query head) rows of each
-// KV head. Tasks go KV head by KV head, so a thread reads one head's rows at a time; within a
+// Runs tile(KV head, q, q_stride, out, out_stride, first row, rows, group, first_pos, scale,
+// kept) for every task of a slice: each tile of `rows` (token, query head) rows of each KV head. Tasks go KV head by KV head, so a thread reads one head's rows at a time; within a
 // head later tiles attend to more keys, so tasks alternate between its first and last tiles and
 // the contiguous ranges parallel_for hands each thread carry equal work.
 template <typename Vector, typename Tile>
@@ -552,9 +594,7 @@ void for_each_tile(const paged::SliceView& s, int64_t q_start, int64_t q_len, in
       const int64_t t = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
       tile(kv, s.q + q_start * s.q_stride + kv * s.group * s.head_dim, s.q_stride,
            s.out + q_start * s.out_stride + kv * s.group * s.head_dim, s.out_stride, t * rows,
-           num_rows, s.group, first_pos, s.scale,
-           RowCursor{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride},
-           RowCursor{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride}, kept);
+           num_rows, s.group, first_pos, s.scale, kept);
     }
   });
 }
@@ -592,7 +632,7 @@ void paged_prefill_attention(
         s, q_start, q_len, first_pos, 16,
         [&](int64_t kv, const float* q_, int64_t q_stride, float* out_, int64_t out_stride,
             int64_t r0, int64_t num_rows, int64_t group, int64_t first, float scale_,
-            paged::RowCursor, paged::RowCursor, std::vector<__m512>& kept) {
+            std::vector<__m512>& kept) {
           (d64 ? prefill_tile_pairs<4> : prefill_tile_pairs<8>)(
               q_, q_stride, out_, out_stride, r0, num_rows, group, first, scale_,
               staged.keys_of(kv), staged.values_of(kv), kept);
@@ -600,13 +640,24 @@ void paged_prefill_attention(
     return;
   }
 #endif
-  for_each_tile<__m512>(s, q_start, q_len, first_pos, 16, [&](int64_t, auto&&... args) {
-    if (kind == paged::Rows::Int8)
-      (d64 ? prefill_tile<int8_t, 4> : prefill_tile<int8_t, 8>)(args...);
-    else if (kind == paged::Rows::BF16)
-      (d64 ? prefill_tile<c10::BFloat16, 4> : prefill_tile<c10::BFloat16, 8>)(args...);
-    else (d64 ? prefill_tile<float, 4> : prefill_tile<float, 8>)(args...);
-  });
+  static thread_local std::vector<__m512> scratch;  // kept for the next call: no page faults
+  const int64_t num_keys = first_pos + q_len;
+  const StagedRows staged =
+      kind == paged::Rows::Int8
+          ? (d64 ? stage_rows<int8_t, 4> : stage_rows<int8_t, 8>)(s, num_keys, scratch)
+      : kind == paged::Rows::BF16
+          ? (d64 ? stage_rows<c10::BFloat16, 4> : stage_rows<c10::BFloat16, 8>)(s, num_keys,
+                                                                               scratch)
+          : (d64 ? stage_rows<float, 4> : stage_rows<float, 8>)(s, num_keys, scratch);
+  for_each_tile<__m512>(
+      s, q_start, q_len, first_pos, 16,
+      [&](int64_t kv, const float* q_, int64_t q_stride, float* out_, int64_t out_stride,
+          int64_t r0, int64_t num_rows, int64_t group, int64_t first, float scale_,
+          std::vector<__m512>& kept) {
+        (d64 ? prefill_tile<4> : prefill_tile<8>)(q_, q_stride, out_, out_stride, r0, num_rows,
+                                                  group, first, scale_, staged.keys_of(kv),
+                                                  staged.values_of(kv), kept);
+      });
 #else
   (void)invariant;  // the order of the AVX-512 tiles alone (attention_simd.h)
   static thread_local std::vector<__m256> scratch;  // kept for the next call: no page faults
@@ -615,7 +666,7 @@ void paged_prefill_attention(
       s, q_start, q_len, first_pos, 16,
       [&](int64_t kv, const float* q_, int64_t q_stride, float* out_, int64_t out_stride,
           int64_t r0, int64_t num_rows, int64_t group, int64_t first, float scale_,
-          paged::RowCursor, paged::RowCursor, std::vector<__m256>& kept) {
+          std::vector<__m256>& kept) {
         (d64 ? prefill_tile16<64> : prefill_tile16<128>)(
             q_, q_stride, out_, out_stride, r0, num_rows, group, first, scale_,
             staged.keys_of(kv), staged.values_of(kv), kept);
