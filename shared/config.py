@@ -102,9 +102,9 @@ class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cpu_cache_gib: Annotated[float, msgspec.Meta(gt=0.0)] = 4.0
     enable_prefix_caching: bool = True
     # A CPU engine's KV cache in transparent huge pages too (huge_pages.py; model.huge_pages is
-    # the weights'). Off: on SmolLM2 it lowered TPOT ~5 % at a 4,096-token context and left
-    # throughput level, and where a VM backs its memory on first touch, faulting in the default
-    # 4 GiB as 2 MiB pages added 0.5-5 s to every start (BENCHMARKS, "huge pages").
+    # the weights'). Off: on SmolLM2 it gained nothing measurable (single stream, a 4,096-token
+    # context, 64 and 128 requests), and where a VM hands free memory back to its host, faulting
+    # in the default 4 GiB as 2 MiB pages added ~4 s to every start (BENCHMARKS, "huge pages").
     huge_pages: bool = False
     # auto: the model's dtype; int8: each (token, head) row as int8 codes with an fp16 scale and
     # offset per 32 (jetserve_kernels/kv_int8.py), ~3.56x the tokens of fp32 in the same memory;

@@ -19,6 +19,12 @@ void paged_prefill_as_decodes(const torch::Tensor& q, const torch::Tensor& k_cac
                               const torch::Tensor& v_cache, const torch::Tensor& block_table,
                               int64_t q_start, int64_t q_len, int64_t first_pos,
                               torch::Tensor& out, double scale);
+// Each of a prefill slice's tokens as a row of paged_decode_attention (in its invariant order
+// or not, as asked), its inputs checked by the caller.
+void prefill_as_decode_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                            int64_t q_start, int64_t q_len, int64_t first_pos, torch::Tensor& out,
+                            double scale, bool invariant);
 // A prefill slice's causal attention over its cached context and its own new tokens (written to
 // the cache already), for head_dim 64 or 128 where AVX-512, or AVX2 and FMA, is built in
 // (prefill_attention_kernel). AVX-512 in the batch-invariant order: invariant, as

@@ -759,10 +759,20 @@ void paged_prefill_as_decodes(
     return;
   }
 #endif
-  // Elsewhere each token is a row of the decode kernel, over the table repeated (stride 0).
+  prefill_as_decode_rows(q, k_cache, v_cache, block_table, q_start, q_len, first_pos, out, scale,
+                         true);
+}
+
+void prefill_as_decode_rows(const torch::Tensor& q, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                            int64_t q_start, int64_t q_len, int64_t first_pos, torch::Tensor& out,
+                            double scale, bool invariant) {
+  if (q_len == 0) return;
+  // Each token a row of the decode kernel, over the table repeated (stride 0), long and short
+  // rows alternating so the tasks parallel_for hands each thread carry equal work.
   const auto t = torch::arange(q_len, torch::kLong);
   const auto order = torch::where(t % 2 == 0, t.div(2, "floor"), q_len - 1 - t.div(2, "floor"));
   paged_decode_attention(q, k_cache, v_cache, block_table.unsqueeze(0).expand({q_len, -1}),
                          (order + (first_pos + 1)).to(torch::kInt), order + q_start, out, scale,
-                         true);
+                         invariant);
 }

@@ -514,7 +514,7 @@ def test_paged_decode_attention_matches_reference(k, head_dim, group, block, kv,
 PREFILL_SLICES = [(0, 40), (37, 20), (5, 13), (64, 1), (0, 150), (100, 77)]
 
 
-# Groups 1 to 8 (8: a token a tile of AVX2's 8 rows); a scale of 4 spreads the scores far enough
+# Groups 1 to 8 (8: two tokens a tile of 16 rows); a scale of 4 spreads the scores far enough
 # for weights at the exponential's floor, and for keys a lane does not see to score far above
 # its maximum (their exponentials overflow before the mask drops them).
 @pytest.mark.skipif(not cpu_ops.load() or not cpu_ops.load().prefill_attention_kernel(),

@@ -65,7 +65,8 @@ def available() -> bool:
 
 
 def arena_if(on: bool) -> HugePageArena | None:
-    """An arena where `model.huge_pages` is on and the host can give huge pages, else None."""
+    """An arena where `on` (model.huge_pages for the weights, kv_cache.huge_pages for the KV
+    cache) and the host can give huge pages, else None."""
     return HugePageArena() if on and available() else None
 
 
