@@ -49,6 +49,25 @@ struct StagedRows {
   const float* values_of(int64_t kv) const { return values + kv * positions * head_dim; }
 };
 
+// Calls stage(kv, c0, n, keys, values) for each `chunk` positions from c0 of each KV head, over a
+// slice's first num_keys positions (n of them there, the rest padding), the cursors at c0; the
+// chunks in parallel.
+template <typename Stage>
+void for_each_chunk(const paged::SliceView& s, int64_t num_keys, int64_t chunk,
+                    const Stage& stage) {
+  const int64_t chunks = (num_keys + chunk - 1) / chunk;
+  at::parallel_for(0, s.num_kv_heads * chunks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv = task / chunks, c0 = task % chunks * chunk;
+      paged::RowCursor k{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
+                         c0 / s.block_size, c0 % s.block_size};
+      paged::RowCursor v{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
+                         c0 / s.block_size, c0 % s.block_size};
+      stage(kv, c0, static_cast<int>(std::min(chunk, num_keys - c0)), k, v);
+    }
+  });
+}
+
 }  // namespace
 
 #if defined(__AVX512F__)
@@ -63,32 +82,25 @@ using namespace paged;
 template <typename T, int DV>
 StagedRows stage_rows(const SliceView& s, int64_t num_keys, std::vector<__m512>& scratch) {
   constexpr int D = 16 * DV;
-  const int64_t positions = (num_keys + 15) / 16 * 16, chunks = positions / 16;
+  const int64_t positions = (num_keys + 15) / 16 * 16;
   grow(scratch, 2 * s.num_kv_heads * positions * D / 16);
   float* keys = reinterpret_cast<float*>(scratch.data());
   float* values = keys + s.num_kv_heads * positions * D;
-  at::parallel_for(0, s.num_kv_heads * chunks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / chunks, c0 = task % chunks * 16;
-      const int64_t n = std::min<int64_t>(16, num_keys - c0);
-      RowCursor k{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
-                  c0 / s.block_size, c0 % s.block_size};
-      RowCursor v{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
-                  c0 / s.block_size, c0 % s.block_size};
-      for (int64_t j = 0; j < 16; ++j) {
-        float* kd = keys + (kv * positions + c0 + j) * D;
-        float* vd = values + (kv * positions + c0 + j) * D;
-        __m512 kr[DV], vr[DV];
-        if (j < n) {
-          load_row<T, DV>(k.next(), kr);
-          load_row<T, DV>(v.next(), vr);
-        } else {
-          for (int d = 0; d < DV; ++d) kr[d] = vr[d] = _mm512_setzero_ps();
-        }
-        for (int d = 0; d < DV; ++d) {
-          _mm512_store_ps(kd + 16 * d, kr[d]);
-          _mm512_store_ps(vd + 16 * d, vr[d]);
-        }
+  for_each_chunk(s, num_keys, 16,
+                 [&](int64_t kv, int64_t c0, int n, RowCursor& k, RowCursor& v) {
+    for (int64_t j = 0; j < 16; ++j) {
+      float* kd = keys + (kv * positions + c0 + j) * D;
+      float* vd = values + (kv * positions + c0 + j) * D;
+      __m512 kr[DV], vr[DV];
+      if (j < n) {
+        load_row<T, DV>(k.next(), kr);
+        load_row<T, DV>(v.next(), vr);
+      } else {
+        for (int d = 0; d < DV; ++d) kr[d] = vr[d] = _mm512_setzero_ps();
+      }
+      for (int d = 0; d < DV; ++d) {
+        _mm512_store_ps(kd + 16 * d, kr[d]);
+        _mm512_store_ps(vd + 16 * d, vr[d]);
       }
     }
   });
@@ -236,31 +248,24 @@ template <int DV>
 StagedPairs stage_pairs(const SliceView& s, int64_t num_keys, std::vector<__m512i>& scratch) {
   constexpr int D = 16 * DV;
   alignas(64) static const uint16_t zeros[D] = {};
-  const int64_t positions = (num_keys + 15) / 16 * 16, chunks = positions / 16;
+  const int64_t positions = (num_keys + 15) / 16 * 16;
   grow(scratch, s.num_kv_heads * positions * D * 4 / 64);  // 2 bytes a key, 2 a value
   uint16_t* keys = reinterpret_cast<uint16_t*>(scratch.data());
   uint32_t* values = reinterpret_cast<uint32_t*>(keys + s.num_kv_heads * positions * D);
-  at::parallel_for(0, s.num_kv_heads * chunks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / chunks, c0 = task % chunks * 16;
-      const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
-      RowCursor k{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
-                  c0 / s.block_size, c0 % s.block_size};
-      RowCursor v{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
-                  c0 / s.block_size, c0 % s.block_size};
-      uint16_t* kd = keys + (kv * positions + c0) * D;
-      for (int j = 0; j < 16; ++j) {
-        const char* row = j < n ? k.next() : reinterpret_cast<const char*>(zeros);
-        for (int b = 0; b < DV / 2; ++b)
-          _mm512_store_si512(kd + j * D + 32 * b, _mm512_loadu_si512(row + 64 * b));
-      }
-      uint32_t* vd = values + (kv * positions + c0) / 2 * D;
-      for (int m = 0; m < 8; ++m) {
-        const char* a = 2 * m < n ? v.next() : reinterpret_cast<const char*>(zeros);
-        const char* b = 2 * m + 1 < n ? v.next() : reinterpret_cast<const char*>(zeros);
-        for (int d = 0; d < DV; ++d)
-          _mm512_store_si512(vd + m * D + 16 * d, interleave_bf16(a + 32 * d, b + 32 * d));
-      }
+  for_each_chunk(s, num_keys, 16,
+                 [&](int64_t kv, int64_t c0, int n, RowCursor& k, RowCursor& v) {
+    uint16_t* kd = keys + (kv * positions + c0) * D;
+    for (int j = 0; j < 16; ++j) {
+      const char* row = j < n ? k.next() : reinterpret_cast<const char*>(zeros);
+      for (int b = 0; b < DV / 2; ++b)
+        _mm512_store_si512(kd + j * D + 32 * b, _mm512_loadu_si512(row + 64 * b));
+    }
+    uint32_t* vd = values + (kv * positions + c0) / 2 * D;
+    for (int m = 0; m < 8; ++m) {
+      const char* a = 2 * m < n ? v.next() : reinterpret_cast<const char*>(zeros);
+      const char* b = 2 * m + 1 < n ? v.next() : reinterpret_cast<const char*>(zeros);
+      for (int d = 0; d < DV; ++d)
+        _mm512_store_si512(vd + m * D + 16 * d, interleave_bf16(a + 32 * d, b + 32 * d));
     }
   });
   return {positions, D, keys, values};
@@ -398,28 +403,21 @@ inline void stage_row(Rows kind, const char* row, int64_t head_dim, float* dst) 
 
 StagedRows stage_rows(const SliceView& s, Rows kind, int64_t num_keys,
                       std::vector<__m256>& scratch) {
-  const int64_t D = s.head_dim, positions = (num_keys + 7) / 8 * 8, chunks = positions / 8;
+  const int64_t D = s.head_dim, positions = (num_keys + 7) / 8 * 8;
   grow(scratch, 2 * s.num_kv_heads * positions * D / 8);
   float* keys = reinterpret_cast<float*>(scratch.data());
   float* values = keys + s.num_kv_heads * positions * D;
-  at::parallel_for(0, s.num_kv_heads * chunks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / chunks, c0 = task % chunks * 8;
-      const int64_t n = std::min<int64_t>(8, num_keys - c0);
-      RowCursor k{s.k + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
-                  c0 / s.block_size, c0 % s.block_size};
-      RowCursor v{s.v + kv * s.row_bytes, s.table, s.block_size, s.token_stride,
-                  c0 / s.block_size, c0 % s.block_size};
-      for (int64_t j = 0; j < 8; ++j) {
-        float* kd = keys + (kv * positions + c0 + j) * D;
-        float* vd = values + (kv * positions + c0 + j) * D;
-        if (j < n) {
-          stage_row(kind, k.next(), D, kd);
-          stage_row(kind, v.next(), D, vd);
-        } else {
-          std::memset(kd, 0, D * sizeof(float));
-          std::memset(vd, 0, D * sizeof(float));
-        }
+  for_each_chunk(s, num_keys, 8,
+                 [&](int64_t kv, int64_t c0, int n, RowCursor& k, RowCursor& v) {
+    for (int64_t j = 0; j < 8; ++j) {
+      float* kd = keys + (kv * positions + c0 + j) * D;
+      float* vd = values + (kv * positions + c0 + j) * D;
+      if (j < n) {
+        stage_row(kind, k.next(), D, kd);
+        stage_row(kind, v.next(), D, vd);
+      } else {
+        std::memset(kd, 0, D * sizeof(float));
+        std::memset(vd, 0, D * sizeof(float));
       }
     }
   });
