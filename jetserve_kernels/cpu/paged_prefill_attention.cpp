@@ -107,6 +107,60 @@ StagedRows stage_rows(const SliceView& s, int64_t num_keys, std::vector<__m512>&
   return {positions, D, keys, values};
 }
 
+// A tile's rows: [r0, r0 + 16) of a slice's (token, head) rows, r = token * group + head, of one
+// KV head, one a lane (spare lanes repeat the last row). q points at the slice's first token and
+// the KV head's first query head.
+template <int DV>
+struct TileRows {
+  static constexpr int D = 16 * DV;
+  int live;          // the rows there
+  __m512 qt[D];      // the scaled queries, transposed: qt[d] holds element d of every row
+  __m512 pos;        // each lane's position
+  int64_t all_see;   // the keys every lane sees: [0, all_see]
+  int64_t num_keys;  // the keys some lane sees: [0, num_keys)
+
+  TileRows(const float* q, int64_t q_stride, int64_t r0, int64_t num_rows, int64_t group,
+           int64_t first_pos, float scale)
+      : live(static_cast<int>(std::min<int64_t>(16, num_rows - r0))),
+        all_see(first_pos + r0 / group),
+        num_keys(first_pos + (r0 + live - 1) / group + 1) {
+    __m512 rows[16][DV];
+    alignas(64) float lane_pos[16];
+    for (int lane = 0; lane < 16; ++lane) {
+      const int64_t r = r0 + std::min(lane, live - 1);
+      scaled_query<DV>(q + (r / group) * q_stride + (r % group) * D, scale,
+                       reinterpret_cast<float*>(rows[lane]));
+      lane_pos[lane] = static_cast<float>(first_pos + r / group);
+    }
+    for (int b = 0; b < DV; ++b) transpose16(&rows[0][b], DV, qt + 16 * b);
+    pos = _mm512_load_ps(lane_pos);
+  }
+
+  // Which lanes see key c0 + j of a chunk of n keys from c0 (all of them, far enough back).
+  __mmask16 seen(int64_t c0, int n, int j) const {
+    if (j >= n) return 0;
+    if (c0 + j <= all_see) return 0xFFFF;
+    return _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(c0 + j)), pos, _CMP_LE_OQ);
+  }
+
+  // Each lane's total from its 16 partials (part[j]: the lane's sum over keys j, j + 16, ...),
+  // then its outputs, ot[d] (element d of every lane's value sums) over that total, into out.
+  void write(const __m512 part[16], const __m512 ot[D], float* out, int64_t out_stride,
+             int64_t r0, int64_t group) const {
+    __m512 partials[16];  // partials[lane]: that lane's 16 partial totals
+    transpose16(part, 1, partials);
+    __m512 outs[D];  // outs[16 * b + lane]: the lane's elements [16 b, 16 b + 16)
+    for (int b = 0; b < DV; ++b) transpose16(ot + 16 * b, 1, outs + 16 * b);
+    for (int lane = 0; lane < live; ++lane) {
+      const int64_t r = r0 + lane;
+      const __m512 inv = _mm512_set1_ps(reciprocal(lane_sum(partials[lane])));
+      float* dst = out + (r / group) * out_stride + (r % group) * D;
+      for (int b = 0; b < DV; ++b)
+        _mm512_storeu_ps(dst + 16 * b, _mm512_mul_ps(outs[16 * b + lane], inv));
+    }
+  }
+};
+
 // Rows [r0, r0 + 16) of a slice's (token, head) rows, r = token * group + head, for one KV head,
 // over keys [0, last row's position], staged (stage_rows). q and out point at the slice's first
 // token and the KV head's first query head. Two passes rather than an online softmax (which
@@ -120,26 +174,11 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
                   int64_t num_rows, int64_t group, int64_t first_pos, float scale,
                   const float* keys, const float* values, std::vector<__m512>& kept) {
   constexpr int D = 16 * DV;
-  const int live = static_cast<int>(std::min<int64_t>(16, num_rows - r0));
-  __m512 rows[16][DV], qt[D];  // the tile's scaled queries; transposed, one vector per d
-  alignas(64) float lane_pos[16];
-  for (int lane = 0; lane < 16; ++lane) {
-    const int64_t r = r0 + std::min(lane, live - 1);  // spare lanes repeat the last row
-    scaled_query<DV>(q + (r / group) * q_stride + (r % group) * D, scale,
-                     reinterpret_cast<float*>(rows[lane]));
-    lane_pos[lane] = static_cast<float>(first_pos + r / group);
-  }
-  for (int b = 0; b < DV; ++b) transpose16(&rows[0][b], DV, qt + 16 * b);
-  const __m512 pos = _mm512_load_ps(lane_pos);
-  const int64_t all_see = first_pos + r0 / group;  // the keys every lane sees: [0, all_see]
-  const int64_t num_keys = first_pos + (r0 + live - 1) / group + 1;
+  const TileRows<DV> tile(q, q_stride, r0, num_rows, group, first_pos, scale);
+  const __m512* qt = tile.qt;
+  const int64_t all_see = tile.all_see, num_keys = tile.num_keys;
+  auto seen = [&](int64_t c0, int n, int j) { return tile.seen(c0, n, j); };
   grow(kept, (num_keys + 15) / 16 * 16);
-  // Which of 16 keys from c0 each lane sees (all of them, far enough back).
-  auto seen = [&](int64_t c0, int n, int j) -> __mmask16 {
-    if (j >= n) return 0;
-    if (c0 + j <= all_see) return 0xFFFF;
-    return _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(c0 + j)), pos, _CMP_LE_OQ);
-  };
 
   // Scores, and each lane's largest.
   __m512 peak = _mm512_set1_ps(-INFINITY);
@@ -212,18 +251,7 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
     for (int dd = 0; dd < 16; ++dd) ot[d0 + dd] = o[dd];
   }
 
-  // Each lane's total from its 16 partials, then its outputs.
-  __m512 partials[16];  // partials[lane]: that lane's 16 partial totals
-  transpose16(part, 1, partials);
-  __m512 outs[D];  // outs[16 * b + lane]: the lane's elements [16 b, 16 b + 16)
-  for (int b = 0; b < DV; ++b) transpose16(ot + 16 * b, 1, outs + 16 * b);
-  for (int lane = 0; lane < live; ++lane) {
-    const int64_t r = r0 + lane;
-    const __m512 inv = _mm512_set1_ps(reciprocal(lane_sum(partials[lane])));
-    float* dst = out + (r / group) * out_stride + (r % group) * D;
-    for (int b = 0; b < DV; ++b)
-      _mm512_storeu_ps(dst + 16 * b, _mm512_mul_ps(outs[16 * b + lane], inv));
-  }
+  tile.write(part, ot, out, out_stride, r0, group);
 }
 
 
@@ -282,28 +310,14 @@ void prefill_tile_pairs(const float* q, int64_t q_stride, float* out, int64_t ou
                         float scale, const uint16_t* keys, const uint32_t* values,
                         std::vector<__m512>& kept) {
   constexpr int D = 16 * DV;
-  const int live = static_cast<int>(std::min<int64_t>(16, num_rows - r0));
-  __m512 rows[16][DV], qt[D];
-  alignas(64) float lane_pos[16];
-  for (int lane = 0; lane < 16; ++lane) {
-    const int64_t r = r0 + std::min(lane, live - 1);  // spare lanes repeat the last row
-    scaled_query<DV>(q + (r / group) * q_stride + (r % group) * D, scale,
-                     reinterpret_cast<float*>(rows[lane]));
-    lane_pos[lane] = static_cast<float>(first_pos + r / group);
-  }
-  for (int b = 0; b < DV; ++b) transpose16(&rows[0][b], DV, qt + 16 * b);
-  const __m512 pos = _mm512_load_ps(lane_pos);
-  const int64_t all_see = first_pos + r0 / group;  // the keys every lane sees: [0, all_see]
-  const int64_t num_keys = first_pos + (r0 + live - 1) / group + 1;
+  const TileRows<DV> tile(q, q_stride, r0, num_rows, group, first_pos, scale);
+  const __m512* qt = tile.qt;
+  const int64_t all_see = tile.all_see, num_keys = tile.num_keys;
+  auto seen = [&](int64_t c0, int n, int j) { return tile.seen(c0, n, j); };
   const int64_t padded = (num_keys + 15) / 16 * 16;
   grow(kept, padded + padded / 2);  // the scores, then the weights' pairs
   __m512* scores = kept.data();
   __m512i* weights = reinterpret_cast<__m512i*>(kept.data() + padded);
-  auto seen = [&](int64_t c0, int n, int j) -> __mmask16 {
-    if (j >= n) return 0;
-    if (c0 + j <= all_see) return 0xFFFF;
-    return _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(c0 + j)), pos, _CMP_LE_OQ);
-  };
 
   // Scores: the scaled queries as bf16 pairs of elements against each key's pairs.
   __m512i qp[D / 2];
@@ -370,18 +384,7 @@ void prefill_tile_pairs(const float* q, int64_t q_stride, float* out, int64_t ou
     for (int dd = 0; dd < 16; ++dd) ot[d0 + dd] = o[dd];
   }
 
-  // Each lane's total from its 16 partials, then its outputs.
-  __m512 partials[16];
-  transpose16(part, 1, partials);
-  __m512 outs[D];
-  for (int b = 0; b < DV; ++b) transpose16(ot + 16 * b, 1, outs + 16 * b);
-  for (int lane = 0; lane < live; ++lane) {
-    const int64_t r = r0 + lane;
-    const __m512 inv = _mm512_set1_ps(reciprocal(lane_sum(partials[lane])));
-    float* dst = out + (r / group) * out_stride + (r % group) * D;
-    for (int b = 0; b < DV; ++b)
-      _mm512_storeu_ps(dst + 16 * b, _mm512_mul_ps(outs[16 * b + lane], inv));
-  }
+  tile.write(part, ot, out, out_stride, r0, group);
 }
 #endif
 
