@@ -394,8 +394,7 @@ namespace {
 
 using namespace paged;
 
-// AVX2: a slice's rows as fp32, bf16 and int8 rows widened once, zero rows past the last
-// position up to a multiple of 8 (StagedRows).
+// One cache row as fp32 into dst: an fp32 row copied, a bf16 or int8 row widened.
 inline void stage_row(Rows kind, const char* row, int64_t head_dim, float* dst) {
   if (kind == Rows::F32) {
     std::memcpy(dst, row, head_dim * sizeof(float));
@@ -404,6 +403,8 @@ inline void stage_row(Rows kind, const char* row, int64_t head_dim, float* dst) 
   }
 }
 
+// AVX2: a slice's rows as fp32 (StagedRows), bf16 and int8 rows widened once, zero rows past
+// the last position up to a multiple of 8.
 StagedRows stage_rows(const SliceView& s, Rows kind, int64_t num_keys,
                       std::vector<__m256>& scratch) {
   const int64_t D = s.head_dim, positions = (num_keys + 7) / 8 * 8;
