@@ -5,9 +5,10 @@ with the kernels' flags and run on every intra-op thread.
   blocks of 16 shuffled over the pool, 30 layers, K then V), no arithmetic, in four orders: the
   decode kernel's (`head`: a task per sequence and KV head, a head's rows at a token's stride),
   whole tokens (`token`), a block's positions one KV head after another (`block`), and a cache
-  laid out head-major within each block (`head_major`); on 4 KiB pages and in huge pages. Set
-  beside `attention_bench --decode` at the same points, it says how much of the decode kernel's
-  time its order of reads costs.
+  laid out head-major within each block (`head_major`); on 4 KiB pages and in huge pages: what
+  the memory gives in each order, to set beside `attention_bench --decode` at the same points
+  (the kernel's arithmetic overlaps its reads, so a faster order of plain reads is a lead to
+  measure in the kernel, not a promise).
 - `w8a8_group_end`: the W8A8 tile (AVX512-VNNI) with each group's end as the kernel has it
   (`full`), with its two scales folded into one FMA (`folded`), and without it (`products`):
   the share of the tile's time the per-32 scales take.

@@ -509,6 +509,42 @@ def test_paged_decode_attention_matches_reference(k, head_dim, group, block, kv,
     reference.assert_attention_close(out, expected, products)
 
 
+# A batch of decodes (at least 4 sequences a thread, of lengths that end mid-block and on a
+# block's edge) against each sequence alone: the same bits, whatever the batch, in both orders,
+# every cache type, for KV heads of 1 to 5 query heads (the value sums' blocks of heads) and 2
+# to 8 KV heads; and close to the reference.
+@pytest.mark.parametrize("head_dim,group,block,kv_heads", [
+    (64, 3, 16, 3), (64, 1, 8, 2), (64, 5, 32, 2), (128, 4, 16, 8), (128, 3, 8, 2)])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_batch_of_decodes_gives_each_sequence_its_bits_alone(k, head_dim, group, block,
+                                                               kv_heads, kv, invariant):
+    heads = group * kv_heads
+    threads = torch.get_num_threads()
+    lens = [1, 2, 15, 16, 17, 31, 33, 64, 65, 100, 129, 200] * max(1, -(-4 * threads // 12))
+    gen = torch.Generator().manual_seed(head_dim + group + block)
+    k_cache, v_cache, tables = scattered_cache(lens, block, kv_heads, head_dim, kv, gen)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    tables = torch.tensor(tables, dtype=torch.int32)
+    together = torch.full_like(q, float("nan"))
+    k.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                             torch.arange(len(lens)), together, 0.1, invariant)
+    alone = torch.full_like(q, float("nan"))
+    for i, n in enumerate(lens):
+        k.paged_decode_attention(q, k_cache, v_cache, tables[i:i + 1],
+                                 torch.tensor([n], dtype=torch.int32), torch.tensor([i]), alone,
+                                 0.1, invariant)
+    same = (together.view(torch.int32) == alone.view(torch.int32)).all(-1).all(-1)
+    assert same.all(), f"sequences {(~same).nonzero().flatten().tolist()} differ"
+    products = kv == "bf16" and invariant and k.bf16_dot_products()
+    if kv == "bf16":
+        k_cache, v_cache = k_cache.float(), v_cache.float()
+    expected = reference.paged_attention(q, k_cache, v_cache, tables.long(),
+                                         torch.arange(len(lens) + 1), torch.tensor(lens), 0.1,
+                                         bf16_products=products)
+    reference.assert_attention_close(together, expected, products)
+
+
 # Slices as (cached tokens, new tokens): a fresh prompt, a chunk after cached context, one that
 # ends mid-tile and mid-block, a single token, one longer than a few tiles.
 PREFILL_SLICES = [(0, 40), (37, 20), (5, 13), (64, 1), (0, 150), (100, 77)]
