@@ -18,7 +18,8 @@
 // dequantized in registers as they arrive. Prefill (many rows) is bound by the FMAs: a quantized
 // panel is then dequantized once into an fp32 scratch panel in L2 (or, with many_rows "bf16",
 // into bfloat16 pairs for vdpbf16ps), and every tile of x runs over it, so dequantizing costs once
-// per panel rather than once per tile. Past 96 rows, fp32 FMAs take x in blocks that stay in L2.
+// per panel rather than once per tile. Past 96 rows, fp32 FMAs take x in blocks that stay in L2;
+// bf16 dot products take x rounded to pairs, from 96 rows laid out tile by tile (x_tiles).
 // That is the AVX-512 path. Without AVX-512, an AVX2 build (16 registers of 8 lanes) has smaller
 // tiles of its own (below): one or two rows dequantize in registers, more rows read an fp32 panel
 // (a quantized one dequantized first); without AVX2, plain loops the compiler vectorizes.
