@@ -42,6 +42,8 @@ SHAPE = DUMMY_SHAPES["smollm2-135m"]
 def built(against: Path) -> Path:
     """The kernels' .so of a checkout (built there if need be), or `against` if it is one."""
     if against.is_file():
+        if against.suffix != ".so":
+            raise SystemExit(f"{against} is not a built .so")
         return against
     if not (against / "jetserve_kernels" / "cpu_ops.py").is_file():
         raise SystemExit(f"{against} is neither a built .so nor a checkout with jetserve_kernels")
@@ -61,16 +63,22 @@ def built(against: Path) -> Path:
 
 
 def load(path: Path):
-    """A kernels' .so as a module of its own (each build's module name carries its hash)."""
+    """A kernels' .so as a module of its own (each build's module name carries its hash, and its
+    file keeps that name: jetserve_cpu_<hash>.so)."""
     spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        raise SystemExit(f"{path} does not load as a kernels build (its file must keep the "
+                         f"name it was built with, jetserve_cpu_<hash>.so): {error}") from None
     return module
 
 
 def in_turn(run, builds: list, repeats: int) -> dict:
-    """Times run(kernels, out) for each build, `repeats` times each, alternating which goes
-    first (after one call each to warm up); the medians and whether the outputs are the same."""
+    """Times run(kernels) (which returns its outputs) for each build, `repeats` times each,
+    alternating which goes first (after one call each to warm up); the medians and whether the
+    outputs are the same."""
     outs = [None, None]
     for i, kernels in enumerate(builds):
         outs[i] = run(kernels)
@@ -157,7 +165,8 @@ def linear_points(builds, row_counts: list[int], repeats: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", type=Path, required=True,
-                        help="the other build: a checkout of the repository, or a built .so")
+                        help="the other build: a checkout of the repository, or a built .so "
+                             "under the name it was built with (jetserve_cpu_<hash>.so)")
     parser.add_argument("--decode", type=pair, nargs="*", default=[])
     parser.add_argument("--prefill", type=pair, nargs="*", default=[])
     parser.add_argument("--linear", type=int, nargs="*", default=[])
@@ -165,13 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--result-json", default="results/kernel_ab.json")
     args = parser.parse_args(argv)
+    if not (args.decode or args.prefill or args.linear):
+        parser.error("nothing to time: give --decode, --prefill or --linear points")
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2 (each build goes first in turn)")
     new = cpu_ops.load()
     if new is None:
         raise SystemExit("this checkout's CPU kernels did not build")
-    old_path = built(args.against)
-    builds = [new, load(old_path)]
     if args.linear and not new.bf16_dot_products():
         raise SystemExit("--linear times the bf16 pairs, which need AVX512-BF16")
+    old_path = built(args.against)
+    builds = [new, load(old_path)]
+    if args.linear and not builds[1].bf16_dot_products():
+        raise SystemExit(f"--linear: {old_path} has no AVX512-BF16 dot products")
     print(f"new: {new.__file__}\nold: {old_path}")
     rows = (decode_points(builds, args.decode, args.kv_dtype, args.repeats)
             + prefill_points(builds, args.prefill, args.kv_dtype, args.repeats)

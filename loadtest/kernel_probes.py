@@ -1,11 +1,13 @@
 """What bounds two CPU kernels, probed outside them: small C++ programs (loadtest/probes/), built
-with the kernels' flags and run on every intra-op thread.
+with the kernels' compiler and flags (`CXX`, `JETSERVE_CPU_ARCH`: jetserve_kernels/cpu_ops.py)
+and run on every intra-op thread.
 
 - `kv_reads`: plain reads of a paged KV cache (SmolLM2's shape: 3 KV heads, bf16 rows of 64,
   blocks of 16 shuffled over the pool, 30 layers, K then V), no arithmetic, in four orders: the
   decode kernel's (`head`: a task per sequence and KV head, a head's rows at a token's stride),
   whole tokens (`token`), a block's positions one KV head after another (`block`), and a cache
-  laid out head-major within each block (`head_major`); on 4 KiB pages and in huge pages: what
+  laid out head-major within each block (`head_major`); on 4 KiB pages and in huge pages (where
+  transparent huge pages are not `never`): what
   the memory gives in each order, to set beside `attention_bench --decode` at the same points
   (the kernel's arithmetic overlaps its reads, so a faster order of plain reads is a lead to
   measure in the kernel, not a promise).
@@ -15,8 +17,8 @@ with the kernels' flags and run on every intra-op thread.
 
     python -m loadtest.kernel_probes --result-json results/kernel_probes.json
 
-Each probe needs AVX-512 (and AVX512-VNNI for the W8A8 tile); on other CPUs it is skipped, with
-the reason printed.
+Each probe needs AVX-512 (and AVX512-VNNI for the W8A8 tile) and a C++ compiler; elsewhere it is
+skipped, with the reason printed.
 """
 
 from __future__ import annotations
@@ -24,16 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
+from jetserve_kernels.cpu_ops import FLAGS
+from loadtest.attention_bench import pair
 from loadtest.metrics import write_result
 
 PROBES = Path(__file__).parent / "probes"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+COMPILER = os.environ.get("CXX", "c++")
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # SmolLM2-135M: a KV row is 64 bf16 values (128 bytes); matmuls (N, K) of one layer.
 KV_HEADS, KV_ROW_BYTES, LAYERS, BLOCK_SIZE = 3, 128, 30, 16
 MATMULS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -46,9 +52,20 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def build(name: str, out_dir: Path) -> Path:
+def huge_pages_possible() -> bool:
+    """Whether madvise'd memory can get transparent huge pages here (the mode is not `never`)."""
+    return THP.exists() and "[never]" not in THP.read_text()
+
+
+def build(name: str, out_dir: Path) -> Path | None:
+    """The probe built, or None (with the compiler's complaint printed) where the flags lack
+    what it needs (JETSERVE_CPU_ARCH naming a set without AVX-512, say)."""
     binary = out_dir / name
-    subprocess.run(["g++", *FLAGS, str(PROBES / f"{name}.cpp"), "-o", str(binary)], check=True)
+    run = subprocess.run([COMPILER, *FLAGS, str(PROBES / f"{name}.cpp"), "-o", str(binary)],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        print(f"{name} skipped: it did not build with {' '.join(FLAGS)}:\n{run.stderr[-1000:]}")
+        return None
     return binary
 
 
@@ -63,7 +80,7 @@ def kv_reads(binary: Path, points: list[tuple[int, int]], repeats: int, threads:
     rows = []
     print("\nplain reads of a paged KV cache, K and V of 30 layers (ms, GB/s of rows read)")
     for seqs, length in points:
-        for huge in (0, 1):
+        for huge in (0, 1) if huge_pages_possible() else (0,):
             line = []
             for order in ("head", "token", "block", "head_major"):
                 result = run(binary, [order, seqs, length, BLOCK_SIZE, KV_HEADS, KV_ROW_BYTES,
@@ -90,31 +107,37 @@ def w8a8_group_end(binary: Path, rows: int, repeats: int, threads: int) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--decode", nargs="*", default=["128:300", "128:1000"],
+    parser.add_argument("--decode", type=pair, nargs="*", default=[(128, 300), (128, 1000)],
                         help="KV reads at B sequences of L tokens each, as B:L")
     parser.add_argument("--rows", type=int, default=510,
                         help="rows of x for the W8A8 tile (a multiple of its 6)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--result-json", default="results/kernel_probes.json")
     args = parser.parse_args(argv)
-    if args.rows % 6:
-        parser.error("--rows must be a multiple of 6, the W8A8 tile's rows")
+    if args.rows <= 0 or args.rows % 6:
+        parser.error("--rows must be a positive multiple of 6, the W8A8 tile's rows")
+    if args.repeats <= 0 or any(b <= 0 or n <= 0 for b, n in args.decode):
+        parser.error("--repeats and every --decode count must be positive")
     flags = cpu_flags()
     threads = torch.get_num_threads()
-    print(f"{threads} threads; kernels' flags {' '.join(FLAGS)}")
-    result: dict = {"threads": threads}
+    result: dict = {"threads": threads, "compiler": COMPILER, "flags": FLAGS,
+                    "huge_pages_possible": huge_pages_possible()}
+    if shutil.which(COMPILER) is None:
+        print(f"kernel probes skipped: no C++ compiler ({COMPILER!r}; CXX names another)")
+        write_result(args.result_json, "kernel_probes", **result)
+        return 0
+    print(f"{threads} threads; {COMPILER} {' '.join(FLAGS)}")
+    if not huge_pages_possible():
+        print("transparent huge pages are off here (`never`): 4 KiB pages only")
     with tempfile.TemporaryDirectory() as tmp:
-        if "avx512f" in flags:
-            points = [tuple(int(v) for v in p.split(":")) for p in args.decode]
-            result["kv_reads"] = kv_reads(build("kv_reads", Path(tmp)), points, args.repeats,
-                                          threads)
-        else:
+        if "avx512f" not in flags:
             print("kv_reads skipped: this CPU has no AVX-512")
-        if {"avx512_vnni", "avx512bw"} <= flags:
-            result["w8a8_group_end"] = w8a8_group_end(build("w8a8_group_end", Path(tmp)),
-                                                      args.rows, args.repeats, threads)
-        else:
+        elif binary := build("kv_reads", Path(tmp)):
+            result["kv_reads"] = kv_reads(binary, args.decode, args.repeats, threads)
+        if not {"avx512_vnni", "avx512bw"} <= flags:
             print("w8a8_group_end skipped: this CPU has no AVX512-VNNI")
+        elif binary := build("w8a8_group_end", Path(tmp)):
+            result["w8a8_group_end"] = w8a8_group_end(binary, args.rows, args.repeats, threads)
     write_result(args.result_json, "kernel_probes", **result)
     return 0
 

@@ -495,7 +495,7 @@ std::unique_ptr<uint32_t[]> x_pairs(const float* x, int64_t x_stride, int64_t m,
 // Rows of x as bf16 pairs, tile by tile as for_each_tile(m) splits them, for bf16_tile: the tile
 // of R rows at m0 starts at m0 * k / 2 and holds pair t of its row i at t * R + i, so that a step
 // of k reads the tile's R pairs side by side, where rows one after another had it read R
-// streams a row's length apart (512 rows of SmolLM2's matmuls: 4-6 % faster, timed in one
+// streams a row's length apart (SmolLM2's matmuls at 96-512 rows: 3-7 % faster, timed in one
 // process against the row layout with loadtest.kernel_ab). Each 32 values of x of 16 rows are
 // rounded to pairs, transposed in registers and stored a pair of the rows at a time.
 std::unique_ptr<uint32_t[]> x_tiles(const float* x, int64_t x_stride, int64_t m, int64_t k) {
@@ -525,8 +525,9 @@ std::unique_ptr<uint32_t[]> x_tiles(const float* x, int64_t x_stride, int64_t m,
   return xb;
 }
 
-// From this many rows x is laid out tile by tile for bf16_tile (x_tiles): below it, the gain
-// did not measure above the cost of the pass (within +-3 % at 13-64 rows; 128 rows 1-4 % faster).
+// From this many rows x is laid out tile by tile for bf16_tile (x_tiles). Below it the layout
+// did not pay for its pass over x (13-24 rows: 0.97-1.08x the time; 64 rows 0.99-1.03x), from it
+// it did (96 rows 0.95-0.97x, 128 rows 0.96-0.99x).
 constexpr int64_t kTiledRows = 96;
 
 // x's m rows as bf16 pairs for bf16_tile: tile by tile (x_tiles) from kTiledRows, else row by

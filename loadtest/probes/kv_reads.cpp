@@ -39,6 +39,10 @@ char* cache_of(size_t bytes, bool huge) {
   constexpr size_t kHuge = 2 << 20;
   bytes = (bytes + kHuge - 1) / kHuge * kHuge;
   char* p = static_cast<char*>(std::aligned_alloc(kHuge, bytes));
+  if (p == nullptr) {
+    std::fprintf(stderr, "kv_reads: out of memory for %zu bytes\n", bytes);
+    std::exit(1);
+  }
   if (huge) madvise(p, bytes, MADV_HUGEPAGE);
   std::memset(p, 1, bytes);
   return p;
@@ -59,9 +63,10 @@ int main(int argc, char** argv) {
   const bool huge = std::atoi(argv[8]) != 0;
   const int repeats = std::atoi(argv[9]);
   if ((order != "head" && order != "token" && order != "block" && order != "head_major") ||
-      row % 64 != 0) {
+      row <= 0 || row % 64 != 0 || seqs <= 0 || len <= 0 || block_size <= 0 || heads <= 0 ||
+      layers <= 0 || repeats <= 0) {
     std::fprintf(stderr, "kv_reads: order is head, token, block or head_major; row_bytes a "
-                         "multiple of 64\n");
+                         "positive multiple of 64; every count positive\n");
     return 2;
   }
   const int64_t seq_blocks = (len + block_size - 1) / block_size;

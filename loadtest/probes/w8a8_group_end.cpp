@@ -1,8 +1,9 @@
 // The W8A8 tile of jetserve_kernels/cpu/linear.cpp (AVX512-VNNI, 6 rows x a panel of 32
 // columns, vpdpbusd over quads of k), on its own, with each group's end three ways: what bounds
 // it (loadtest/kernel_probes.py).
-//   full:     the kernel's arithmetic: int32 sums to fp32, times x's scale, times the weights'
-//             scale, added, plus x's low times the weights' group sum;
+//   full:     the kernel's arithmetic at each group's end (its requests for the next groups'
+//             weights left out): int32 sums to fp32, times x's scale, times the weights' scale,
+//             added, plus x's low times the weights' group sum;
 //   folded:   the two scales multiplied first, then one FMA into the sums;
 //   products: no group end at all (the int32 sums added as they are: wrong, the products' cost
 //             alone).
@@ -88,10 +89,10 @@ int main(int argc, char** argv) {
   const std::string name = argv[1];
   const int64_t n = std::atoll(argv[2]), k = std::atoll(argv[3]), m = std::atoll(argv[4]);
   const int repeats = std::atoi(argv[5]);
-  if ((name != "full" && name != "folded" && name != "products") || n % kPanel || k % kGroup ||
-      m % kRows) {
-    std::fprintf(stderr, "w8a8_group_end: mode full, folded or products; n a multiple of 32, k "
-                         "of 32, m of 6\n");
+  if ((name != "full" && name != "folded" && name != "products") || n <= 0 || k <= 0 || m <= 0 ||
+      repeats <= 0 || n % kPanel || k % kGroup || m % kRows) {
+    std::fprintf(stderr, "w8a8_group_end: mode full, folded or products; n a positive multiple "
+                         "of 32, k of 32, m of 6; repeats positive\n");
     return 2;
   }
   const auto run = name == "full" ? tile<kFull> : name == "folded" ? tile<kFolded> : tile<kProducts>;

@@ -132,6 +132,34 @@ def test_bf16_pairs_give_a_row_the_same_bits_at_every_row_count(k, shape):
         linear(torch.randn(2, 8))
 
 
+def test_bf16_dot_products_give_the_same_bits_in_either_layout_of_x(k):
+    """From 96 rows the kernels lay x out tile by tile for bf16 dot products, below it row by
+    row: a row's outputs are the same bits either way, for a bf16 model's pairs and for quantized
+    weights multiplied in bf16, with x contiguous or a view of a wider tensor, at row counts on
+    either side of the switch and splits of uneven tiles."""
+    if not k.bf16_dot_products():
+        pytest.skip("the kernels built here have no AVX512-BF16 dot products")
+    from services.executor.engine.linear import DenseLinear
+
+    gen = torch.Generator().manual_seed(96)
+    weight = (0.05 * torch.randn(72, 320, generator=gen)).bfloat16()  # a part panel: 72 = 2*32 + 8
+    linear = DenseLinear(weight, k)
+    assert linear.pairs
+    quantized = quantize(torch.randn(72, 320, generator=gen), 8)
+    wide = torch.randn(131, 400, generator=gen)
+    for x in (wide[:, :320].contiguous(), wide[:, 40:360]):  # contiguous, and strided rows
+        for rows in (95, 96, 97, 131):
+            whole = linear(x[:rows])
+            # In pieces of fewer than 96 rows (row by row), one row alone, and the rest.
+            pieces = torch.cat([linear(x[:1]), linear(x[1:rows // 2]), linear(x[rows // 2:rows])])
+            assert torch.equal(whole, pieces), rows
+            # Quantized weights in bf16 (past 8 rows): the same bits as pieces of 9 to 95 rows.
+            many = quantized_linear(k, quantized, x[:rows], "bf16")
+            split = torch.cat([quantized_linear(k, quantized, x[:rows // 2], "bf16"),
+                               quantized_linear(k, quantized, x[rows // 2:rows], "bf16")])
+            assert torch.equal(many, split), rows
+
+
 # Rows: within one 16-row tile, exactly one, two tiles, a pair and a half; N: a part panel.
 @pytest.mark.parametrize("shape", [(40, 96), (64, 576)])
 def test_bf16_pairs_on_vectors_and_on_amx_tiles(k, shape):

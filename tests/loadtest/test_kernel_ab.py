@@ -39,6 +39,18 @@ def test_a_copy_of_the_build_gives_the_same_bits(tmp_path):
 def test_a_checkout_that_does_not_build_is_named(tmp_path):
     with pytest.raises(SystemExit, match="neither a built .so nor a checkout"):
         kernel_ab.built(tmp_path)
+    (tmp_path / "notes.txt").write_text("not a build")
+    with pytest.raises(SystemExit, match="is not a built .so"):
+        kernel_ab.built(tmp_path / "notes.txt")
+    renamed = tmp_path / "renamed.so"
+    if KERNELS is not None:
+        shutil.copy(KERNELS.__file__, renamed)
+        with pytest.raises(SystemExit, match="must keep the name it was built with"):
+            kernel_ab.load(renamed)
+    with pytest.raises(SystemExit):  # nothing to time; one repeat cannot alternate
+        kernel_ab.main(["--against", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        kernel_ab.main(["--against", str(tmp_path), "--decode", "2:8", "--repeats", "1"])
     (tmp_path / "jetserve_kernels").mkdir()
     (tmp_path / "jetserve_kernels" / "cpu_ops.py").write_text("raise ImportError('broken')\n")
     with pytest.raises(SystemExit, match=f"the kernels of {tmp_path} did not build"):
