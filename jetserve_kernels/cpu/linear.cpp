@@ -473,8 +473,14 @@ void bf16_tile(const uint32_t* p, int64_t k, const uint32_t* x, int64_t x_stride
   for (int i = 0; i < MR; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
 }
 
-// Rows of x as bf16 pairs (rounded to nearest even): row i's pair t is (x[i, 2t], x[i, 2t + 1]).
-// Rows from m up to padded_rows are zeros (AMX tiles load 16 rows at a time).
+// x[0 .. 32) as 16 bf16 pairs (rounded to nearest even): pair t is (x[2t], x[2t + 1]).
+inline __m512i pairs_of(const float* x) {
+  return reinterpret_cast<__m512i>(
+      _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
+}
+
+// Rows of x as bf16 pairs (pairs_of): row i's pair t is (x[i, 2t], x[i, 2t + 1]). Rows from m up
+// to padded_rows are zeros (AMX tiles load 16 rows at a time).
 std::unique_ptr<uint32_t[]> x_pairs(const float* x, int64_t x_stride, int64_t m, int64_t k,
                                     int64_t padded_rows = 0) {
   const int64_t pairs = k / 2;
@@ -482,12 +488,8 @@ std::unique_ptr<uint32_t[]> x_pairs(const float* x, int64_t x_stride, int64_t m,
   if (padded_rows > m) std::memset(xb.get() + m * pairs, 0, (padded_rows - m) * pairs * 4);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      for (int64_t t = 0; t < k; t += kGroup) {
-        const float* xr = x + i * x_stride + t;
-        _mm512_storeu_si512(xb.get() + i * pairs + t / 2,
-                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                _mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr))));
-      }
+      for (int64_t t = 0; t < k; t += kGroup)
+        _mm512_storeu_si512(xb.get() + i * pairs + t / 2, pairs_of(x + i * x_stride + t));
   });
   return xb;
 }
@@ -510,12 +512,9 @@ std::unique_ptr<uint32_t[]> x_tiles(const float* x, int64_t x_stride, int64_t m,
       const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1);
       for (int64_t t = 0; t < k; t += kGroup) {
         __m512 row_pairs[16], step_pairs[16];  // 16 pairs of each row; each pair of the rows
-        for (int i = 0; i < 16; ++i) {
-          const float* xr = x + (m0 + i) * x_stride + t;
-          row_pairs[i] = i < rows ? reinterpret_cast<__m512>(_mm512_cvtne2ps_pbh(
-                                        _mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr)))
+        for (int i = 0; i < 16; ++i)
+          row_pairs[i] = i < rows ? _mm512_castsi512_ps(pairs_of(x + (m0 + i) * x_stride + t))
                                   : _mm512_setzero_ps();
-        }
         paged::transpose16(row_pairs, 1, step_pairs);
         for (int c = 0; c < 16; ++c)
           _mm512_mask_storeu_ps(out + (t / 2 + c) * rows, lanes, step_pairs[c]);
