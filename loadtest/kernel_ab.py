@@ -10,10 +10,12 @@ On a machine shared with others, memory bandwidth and clock drift from one proce
 by more than a kernel change is worth (on the 2-core cloud VMs of BENCHMARKS.md, the same build's
 decode time ran 56-79 ms from process to process); in one process, in turn, both builds see the
 same drift. Points are SmolLM2-135M's thirty layers (`attention_bench`'s caches, blocks
-scattered; `linear_bench`'s four matmuls of a layer, bf16 pairs as a bf16 model's): decode B:L
-is B sequences of L cached tokens, in both of the decode kernel's orders; prefill T:P a chunk of
-T tokens after P cached ones, in the batch-invariant order; linear R the bf16-pairs matmuls at R
-rows.
+scattered; `linear_bench`'s four matmuls of a layer): decode B:L is B sequences of L cached
+tokens, in both of the decode kernel's orders; prefill T:P a chunk of T tokens after P cached
+ones, in the batch-invariant order; linear R the matmuls at R rows, their weights in
+`--linear-format`: a bf16 model's pairs (the default), fp32 panels, or int8 (int4) weights with
+int8 activations, as the engine packs each. To compare the paths of other CPUs, build both with
+the same JETSERVE_CPU_ARCH (an AVX2 build: `x86-64-v3`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from jetserve_kernels import cpu_ops
 from loadtest.attention_bench import Caches, pair
 from loadtest.linear_bench import layer_shapes
 from loadtest.metrics import write_result
-from services.executor.engine.linear import pack_pairs
+from services.executor.engine.linear import (pack_for_int8_activations, pack_pairs,
+                                             pack_panels, pack_quantized, quantize)
 from shared.model_files import DUMMY_SHAPES
 
 SHAPE = DUMMY_SHAPES["smollm2-135m"]
@@ -141,8 +144,38 @@ def prefill_points(builds, points, kv_dtype: str, repeats: int) -> list[dict]:
     return rows
 
 
-def linear_points(builds, row_counts: list[int], repeats: int) -> list[dict]:
-    weights = [(pack_pairs(torch.randn(n, k).bfloat16()), n, k)
+# The weights of each --linear-format, packed as the engine packs them, and the call of one.
+LINEAR_FORMATS = ("bf16_pairs", "fp32", "w8a8", "w8a8x2", "w4a8")
+
+
+def linear_weights(fmt: str, n: int, k: int):
+    w = torch.randn(n, k) * 0.02
+    if fmt == "bf16_pairs":
+        return pack_pairs(w.bfloat16())
+    if fmt == "fp32":
+        return pack_panels(w)
+    return pack_for_int8_activations(pack_quantized(quantize(w, 4 if fmt == "w4a8" else 8)))
+
+
+def linear_call(kernels, fmt: str, x: torch.Tensor, p, n: int) -> torch.Tensor:
+    if fmt == "bf16_pairs":
+        return kernels.linear_bf16_pairs(x, p, n, "avx512")
+    if fmt == "fp32":
+        return kernels.linear_f32(x, p)
+    if fmt == "w4a8":
+        return kernels.linear_w4a8(x, p.q, p.scale, p.min, p.sums, n, "fp32", False)
+    return kernels.linear_w8a8(x, p.q, p.scale, p.sums, n, "fp32", fmt == "w8a8x2")
+
+
+def linear_usable(kernels, fmt: str) -> bool:
+    if fmt == "bf16_pairs":
+        return kernels.bf16_dot_products()
+    return fmt == "fp32" or kernels.int8_dot_products()
+
+
+def linear_points(builds, row_counts: list[int], fmt: str, repeats: int) -> list[dict]:
+    torch.manual_seed(0)
+    weights = [(linear_weights(fmt, n, k), n, k)
                for _ in range(SHAPE["num_layers"]) for n, k in layer_shapes(SHAPE)]
     rows = []
     for m in row_counts:
@@ -153,11 +186,11 @@ def linear_points(builds, row_counts: list[int], repeats: int) -> list[dict]:
             # make glibc fault them in again every repetition (linear_bench.drain).
             outs = []
             for i, (p, n, k) in enumerate(weights):
-                y = kernels.linear_bf16_pairs(xs[k], p, n, "avx512")
+                y = linear_call(kernels, fmt, xs[k], p, n)
                 if i >= len(weights) - 4:
                     outs.append(y)
             return outs
-        rows.append({"point": f"linear {m} rows", "invariant": True,
+        rows.append({"point": f"linear {fmt} {m} rows", "invariant": True,
                      **in_turn(run, builds, repeats)})
     return rows
 
@@ -170,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=pair, nargs="*", default=[])
     parser.add_argument("--prefill", type=pair, nargs="*", default=[])
     parser.add_argument("--linear", type=int, nargs="*", default=[])
+    parser.add_argument("--linear-format", choices=LINEAR_FORMATS, default="bf16_pairs",
+                        help="the weights --linear multiplies: a bf16 model's pairs (default; "
+                             "AVX512-BF16), fp32 panels, or int8/int4 weights with int8 "
+                             "activations (w8a8x2: x's second bytes too; AVX512-VNNI or AVX2)")
     parser.add_argument("--kv-dtype", choices=["fp32", "bf16", "int8"], default="bf16")
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--result-json", default="results/kernel_ab.json")
@@ -181,23 +218,24 @@ def main(argv: list[str] | None = None) -> int:
     new = cpu_ops.load()
     if new is None:
         raise SystemExit("this checkout's CPU kernels did not build")
-    if args.linear and not new.bf16_dot_products():
-        raise SystemExit("--linear times the bf16 pairs, which need AVX512-BF16")
+    if args.linear and not linear_usable(new, args.linear_format):
+        raise SystemExit(f"--linear-format {args.linear_format}: this build cannot run it "
+                         "(bf16 pairs need AVX512-BF16; int8 activations AVX512-VNNI or AVX2)")
     old_path = built(args.against)
     builds = [new, load(old_path)]
-    if args.linear and not builds[1].bf16_dot_products():
-        raise SystemExit(f"--linear: {old_path} has no AVX512-BF16 dot products")
+    if args.linear and not linear_usable(builds[1], args.linear_format):
+        raise SystemExit(f"--linear-format {args.linear_format}: {old_path} cannot run it")
     print(f"new: {new.__file__}\nold: {old_path}")
     rows = (decode_points(builds, args.decode, args.kv_dtype, args.repeats)
             + prefill_points(builds, args.prefill, args.kv_dtype, args.repeats)
-            + linear_points(builds, args.linear, args.repeats))
+            + linear_points(builds, args.linear, args.linear_format, args.repeats))
     for row in rows:
         order = "invariant" if row["invariant"] else "own order"
-        print(f"  {row['point']:<22} {order:<10} new {row['new_ms']:8.1f} ms   old "
+        print(f"  {row['point']:<28} {order:<10} new {row['new_ms']:8.1f} ms   old "
               f"{row['old_ms']:8.1f} ms   new/old {row['ratio']:.3f}   same bits "
               f"{'yes' if row['same_bits'] else 'no'}")
     write_result(args.result_json, "kernel_ab", new=str(new.__file__), old=str(old_path),
-                 kv_dtype=args.kv_dtype, repeats=args.repeats, points=rows)
+                 kv_dtype=args.kv_dtype, linear_format=args.linear_format, repeats=args.repeats, points=rows)
     return 0
 
 

@@ -30,10 +30,33 @@ def test_a_copy_of_the_build_gives_the_same_bits(tmp_path):
     points = [(row["point"], row["invariant"]) for row in result["points"]]
     expected = [("decode 3:40", False), ("decode 3:40", True), ("prefill 24:8", True)]
     if linear:
-        expected += [("linear 13 rows", True), ("linear 100 rows", True)]
+        expected += [("linear bf16_pairs 13 rows", True), ("linear bf16_pairs 100 rows", True)]
     assert points == expected
     for row in result["points"]:
         assert row["same_bits"] and row["new_ms"] > 0 and row["old_ms"] > 0, row
+
+
+@pytest.mark.skipif(KERNELS is None, reason="the CPU kernels did not build here")
+def test_each_linear_format_this_build_runs_gives_the_same_bits_against_a_copy(tmp_path):
+    built = Path(KERNELS.__file__)
+    copy = tmp_path / built.name
+    shutil.copy(built, copy)
+    formats = [f for f in kernel_ab.LINEAR_FORMATS if kernel_ab.linear_usable(KERNELS, f)]
+    assert "fp32" in formats
+    for fmt in formats:
+        out = tmp_path / f"{fmt}.json"
+        assert kernel_ab.main(["--against", str(copy), "--linear", "1", "13",
+                               "--linear-format", fmt, "--repeats", "2",
+                               "--result-json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert result["linear_format"] == fmt
+        assert [row["point"] for row in result["points"]] == [f"linear {fmt} 1 rows",
+                                                             f"linear {fmt} 13 rows"]
+        for row in result["points"]:
+            assert row["same_bits"] and row["new_ms"] > 0 and row["old_ms"] > 0, (fmt, row)
+    for fmt in set(kernel_ab.LINEAR_FORMATS) - set(formats):  # named, not run
+        with pytest.raises(SystemExit, match=f"--linear-format {fmt}"):
+            kernel_ab.main(["--against", str(copy), "--linear", "8", "--linear-format", fmt])
 
 
 def test_a_checkout_that_does_not_build_is_named(tmp_path):
