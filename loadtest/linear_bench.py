@@ -1,7 +1,8 @@
 """The CPU matmul kernels on their own: every layer's matmuls of a model (distinct random weights,
 so they stream from memory as in the engine) at a range of row counts, for packed fp32, int8 and
 int4 weights (fp32, and bfloat16 for many rows where the CPU has it; with int8 activations, W8A8
-and W4A8, where it has AVX512-VNNI or AVX2, and the same with x's remainder in a second byte, "a8x2"),
+and W4A8, where it has AVX512-VNNI or AVX2, and the same with x's remainder in a second byte, "a8x2",
+and on AMX-INT8 tiles, "a8_amx", where it has them),
 and bf16 weights (a bf16 model's: "bf16_pairs_avx512", bf16 dot products at every row count,
 where the CPU has AVX512-BF16, and "bf16_pairs_amx", the same pairs on AMX tiles, where it has
 AMX; "bf16_panels", widened to fp32 up to 8 rows, as without it), beside torch's own fp32 and
@@ -103,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             w.q, w.scale, w.min, w.sums = (take(t) for t in (w.q, w.scale, w.min, w.sums))
         copies.clear()
 
-    def run_int8_activations(bits: int, xs: dict, second_byte: bool = False):
+    def run_int8_activations(bits: int, xs: dict, second_byte: bool = False,
+                             units: str = "fp32"):
         for w in quads[bits]:
             x = xs[w.q.shape[1] * 4]
             if bits == 8:
-                kernels.linear_w8a8(x, w.q, w.scale, w.sums, w.n, "fp32", second_byte)
+                kernels.linear_w8a8(x, w.q, w.scale, w.sums, w.n, units, second_byte)
             else:
-                kernels.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, "fp32", second_byte)
+                kernels.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, units, second_byte)
 
     def run_quantized(bits: int, xs: dict, precision: str):
         for w in quantized[bits]:
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"w{bits}a8"] = best_ms(lambda: run_int8_activations(bits, xs), args.repeats)
                 row[f"w{bits}a8x2"] = best_ms(lambda: run_int8_activations(bits, xs, True),
                                               args.repeats)
+                if kernels.amx_int8():  # the same bits on AMX-INT8 tiles (from 16 rows)
+                    row[f"w{bits}a8_amx"] = best_ms(
+                        lambda: run_int8_activations(bits, xs, units="amx_int8"), args.repeats)
         row["bf16_panels"] = best_ms(
             lambda: drain(kernels.linear_bf16(xs[p.shape[1]], p, p.shape[0] * 32,
                                               precisions[-1]) for p in bf16_panels),
@@ -167,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                   for p in bf16_pairs), args.repeats)
         flops = 2 * m * sum(n * k for n, k in layer_shapes(shape)) * shape["num_layers"]
         row["fp32_gflop_per_s"] = flops / row["fp32"] / 1e6
-        for column, kind in [("fp32", "fp32"), ("bf16_pairs_avx512", "bf16"), ("w8a8", "int8")]:
+        for column, kind in [("fp32", "fp32"), ("bf16_pairs_avx512", "bf16"), ("w8a8", "int8"),
+                             ("w8a8_amx", "int8")]:
             if column in row and kind in peaks:  # its share of its instruction's peak
                 row[f"{column}_of_peak"] = flops / row[column] / 1e6 / peaks[kind]
         results.append(row)

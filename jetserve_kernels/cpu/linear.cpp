@@ -644,7 +644,7 @@ void tiles_run(const uint32_t* w, int64_t num_panels, int64_t k, int64_t n, cons
   const int64_t pairs = k / 2;
   const auto xb = x_pairs(x, x_stride, m, k, (m + 15) / 16 * 16);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    Tiles::configure();
+    Tiles::template configure<amx::Layout::Bf16>();
     for (int64_t j = begin; j < end; ++j) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - j * kPanel));
       const uint32_t* p = w + j * pairs * kPanel;
@@ -1003,15 +1003,21 @@ void panels_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, 
 // x [m, K] quantized per row and group of 32 for the int8 dot products (quantize_rows, below, per
 // instruction set): the codes u (and with the second bytes v) as Code, per group its scale (and
 // the second bytes'), its low and its sum.
+// padded: the codes run 16 rows of zeros past m (AMX tiles load 16 rows at a time).
 template <typename Code>
 struct CodedRows {
   int64_t k, groups;
   std::vector<Code> u, v;
   std::vector<float> scale, rscale, low, xsum;
-  CodedRows(int64_t m, int64_t k, bool precise)
-      : k(k), groups(k / kGroup), u(m * k), v(precise ? m * k : 0), scale(m * groups),
+  CodedRows(int64_t m, int64_t k, bool precise, bool padded)
+      : k(k), groups(k / kGroup), u((m + (padded ? 16 : 0)) * k),
+        v(precise ? (m + (padded ? 16 : 0)) * k : 0), scale(m * groups),
         rscale(precise ? m * groups : 0), low(m * groups), xsum(m * groups) {}
 };
+
+// Where int8 activations multiply: the VNNI (or AVX2) tiles, AMX-INT8 tiles, or their software
+// model (amx_tiles.h).
+enum class QuadUnits { Vector, AmxTiles, AmxModel };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kInt8Dot = true;
@@ -1024,9 +1030,10 @@ constexpr int64_t kQuadsPerGroup = kGroup / 4;
 // w4a8's min.
 using QuantizedRows = CodedRows<uint8_t>;
 
-QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, bool precise) {
+QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, bool precise,
+                            bool padded) {
   const int64_t groups = k / kGroup;
-  QuantizedRows r(m, k, precise);
+  QuantizedRows r(m, k, precise, padded);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     const __m512i cap = _mm512_set1_epi32(255);
     for (int64_t i = begin; i < end; ++i)
@@ -1081,6 +1088,44 @@ QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t
   return r;
 }
 
+// A group's end for one row of x against a panel's 32 columns, from its int32 sums (of the
+// first bytes, and with the second bytes of the rest): lo, hi += scale_w * (sx * sum(q u) [+ rx *
+// sum(q v)]) [+ min * xsum] + low * sum(w), at = the row's group. s, ws: the group's weight scales
+// and sums; mins (W4A8) its mins. The VNNI and the AMX tiles share it, so that their outputs have
+// the same bits (their int32 sums are exact either way).
+template <Format F, bool Precise>
+__attribute__((always_inline)) inline void end_group(
+    const QuantizedRows& x, int64_t at, __m512i sum_lo, __m512i sum_hi, __m512i rest_lo,
+    __m512i rest_hi, __m512 s_lo, __m512 s_hi, __m512 ws_lo, __m512 ws_hi, const float* mins,
+    __m512& lo, __m512& hi) {
+  const __m512 sx = _mm512_set1_ps(x.scale[at]);
+  __m512 d_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_lo), sx);
+  __m512 d_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_hi), sx);
+  if constexpr (Precise) {
+    const __m512 rx = _mm512_set1_ps(x.rscale[at]);
+    d_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest_lo), rx, d_lo);
+    d_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest_hi), rx, d_hi);
+  }
+  // Each step's value pinned: -ffast-math would leave the compiler free to contract and
+  // reorder these differently in each caller, and the two tiles' bits would differ.
+  __asm__("" : "+v"(d_lo), "+v"(d_hi));
+  d_lo = _mm512_mul_ps(d_lo, s_lo);
+  d_hi = _mm512_mul_ps(d_hi, s_hi);
+  __asm__("" : "+v"(d_lo), "+v"(d_hi));
+  if constexpr (F == Format::W4A8) {
+    const __m512 xsum = _mm512_set1_ps(x.xsum[at]);
+    d_lo = _mm512_fmadd_ps(_mm512_loadu_ps(mins), xsum, d_lo);
+    d_hi = _mm512_fmadd_ps(_mm512_loadu_ps(mins + 16), xsum, d_hi);
+    __asm__("" : "+v"(d_lo), "+v"(d_hi));
+  }
+  const __m512 low = _mm512_set1_ps(x.low[at]);
+  d_lo = _mm512_add_ps(d_lo, lo);
+  d_hi = _mm512_add_ps(d_hi, hi);
+  __asm__("" : "+v"(d_lo), "+v"(d_hi));
+  lo = _mm512_fmadd_ps(ws_lo, low, d_lo);
+  hi = _mm512_fmadd_ps(ws_hi, low, d_hi);
+}
+
 // y[r0 .. r0 + MR, 0 .. cols) for panel j, F W8A8 or W4A8; Precise: x's second bytes too.
 template <Format F, int MR, bool Precise>
 void quad_tile(const Panels& w, int64_t j, const QuantizedRows& x, int64_t r0, float* y,
@@ -1129,31 +1174,13 @@ void quad_tile(const Panels& w, int64_t j, const QuantizedRows& x, int64_t r0, f
         }
       }
     }
-    // y += scale_w * (sx * sum(q u) [+ rx * sum(q v)]) [+ min * xsum] + low * sum(w)
     const __m512 s_lo = _mm512_loadu_ps(s + g * kPanel), s_hi = _mm512_loadu_ps(s + g * kPanel + 16);
     const __m512 ws_lo = _mm512_loadu_ps(sums + g * kPanel);
     const __m512 ws_hi = _mm512_loadu_ps(sums + g * kPanel + 16);
-    for (int i = 0; i < MR; ++i) {
-      const int64_t at = (r0 + i) * x.groups + g;
-      const __m512 sx = _mm512_set1_ps(x.scale[at]);
-      __m512 d_lo = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_lo[i]), sx);
-      __m512 d_hi = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_hi[i]), sx);
-      if constexpr (Precise) {
-        const __m512 rx = _mm512_set1_ps(x.rscale[at]);
-        d_lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest_lo[i]), rx, d_lo);
-        d_hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest_hi[i]), rx, d_hi);
-      }
-      d_lo = _mm512_mul_ps(d_lo, s_lo);
-      d_hi = _mm512_mul_ps(d_hi, s_hi);
-      if constexpr (F == Format::W4A8) {
-        const __m512 xsum = _mm512_set1_ps(x.xsum[at]);
-        d_lo = _mm512_fmadd_ps(_mm512_loadu_ps(mins + g * kPanel), xsum, d_lo);
-        d_hi = _mm512_fmadd_ps(_mm512_loadu_ps(mins + g * kPanel + 16), xsum, d_hi);
-      }
-      const __m512 low = _mm512_set1_ps(x.low[at]);
-      lo[i] = _mm512_fmadd_ps(ws_lo, low, _mm512_add_ps(d_lo, lo[i]));
-      hi[i] = _mm512_fmadd_ps(ws_hi, low, _mm512_add_ps(d_hi, hi[i]));
-    }
+    for (int i = 0; i < MR; ++i)
+      end_group<F, Precise>(x, (r0 + i) * x.groups + g, sum_lo[i], sum_hi[i],
+                            rest_lo[Precise ? i : 0], rest_hi[Precise ? i : 0], s_lo, s_hi, ws_lo,
+                            ws_hi, F == Format::W4A8 ? mins + g * kPanel : nullptr, lo[i], hi[i]);
   }
   for (int i = 0; i < MR; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
 }
@@ -1172,6 +1199,109 @@ void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, in
       });
     }
   });
+}
+
+// The same products on AMX-INT8 tiles (tdpbusd: x's unsigned codes times the weights' signed
+// ones, summed in int32, which is exact in any order) or on their software model. A step takes
+// a group of 32 values of k for 32 rows of x (two A tiles of 16 rows x 32 codes, read where
+// quantize_rows put them) and a panel's 32 columns (two B tiles: the group's 8 quads of 16
+// columns, where the VNNI path's packing has them, 128 bytes apart) into four 16 x 16 int32
+// tiles, then stores them and ends the group as the VNNI tile does (end_group): the same bits as
+// the VNNI path at every row count. With x's second bytes, 16 rows a step (two of the four sum
+// tiles for them). int4 weights are widened to signed bytes in the same quad order once a panel.
+constexpr bool kAmxInt8 = true;
+
+template <Format F, bool Precise, class Tiles>
+void amx_quad_rows(const Panels& w, int64_t j, const int8_t* quads, const QuantizedRows& x,
+                   int64_t r0, int rows, float* y, int64_t y_stride, int cols) {
+  constexpr int kStep = Precise ? 16 : 32;
+  constexpr int64_t kQuadBytes = 4 * kPanel;
+  alignas(64) int32_t sums[32][kPanel];  // rows 0-15 (and 16-31, or with Precise their v sums)
+  __m512 lo[kStep], hi[kStep];
+  for (int i = 0; i < rows; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  const bool two = Precise || rows > 16;
+  for (int64_t g = 0; g < w.groups(); ++g) {
+    const int8_t* b = quads + g * kQuadsPerGroup * kQuadBytes;
+    const uint8_t* a = x.u.data() + r0 * x.k + g * kGroup;
+    Tiles::template zero<0>();
+    Tiles::template zero<1>();
+    Tiles::template load<6>(b, kQuadBytes);
+    Tiles::template load<7>(b + 2 * kPanel, kQuadBytes);
+    Tiles::template load<4>(a, x.k);
+    Tiles::template dot_int8<0, 4, 6>();
+    Tiles::template dot_int8<1, 4, 7>();
+    if (two) {
+      Tiles::template zero<2>();
+      Tiles::template zero<3>();
+      Tiles::template load<5>(Precise ? x.v.data() + r0 * x.k + g * kGroup : a + 16 * x.k, x.k);
+      Tiles::template dot_int8<2, 5, 6>();
+      Tiles::template dot_int8<3, 5, 7>();
+    }
+    Tiles::template store<0>(sums[0], kPanel * 4);
+    Tiles::template store<1>(sums[0] + 16, kPanel * 4);
+    if (two) {
+      Tiles::template store<2>(sums[16], kPanel * 4);
+      Tiles::template store<3>(sums[16] + 16, kPanel * 4);
+    }
+    const int64_t at = (j * w.groups() + g) * kPanel;  // the group's scales, sums and mins
+    const __m512 s_lo = _mm512_loadu_ps(w.scale + at), s_hi = _mm512_loadu_ps(w.scale + at + 16);
+    const __m512 ws_lo = _mm512_loadu_ps(w.sums + at), ws_hi = _mm512_loadu_ps(w.sums + at + 16);
+    for (int i = 0; i < rows; ++i) {
+      const int32_t* u = sums[i];
+      const int32_t* v = Precise ? sums[16 + i] : u;
+      end_group<F, Precise>(x, (r0 + i) * x.groups + g, _mm512_load_si512(u),
+                            _mm512_load_si512(u + 16), _mm512_load_si512(v),
+                            _mm512_load_si512(v + 16), s_lo, s_hi, ws_lo, ws_hi,
+                            F == Format::W4A8 ? w.min + at : nullptr, lo[i], hi[i]);
+    }
+  }
+  for (int i = 0; i < rows; ++i) store(y + i * y_stride, lo[i], hi[i], cols);
+}
+
+// W4A8 panel j's quads as signed bytes in W8A8's order: quad v's 32 columns, 4 k each.
+void widen_quads(const Panels& w, int64_t j, int8_t* out) {
+  const int64_t quads = w.k / 4;
+  const uint8_t* q = w.q4 + j * quads * 2 * kPanel;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  for (int64_t v = 0; v < quads; ++v) {
+    const __m512i bytes = _mm512_loadu_si512(q + v * 2 * kPanel);
+    _mm512_storeu_si512(out + v * 4 * kPanel, _mm512_sub_epi8(_mm512_and_si512(bytes, nibble), eight));
+    _mm512_storeu_si512(out + v * 4 * kPanel + 2 * kPanel, _mm512_sub_epi8(
+        _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble), eight));
+  }
+}
+
+template <Format F, bool Precise, class Tiles>
+void amx_quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, int64_t m) {
+  constexpr int kStep = Precise ? 16 : 32;
+  at::parallel_for(0, w.num_panels, 1, [&](int64_t begin, int64_t end) {
+    Tiles::template configure<amx::Layout::Int8Groups>();
+    const auto scratch = scratch_of<int8_t>(F == Format::W4A8 ? w.k * kPanel : 0);
+    for (int64_t j = begin; j < end; ++j) {
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, w.n - j * kPanel));
+      const int8_t* quads = w.q8 + j * w.k * kPanel;
+      if constexpr (F == Format::W4A8) {
+        widen_quads(w, j, scratch.get());
+        quads = scratch.get();
+      }
+      for (int64_t m0 = 0; m0 < m; m0 += kStep)
+        amx_quad_rows<F, Precise, Tiles>(w, j, quads, x, r0 + m0,
+                                         static_cast<int>(std::min<int64_t>(kStep, m - m0)),
+                                         y + (r0 + m0) * w.n + j * kPanel, w.n, cols);
+    }
+    Tiles::release();
+  });
+}
+
+// The run function of each format, precision and units.
+template <Format F, bool Precise>
+auto quads_runner(QuadUnits units) {
+  using Run = void (*)(const Panels&, const QuantizedRows&, float*, int64_t, int64_t);
+#if defined(JETSERVE_AMX)
+  if (units == QuadUnits::AmxTiles) return Run{amx_quads_run<F, Precise, amx::Tiles>};
+#endif
+  if (units == QuadUnits::AmxModel) return Run{amx_quads_run<F, Precise, amx::Model>};
+  return Run{quads_run<F, Precise>};
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -1253,9 +1383,10 @@ inline void store_codes(int16_t* out, __m256i a, __m256i b) {
                       _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, bool precise) {
+QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, bool precise,
+                            bool padded) {
   const int64_t groups = k / kGroup;
-  QuantizedRows r(m, k, precise);
+  QuantizedRows r(m, k, precise, padded);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     const __m256i cap = _mm256_set1_epi32(255);
     for (int64_t i = begin; i < end; ++i)
@@ -1453,9 +1584,18 @@ void quads_run(const Panels& w, const QuantizedRows& x, float* y, int64_t r0, in
   });
 }
 
+constexpr bool kAmxInt8 = false;  // (AMX-INT8 comes with VNNI; the tiles end groups on AVX-512)
+
+template <Format F, bool Precise>
+auto quads_runner(QuadUnits) {
+  using Run = void (*)(const Panels&, const QuantizedRows&, float*, int64_t, int64_t);
+  return Run{quads_run<F, Precise>};
+}
+
 #else
 constexpr bool kInt8Dot = false;
-void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t, bool) {
+constexpr bool kAmxInt8 = false;
+void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t, bool, QuadUnits) {
   TORCH_CHECK(false, "int8 activations need AVX512-VNNI or AVX2, which this build does not have");
 }
 #endif
@@ -1463,12 +1603,11 @@ void quads_matmul(const Panels&, const float*, int64_t, float*, int64_t, bool) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
 // y = x w^T with x quantized on entry, in either instruction set's quads_run.
 void quads_matmul(const Panels& w, const float* x, int64_t x_stride, float* y, int64_t m,
-                  bool precise) {
-  const QuantizedRows xq = quantize_rows(x, x_stride, m, w.k, precise);
-  using Run = void (*)(const Panels&, const QuantizedRows&, float*, int64_t, int64_t);
-  const Run run = w.format == Format::W8A8
-      ? (precise ? quads_run<Format::W8A8, true> : quads_run<Format::W8A8, false>)
-      : (precise ? quads_run<Format::W4A8, true> : quads_run<Format::W4A8, false>);
+                  bool precise, QuadUnits units) {
+  const QuantizedRows xq = quantize_rows(x, x_stride, m, w.k, precise, units != QuadUnits::Vector);
+  const auto run = w.format == Format::W8A8
+      ? (precise ? quads_runner<Format::W8A8, true>(units) : quads_runner<Format::W8A8, false>(units))
+      : (precise ? quads_runner<Format::W4A8, true>(units) : quads_runner<Format::W4A8, false>(units));
   // Blocks of rows as panels_matmul takes them, so a block's rows stay in L2 across panels.
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t rows = ((m + blocks - 1) / blocks + kPanelRows - 1) / kPanelRows * kPanelRows;
@@ -1511,6 +1650,9 @@ void check_scales(const torch::Tensor& t, const Panels& w, const char* name) {
 
 // Below this many rows the panel kernel, which streams the weights once, beats AMX BLAS.
 constexpr int64_t kAmxRows = 49;
+// From this many rows int8 activations run on AMX-INT8 tiles where many_rows asks for them (a
+// guess, to be measured on an AMX CPU: loadtest/amx_check.sh).
+constexpr int64_t kAmxInt8Rows = 16;
 
 // many_rows: how more than kScratchRows rows multiply quantized weights: "fp32"; "bf16"
 // (AVX512-BF16 dot products); "amx" (from kAmxRows rows, torch's bf16 matmul on AMX tiles). With
@@ -1520,14 +1662,26 @@ torch::Tensor run(const Panels& w, const torch::Tensor& x, const std::string& ma
   const int64_t m = x.size(0);
   TORCH_CHECK(w.n > (w.num_panels - 1) * kPanel && w.n <= w.num_panels * kPanel,
               "linear: ", w.n, " output columns do not fill ", w.num_panels, " panels");
-  TORCH_CHECK(many_rows == "fp32" || many_rows == "amx" || (many_rows == "bf16" && kBf16Dot),
-              "linear: many_rows must be fp32, amx", kBf16Dot ? " or bf16" : "",
-              " on this CPU, not ", many_rows);
+  const bool quads = w.format == Format::W8A8 || w.format == Format::W4A8;
+  const bool amx_int8 = many_rows == "amx_int8" || many_rows == "amx_int8_model";
+  TORCH_CHECK(many_rows == "fp32" || many_rows == "amx" || (many_rows == "bf16" && kBf16Dot) ||
+              (amx_int8 && quads && kAmxInt8),
+              "linear: many_rows must be fp32, amx", kBf16Dot ? ", bf16" : "",
+              kAmxInt8 && quads ? ", amx_int8 or amx_int8_model" : "", " on this CPU, not ",
+              many_rows);
+  TORCH_CHECK(many_rows != "amx_int8" || amx::available_int8(),
+              "linear: this CPU (or its kernel) gives no AMX-INT8 tiles");
   if (many_rows == "amx" && m >= kAmxRows) return run_bf16_blas(w, x);
   auto y = torch::empty({m, w.n}, x.options());
-  if (w.format == Format::W8A8 || w.format == Format::W4A8) {
+  if (quads) {
+    // AMX-INT8 tiles from kAmxInt8Rows rows (the same bits as the vector tiles below them);
+    // their software model at every row count
+    const QuadUnits units = many_rows == "amx_int8_model" ? QuadUnits::AmxModel
+                            : many_rows == "amx_int8" && m >= kAmxInt8Rows ? QuadUnits::AmxTiles
+                                                                            : QuadUnits::Vector;
     if (m > 0)
-      quads_matmul(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), m, second_byte);
+      quads_matmul(w, x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), m, second_byte,
+                   units);
     return y;
   }
   if (m > 0)  // below kAmxRows, "amx" runs as "bf16" where that is built in
@@ -1754,4 +1908,6 @@ double dot_peak_flops(const std::string& kind, int64_t iters) {
 
 bool bf16_dot_products() { return kBf16Dot; }
 bool amx_bf16() { return kBf16Dot && amx::available(); }
+
+bool amx_int8() { return kAmxInt8 && amx::available_int8(); }
 bool int8_dot_products() { return kInt8Dot; }

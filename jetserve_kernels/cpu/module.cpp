@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int4", &linear_int4, "x W^T, W int4 panels with a scale and min per 32 weights");
   m.def("bf16_dot_products", &bf16_dot_products, "whether many_rows=\"bf16\" is built in");
   m.def("amx_bf16", &amx_bf16, "whether linear_bf16_pairs can run on AMX tiles here");
+  m.def("amx_int8", &amx_int8,
+        "whether linear_w8a8 / linear_w4a8 can run on AMX-INT8 tiles here (many_rows amx_int8)");
   m.def("linear_w8a8", &linear_w8a8, "x W^T, W int8 quads, x quantized to 8 (or 16) bits per 32");
   m.def("linear_w4a8", &linear_w4a8, "x W^T, W int4 quads, x quantized to 8 (or 16) bits per 32");
   m.def("int8_dot_products", &int8_dot_products, "whether linear_w8a8 / linear_w4a8 are built in");

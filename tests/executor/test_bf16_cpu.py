@@ -49,6 +49,34 @@ def test_the_amx_probe_runs_the_tiles_in_a_child(monkeypatch):
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
+def test_the_amx_probe_runs_the_int8_tiles_in_a_child(monkeypatch):
+    """Where the CPU has AMX-INT8, a child process finds W8A8 and W4A8 on the tiles with the VNNI
+    kernel's bits at every row count (exit 0), and int8 activations take them from 16 rows with
+    `model.amx: tiles`; elsewhere the child says there are none (exit 2) and they stay on the
+    vector kernel. `auto` never takes them."""
+    from services.executor.engine import linear
+
+    kernels = cpu_ops.load()
+    amx = kernels.amx_int8()
+    child = subprocess.run([sys.executable, "-m", "services.executor.engine.amx_probe", "int8"],
+                           capture_output=True, timeout=120)
+    said = (child.stdout + child.stderr).decode()[-2000:]
+    assert child.returncode == (0 if amx else 2), said
+    assert ("every row count: True" if amx else "no AMX-INT8 tiles here") in said
+    monkeypatch.setattr(linear, "_amx_int8_tiles", None)
+    assert linear.amx_int8_tiles(kernels) == amx
+    if kernels.int8_dot_products():
+        weight = linear.quantize(torch.randn(64, 64), 8)
+        tiles = linear.QuantizedLinear(weight, kernels, int8_activations=True, amx="tiles")
+        assert (tiles.many_rows == "amx_int8") == amx
+        assert linear.QuantizedLinear(weight, kernels, int8_activations=True).many_rows != (
+            "amx_int8")
+    bad = subprocess.run([sys.executable, "-m", "services.executor.engine.amx_probe", "fp8"],
+                         capture_output=True, timeout=120)
+    assert bad.returncode == 2 and b"usage" in bad.stdout
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")
 def test_a_bf16_model_runs_on_the_cpu_kernels():
     async def run():
         engine = Engine(engine_config({"model.name": "dummy:tiny", "model.dtype": "bfloat16",

@@ -312,6 +312,50 @@ def test_int8_activations_name_what_they_refuse(k):
                 assert y[1].isnan().all() and not y[others].isnan().any()
 
 
+# Rows: one, within a 16-row tile, one and two whole ones, past 32 (a second step of tiles), row
+# blocks (200 = 72 + 72 + 56). Shapes: a part panel of 21 columns; SmolLM2's K of 576.
+@int8_dots
+@pytest.mark.parametrize("shape", [(53, 64), (96, 576)])
+def test_int8_activations_on_amx_int8_tiles_give_the_vector_bits(k, shape):
+    """W8A8 and W4A8 on AMX-INT8 tiles (tdpbusd: exact int32 sums, each group then ended as the
+    VNNI tile ends it) give the AVX512-VNNI kernel's bits at every row count, with and without
+    x's second bytes, a NaN's row included: their tiling runs here on the software model of the
+    instructions (amx_tiles.h), and where the CPU has AMX-INT8 on the tiles themselves. A build
+    without VNNI (AVX2, or AVX-512 without it) refuses both by name."""
+    gen = torch.Generator().manual_seed(shape[0])
+    x = torch.randn(200, shape[1], generator=gen)
+    x[3, 7] = float("nan")
+    x[5, :32] = 0.75  # a constant group
+    for bits in (8, 4):
+        w = pack_for_int8_activations(pack_quantized(quantize(
+            0.05 * torch.randn(shape, generator=gen), bits)))
+        for second_byte in (False, True):
+            def linear(x, many_rows):
+                if bits == 8:
+                    return k.linear_w8a8(x, w.q, w.scale, w.sums, w.n, many_rows, second_byte)
+                return k.linear_w4a8(x, w.q, w.scale, w.min, w.sums, w.n, many_rows, second_byte)
+            try:
+                linear(x[:1], "amx_int8_model")
+            except RuntimeError as error:  # no VNNI here: refused by name, both
+                assert "many_rows must be fp32, amx" in str(error)
+                with pytest.raises(RuntimeError, match="many_rows must be fp32, amx"):
+                    linear(x[:1], "amx_int8")
+                return
+            for rows in (1, 7, 16, 17, 32, 33, 50, 200):
+                vector = linear(x[:rows], "fp32").view(torch.int32)
+                assert torch.equal(linear(x[:rows], "amx_int8_model").view(torch.int32),
+                                   vector), (bits, second_byte, rows)
+                if k.amx_int8():
+                    assert torch.equal(linear(x[:rows], "amx_int8").view(torch.int32),
+                                       vector), (bits, second_byte, rows)
+            if not k.amx_int8():
+                with pytest.raises(RuntimeError, match="no AMX-INT8 tiles"):
+                    linear(x[:20], "amx_int8")
+    plain = pack_quantized(quantize(torch.randn(32, shape[1]), 8))  # fp32 activations: not there
+    with pytest.raises(RuntimeError, match="many_rows must be fp32, amx"):
+        k.linear_int8(x[:2], plain.q, plain.scale, plain.n, "amx_int8_model")
+
+
 def test_int8_activations_are_chosen_where_they_can_run(k):
     assert int8_activations("auto", k) == k.int8_dot_products()
     assert not int8_activations("float32", k) and not int8_activations("auto", None)

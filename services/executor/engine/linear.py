@@ -10,7 +10,8 @@ panels too).
 for other sources. Embedding lookups keep a dense table: they read a few rows per step.
 
 `model.amx`: where the CPU has AMX, `auto` takes it for quantized weights' prefills (torch's
-matmul), `tiles` for a bf16 model's matmuls too (the kernels' own tiles), `none` not at all.
+matmul), `tiles` for a bf16 model's matmuls too (the kernels' own AMX-BF16 tiles) and for int8
+activations' (AMX-INT8 tiles, from 16 rows, with the VNNI kernel's bits), `none` not at all.
 
 `model.quantized_activations`: quantized weights multiply either fp32 activations (the weights
 widened in registers) or 8-bit ones (each row quantized per group of 32 over the group's range as
@@ -42,6 +43,20 @@ def many_rows_precision(kernels, amx: str = "auto") -> str:
 
 
 _amx_tiles: bool | None = None
+_amx_int8_tiles: bool | None = None
+
+
+def amx_int8_tiles(kernels) -> bool:
+    """Whether int8 activations can run on AMX-INT8 tiles here (with `model.amx: tiles`; they
+    give the VNNI kernel's bits, so they take only the prefill-sized steps). First run in a child
+    process, once a process (amx_probe int8): where it fails, they stay on AVX512-VNNI (said
+    once)."""
+    global _amx_int8_tiles
+    if _amx_int8_tiles is None:
+        from services.executor.engine import amx_probe
+
+        _amx_int8_tiles = kernels.amx_int8() and amx_probe.usable("int8")
+    return _amx_int8_tiles
 
 
 def amx_tiles(kernels) -> bool:
@@ -270,6 +285,8 @@ class QuantizedLinear:
             self.weight = pack_for_int8_activations(self.weight)
         self.kernels = kernels
         self.many_rows = many_rows_precision(kernels, amx)
+        if int8_activations and amx == "tiles" and amx_int8_tiles(kernels):
+            self.many_rows = "amx_int8"
 
     def place(self, arena) -> None:
         """The packed weight moved into `arena` (huge_pages.py)."""
