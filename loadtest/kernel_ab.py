@@ -14,7 +14,8 @@ scattered; `linear_bench`'s four matmuls of a layer): decode B:L is B sequences 
 tokens, in both of the decode kernel's orders; prefill T:P a chunk of T tokens after P cached
 ones, in the batch-invariant order; linear R the matmuls at R rows, their weights in
 `--linear-format`: a bf16 model's pairs (the default), fp32 panels, or int8 (int4) weights with
-int8 activations, as the engine packs each. To compare the paths of other CPUs, build both with
+int8 activations, as the engine packs each (and called as below 49 rows, on the vector
+kernels: many_rows fp32). To compare the paths of other CPUs, build both with
 the same JETSERVE_CPU_ARCH (an AVX2 build: `x86-64-v3`).
 """
 

@@ -76,7 +76,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # AMX on a CPU that has it, for the CPU kernels' matmuls (docs/operations.md, Precision):
     # auto: quantized weights' prefills through torch's matmul (from 49 rows); a bf16 model stays
     # on AVX-512 (the kernels' own tiles have not yet been measured on an AMX CPU). tiles: a bf16
-    # model's matmuls on the kernels' own AMX tiles too, at every row count. none: no AMX.
+    # model's matmuls on the kernels' own AMX-BF16 tiles too, at every row count, and int8
+    # activations' (W8A8 / W4A8) on AMX-INT8 tiles from 16 rows, with the VNNI kernel's bits,
+    # instead of torch's bf16 matmul. none: no AMX.
     amx: Literal["auto", "tiles", "none"] = "auto"
     # A CPU engine's packed weights in transparent huge pages, where the host's THP mode is
     # madvise or always (services/executor/engine/huge_pages.py; off: torch's 4 KiB pages); the

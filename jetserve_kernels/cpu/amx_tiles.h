@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 
 #if defined(__linux__) && defined(__x86_64__) && defined(__AVX512BF16__) && \
     (defined(__GNUC__) || defined(__clang__))
@@ -163,7 +164,11 @@ struct Model {
     std::memcpy(c, registers()[C].bytes, sizeof c);
     std::memcpy(a, registers()[A].bytes, sizeof a);
     std::memcpy(b, registers()[B].bytes, sizeof b);
-    const int quads = config().colsb[A] / 4;
+    const Config& shape = config();
+    if (shape.colsb[A] / 4 != shape.rows[B] || shape.colsb[C] != shape.colsb[B] ||
+        shape.rows[C] != shape.rows[A] || shape.colsb[A] % 4 != 0)
+      throw std::logic_error("amx::Model::dot_int8: tile shapes tdpbusd would fault on");
+    const int quads = shape.colsb[A] / 4;
     for (int m = 0; m < config().rows[C]; ++m)
       for (int n = 0; n < config().colsb[C] / 4; ++n) {
         uint32_t sum = static_cast<uint32_t>(c[m][n]);

@@ -1666,11 +1666,12 @@ torch::Tensor run(const Panels& w, const torch::Tensor& x, const std::string& ma
   const bool amx_int8 = many_rows == "amx_int8" || many_rows == "amx_int8_model";
   TORCH_CHECK(many_rows == "fp32" || many_rows == "amx" || (many_rows == "bf16" && kBf16Dot) ||
               (amx_int8 && quads && kAmxInt8),
-              "linear: many_rows must be fp32, amx", kBf16Dot ? ", bf16" : "",
-              kAmxInt8 && quads ? ", amx_int8 or amx_int8_model" : "", " on this CPU, not ",
-              many_rows);
+              "linear: many_rows must be fp32", kBf16Dot ? ", bf16" : "",
+              kAmxInt8 && quads ? ", amx, amx_int8 or amx_int8_model" : " or amx",
+              " on this build, not ", many_rows);
   TORCH_CHECK(many_rows != "amx_int8" || amx::available_int8(),
-              "linear: this CPU (or its kernel) gives no AMX-INT8 tiles");
+              "linear: no AMX-INT8 tiles here (the CPU or its kernel gives none, or the kernels "
+              "were built without AVX512-BF16, which the AMX code needs)");
   if (many_rows == "amx" && m >= kAmxRows) return run_bf16_blas(w, x);
   auto y = torch::empty({m, w.n}, x.options());
   if (quads) {

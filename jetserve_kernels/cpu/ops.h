@@ -56,8 +56,9 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
 // w = scale * (q - 8) + min); scales, mins and each group's sum of w [N / 32, K / 32, 32].
 // second_byte: x's remainder in a second byte (about 16 bits of each group's range, twice the
 // dot products); not used where many_rows "amx" takes the rows (from 49), which run in bf16.
-// many_rows "amx_int8": from 16 rows on AMX-INT8 tiles, "amx_int8_model" on their software model
-// at every row count (builds with AVX512-VNNI): the same bits as the vector path.
+// many_rows "amx_int8": from 16 rows on AMX-INT8 tiles (where the CPU has them and the build
+// AVX512-BF16), "amx_int8_model" on their software model at every row count (builds with
+// AVX512-VNNI): the same bits as the vector path.
 torch::Tensor linear_w8a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                           const torch::Tensor& sums, int64_t n, const std::string& many_rows,
                           bool second_byte);

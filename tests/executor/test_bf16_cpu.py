@@ -71,9 +71,11 @@ def test_the_amx_probe_runs_the_int8_tiles_in_a_child(monkeypatch):
         assert (tiles.many_rows == "amx_int8") == amx
         assert linear.QuantizedLinear(weight, kernels, int8_activations=True).many_rows != (
             "amx_int8")
-    bad = subprocess.run([sys.executable, "-m", "services.executor.engine.amx_probe", "fp8"],
-                         capture_output=True, timeout=120)
-    assert bad.returncode == 2 and b"usage" in bad.stdout
+    for wrong in (["fp8"], ["int8", "bf16"]):
+        bad = subprocess.run([sys.executable, "-m", "services.executor.engine.amx_probe", *wrong],
+                             capture_output=True, timeout=120)
+        assert bad.returncode == 3, bad
+        assert b"usage: python -m services.executor.engine.amx_probe [bf16|int8]" in bad.stdout
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="the CPU kernels did not build")

@@ -13,7 +13,9 @@ tiles over swapped pairs could give vdpbf16ps's bits; with the SDM's they cannot
 int8: int8 and int4 weights with int8 activations (W8A8, W4A8, with and without x's second
 bytes) on the AMX-INT8 tiles at every row count from 1 to 48, against the AVX512-VNNI kernel:
 exit 0 where every output has the VNNI kernel's bits (integer sums are exact in any order, and
-the two end each group alike), 1 where one does not, 2 without AMX-INT8 tiles."""
+the two end each group alike), 1 where one does not, 2 without AMX-INT8 tiles.
+
+Any other argument: exit 3, with the usage."""
 
 from __future__ import annotations
 
@@ -86,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     from services.executor.engine.linear import pack_pairs
 
     kind = (sys.argv[1:] if argv is None else argv) or ["bf16"]
-    if kind[0] not in KINDS:
-        print(f"usage: python -m {__name__} [bf16|int8]")
-        return 2
+    if len(kind) != 1 or kind[0] not in KINDS:
+        print("usage: python -m services.executor.engine.amx_probe [bf16|int8]")
+        return 3
     kernels = cpu_ops.load()
     if kind[0] == "int8":
         return int8_tiles(kernels)
