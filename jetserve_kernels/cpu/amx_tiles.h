@@ -64,16 +64,17 @@ struct alignas(64) Config {
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process, for all its threads; it fails
 // where the kernel has not enabled the state). Without the grant the first tile instruction
 // would kill the process.
+// Both asked once a process (the kernels check before every matmul that names the tiles, and
+// in a VM each cpuid is a trip to the hypervisor): the features' bits, 0 without the grant.
 inline bool available(int feature = 22) {
-  static const bool granted = [] {
+  static const unsigned features = [] {
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1)) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1)) return 0u;
     constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
     constexpr long kXtileData = 18;         // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0 ? d : 0u;
   }();
-  unsigned a, b, c, d;
-  return granted && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> feature) & 1);
+  return (features >> feature) & 1;
 }
 inline bool available_int8() { return available(25); }
 
