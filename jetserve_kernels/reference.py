@@ -18,7 +18,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     position seq_len - q_len + i and attends to positions <= its own. An int8 cache
     (jetserve_kernels/kv_int8.py) is read dequantized. bf16_products: what the CPU kernels
     compute over a bf16 cache with bf16 dot products (q * scale and the softmax's unnormalized
-    weights rounded to bf16, the total summing the rounded weights)."""
+    weights rounded to bf16, the total summing the rounded weights); over an int8 cache they
+    take its values dequantized and rounded to bf16, which the caller passes."""
     out = torch.empty_like(q) if out is None else out
     if kv_int8.is_int8(k_cache):
         k_cache, v_cache = kv_int8.dequantize(k_cache), kv_int8.dequantize(v_cache)
@@ -143,13 +144,13 @@ def assert_attention_close(out: torch.Tensor, expected: torch.Tensor, bf16_produ
     products the weights are rounded to bf16 after scores and an exponential that differ from
     torch's in the last bits of fp32, so now and then a weight rounds to the neighbouring bf16
     value (2^-8 of itself away), which moves its (token, head) row by up to 2^-8 of that weight's
-    share of the values: at most 1% of the rows off the usual tolerance (none of fewer than a
+    share of the values: at most 1% of the rows off the usual tolerance (one, of fewer than a
     hundred), none by more than that. (A wrong element, pair or sequence moves most of its
     rows.)"""
     if not bf16_products:
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
         return
     rows_close = torch.isclose(out, expected, atol=2e-5, rtol=1e-4).all(-1)
-    assert rows_close.float().mean() >= 0.99, \
-        f"{(~rows_close).sum()} of {rows_close.numel()} rows differ"
+    off = int((~rows_close).sum())
+    assert off <= max(1, rows_close.numel() // 100), f"{off} of {rows_close.numel()} rows differ"
     torch.testing.assert_close(out, expected, atol=2e-3, rtol=0)

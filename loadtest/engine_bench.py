@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--also-kv-huge-pages", action="store_true",
                         help="also run the first variant with kv_cache.huge_pages on (the KV "
                         "cache in huge pages too)")
+    parser.add_argument("--also-kv-dtype", choices=["int8", "bfloat16"],
+                        help="also run the first variant with this kv_cache.dtype (int8: the "
+                        "KV cache as int8 codes with a scale and offset per 32 channels)")
     parser.add_argument("--result-json", default="results/engine_bench.json")
     args = parser.parse_args(argv)
 
@@ -284,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         variants["engine_no_huge_pages"] = {**first, "model.huge_pages": False}
     if args.also_kv_huge_pages:
         variants["engine_kv_huge_pages"] = {**first, "kv_cache.huge_pages": True}
+    if args.also_kv_dtype:
+        variants[f"engine_kv_{args.also_kv_dtype}"] = {**first,
+                                                      "kv_cache.dtype": args.also_kv_dtype}
     if args.no_pipeline:
         variants["engine_no_pipeline"] = {**first, "scheduler.token_level.pipeline": False}
     variants = {name: engine_config(settings) for name, settings in variants.items()}

@@ -47,14 +47,14 @@ def held_out_text() -> str:
 class Forced:
     """One model, stepping every window through a cache of the given dtype."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, dtype: torch.dtype = torch.float32):
         from shared.model_files import tokenizer_dir
         from shared.tokenizer import Tokenizer
 
         device = torch.device("cpu")
-        self.config, weights, directory = load_model_files(model_name, device, torch.float32)
+        self.config, weights, directory = load_model_files(model_name, device, dtype)
         self.tokenizer = Tokenizer(tokenizer_dir(directory))
-        self.backend = TorchBackend(BLOCK, device, torch.float32)
+        self.backend = TorchBackend(BLOCK, device, dtype)
         if not self.backend.prefill_kernel:
             raise SystemExit("the CPU attention kernels did not build (or lack AVX-512): this "
                              "benchmark measures them")
@@ -92,12 +92,13 @@ class Forced:
 
 
 def compare(forced: Forced, windows: list[list[int]], prefix: int,
-            kv_dtype: torch.dtype = torch.int8) -> dict:
+            kv_dtype: torch.dtype = torch.int8,
+            reference_kv: torch.dtype = torch.float32) -> dict:
     """Both caches stepped side by side; top-1 agreement, perplexities and mean KL over every
     scored position, computed in fp32 as each step comes."""
     agree = total_kl = nll_ref = nll = 0.0
     count = 0
-    steps = zip(forced.steps(windows, prefix, torch.float32),
+    steps = zip(forced.steps(windows, prefix, reference_kv),
                 forced.steps(windows, prefix, kv_dtype))
     for offset, (ref, other) in enumerate(steps):
         target = torch.tensor([w[prefix + offset] for w in windows])[:, None]
@@ -107,7 +108,8 @@ def compare(forced: Forced, windows: list[list[int]], prefix: int,
         nll -= other.gather(1, target).sum().item()
         count += target.shape[0]
     return {"tokens": count, "top1_agreement": agree / count,
-            "perplexity_fp32_kv": math.exp(nll_ref / count), "perplexity": math.exp(nll / count),
+            "perplexity_reference_kv": math.exp(nll_ref / count),
+            "perplexity": math.exp(nll / count),
             "perplexity_relative": math.exp((nll - nll_ref) / count) - 1,
             "mean_kl": total_kl / count}
 
@@ -119,25 +121,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=1024, help="tokens a window")
     parser.add_argument("--prefix", type=int, default=16, help="tokens prefilled, not scored")
     parser.add_argument("--kv-dtype", choices=["int8", "bfloat16"], default="int8",
-                        help="the cache compared with fp32")
+                        help="the cache compared with the reference's")
+    parser.add_argument("--reference-kv", choices=["float32", "bfloat16"], default="float32",
+                        help="the reference cache (bfloat16: a bf16 model's own, by default)")
+    parser.add_argument("--model-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="model.dtype (bfloat16: batch-invariant, its attention in bf16 "
+                        "products over a bf16 or int8 cache where the CPU has AVX512-BF16)")
     parser.add_argument("--result-json", default="results/kv_teacher_forced.json")
     args = parser.parse_args(argv)
 
-    forced = Forced(args.model)
+    forced = Forced(args.model, getattr(torch, args.model_dtype))
     ids = forced.tokenizer.encode(held_out_text())
     if len(ids) < args.windows * args.window:
         parser.error(f"the text has {len(ids)} tokens, fewer than {args.windows} x {args.window}")
     windows = [ids[i * args.window:(i + 1) * args.window] for i in range(args.windows)]
     started = time.perf_counter()
-    result = compare(forced, windows, args.prefix, getattr(torch, args.kv_dtype))
+    result = compare(forced, windows, args.prefix, getattr(torch, args.kv_dtype),
+                     getattr(torch, args.reference_kv))
     result["seconds"] = time.perf_counter() - started
     print(f"{result['tokens']} tokens scored, {args.windows} windows of {args.window} "
           f"({args.prefix} prefilled, the rest decoded one by one)")
-    kv = args.kv_dtype
-    print(f"top-1 agreement, {kv} KV against fp32 KV: {100 * result['top1_agreement']:.2f} %")
-    print(f"perplexity: fp32 KV {result['perplexity_fp32_kv']:.4f}, {kv} KV "
+    kv, ref = args.kv_dtype, {"float32": "fp32", "bfloat16": "bf16"}[args.reference_kv]
+    print(f"model {args.model_dtype}; top-1 agreement, {kv} KV against {ref} KV: "
+          f"{100 * result['top1_agreement']:.2f} %")
+    print(f"perplexity: {ref} KV {result['perplexity_reference_kv']:.4f}, {kv} KV "
           f"{result['perplexity']:.4f} ({100 * result['perplexity_relative']:+.3f} %)")
-    print(f"mean KL(fp32 KV || {kv} KV): {result['mean_kl']:.2e} nats")
+    print(f"mean KL({ref} KV || {kv} KV): {result['mean_kl']:.2e} nats")
     write_result(args.result_json, "kv_teacher_forced", params=vars(args), results=result)
     return 0
 

@@ -288,10 +288,12 @@ inline float reciprocal(float x) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.
 // A tile scores with one (token, head) row per lane and one key per multiply-add; the decode
 // kernel transposes 16 keys (element d of each in one vector) to make the same chains.
 //
-// Asked for it, over a bf16 cache, where the CPU has AVX512-BF16 (`bf16_products`), the
-// products are bf16
-// dot products (vdpbf16ps: twice the products of an FMA), and so q' and the weights are rounded
-// to bf16 (nearest, ties to even) first; the keys and values are bf16 already:
+// Asked for it, over a bf16 or int8 cache, where the CPU has AVX512-BF16 (`bf16_products`), the
+// products are bf16 dot products (vdpbf16ps: twice the products of an FMA), and so q' and the
+// weights are rounded to bf16 (nearest, ties to even) first; the keys and values are bf16
+// already, or (int8) dequantized as load_row does it, scale * code + offset in one fused
+// multiply-add, then rounded to bf16 the same way (a bf16 model's int8 cache holds the values a
+// bf16 cache would hold, give or take its int8 step):
 //   score[p] = one chain over the pairs d = (0, 1), (2, 3), ... from 0: s = dot_pairs(s, q', k);
 //   e[p] = bf16(exp_nonpositive(score[p] - the largest score)), the total summing these;
 //   out[d] = (a chain over the pairs of positions (0, 1), (2, 3), ... from 0:
@@ -307,7 +309,8 @@ constexpr bool kBf16Products = true;
 constexpr bool kBf16Products = false;
 #endif
 template <typename T>
-constexpr bool bf16_products = kBf16Products && std::is_same_v<T, c10::BFloat16>;
+constexpr bool bf16_products =
+    kBf16Products && (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, int8_t>);
 
 // One query head's 16 * DV values times the scale, into qs.
 template <int DV>
@@ -341,6 +344,39 @@ inline void load_row(const char* row, __m512* v) {
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// Lane i of v[d]: the pair (a's element 16 d + i, b's) in bf16, for the value sums with bf16
+// products: a bf16 row's elements as they are, an int8 row's dequantized (load_row) and rounded.
+template <typename T, int DV>
+inline void value_pairs(const char* a, const char* b, __m512i* v) {
+  static_assert(bf16_products<T>);
+  if constexpr (std::is_same_v<T, int8_t>) {
+    __m512 va[DV], vb[DV];
+    load_row<T, DV>(a, va);
+    load_row<T, DV>(b, vb);
+    for (int d = 0; d < DV; ++d) v[d] = bf16_pairs(va[d], vb[d]);
+  } else {
+    for (int d = 0; d < DV; ++d) v[d] = interleave_bf16(a + 32 * d, b + 32 * d);
+  }
+}
+
+// A key row's 16 * DV elements in bf16, in order (pairs of elements) into dst: a bf16 row's as
+// they are, an int8 row's dequantized (load_row) and rounded.
+template <typename T, int DV>
+inline void key_pairs(const char* row, uint16_t* dst) {
+  static_assert(bf16_products<T>);
+  if constexpr (std::is_same_v<T, int8_t>) {
+    __m512 v[DV];
+    load_row<T, DV>(row, v);
+    for (int d = 0; d < DV; ++d)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * d), bf16_bits(v[d]));
+  } else {
+    for (int b = 0; b < DV / 2; ++b)
+      _mm512_store_si512(dst + 32 * b, _mm512_loadu_si512(row + 64 * b));
+  }
+}
+#endif
 
 // The next n rows of a cursor as fp32 (bf16 widened, int8 dequantized) into dst, zeros past them.
 template <typename T, int DV>

@@ -7,8 +7,8 @@
 // vectorized and the rows prefetched ahead of their use, and the scores come in one of two
 // orders: 16 products summed lane by lane, then across lanes in one tree (an fp32 model's), or
 // the batch-invariant order of attention_simd.h (`invariant`: a bf16 model's), for which 16 key
-// rows are transposed in registers and scored as one vector per query head (over a bf16 cache,
-// where the CPU has AVX512-BF16, in bf16 dot products, the values too). With AVX2 alone (head_dim
+// rows are transposed in registers and scored as one vector per query head (over a bf16 or int8
+// cache, where the CPU has AVX512-BF16, in bf16 dot products, the values too). With AVX2 alone (head_dim
 // a multiple of 16) 8 keys are scored at a time, and elsewhere plain loops run, both in one order
 // whatever `invariant` says. Keys and values are read in place through the
 // block table, once per step for all the query heads that share them: nothing is gathered into a
@@ -84,7 +84,8 @@ constexpr int kBlockVectors = bf16_products<T> ? kKeyBlock<T> / 2 : kKeyBlock<T>
 // elements (32-bit lanes), each pair widened after (half the shuffles of widening first), or,
 // with bf16 products (attention_simd.h), not widened. An int8 row as quads of codes, each code
 // then sign-extended in place and dequantized with its group's scale and offset, gathered for
-// the 16 rows: one transpose per 64 elements instead of one per 16.
+// the 16 rows: one transpose per 64 elements instead of one per 16 (with bf16 products, then
+// rounded to bf16 pairs: the block's 32 pairs).
 template <typename T, int DV>
 inline void key_block(const char* const* rows, int b, __m512* kt) {
   constexpr int D = 16 * DV;
@@ -104,6 +105,9 @@ inline void key_block(const char* const* rows, int b, __m512* kt) {
       }
     }
   } else if constexpr (std::is_same_v<T, int8_t>) {
+    // Dequantized into kt, or with bf16 products into `widened`, then rounded in pairs.
+    __m512 widened[bf16_products<T> ? 64 : 1];
+    __m512* dst = bf16_products<T> ? widened : kt;
     const __m512i base = _mm512_set1_epi64(reinterpret_cast<int64_t>(rows[0]));
     const __m512i lo = _mm512_sub_epi64(_mm512_loadu_si512(rows), base);
     const __m512i hi = _mm512_sub_epi64(_mm512_loadu_si512(rows + 8), base);
@@ -122,10 +126,15 @@ inline void key_block(const char* const* rows, int b, __m512* kt) {
         const __m512i quad = _mm512_castps_si512(quads[l]);
         for (int k = 0; k < 4; ++k) {
           const __m512i code = _mm512_srai_epi32(_mm512_slli_epi32(quad, 24 - 8 * k), 24);
-          kt[4 * l + k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale, offset);
+          dst[4 * l + k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), scale, offset);
         }
       }
     }
+#if defined(__AVX512BF16__)
+    if constexpr (bf16_products<T>)
+      for (int v = 0; v < 32; ++v)
+        kt[v] = _mm512_castsi512_ps(bf16_pairs(widened[2 * v], widened[2 * v + 1]));
+#endif
   } else {
     static_assert(std::is_same_v<T, float>);
     __m512 raw[16];
@@ -331,10 +340,11 @@ void accumulate_values(const float* weights, const uint32_t* pairs, int64_t stri
   for (int64_t i = 0; i < std::min<int64_t>(kAhead, len); ++i) ahead.next();
 #if defined(__AVX512BF16__)
   if constexpr (Pairs) {
+    // A row of zeros, bf16 or int8 (codes, scales and offsets all 0: 18 * DV bytes of these).
     alignas(64) static const uint16_t zeros[16 * DV] = {};
     auto step = [&](int64_t pos, const char* a, const char* b) {
       __m512i v[DV];
-      for (int d = 0; d < DV; ++d) v[d] = interleave_bf16(a + 32 * d, b + 32 * d);
+      value_pairs<T, DV>(a, b, v);
       for (int h = 0; h < HB; ++h) {
         const __m512i w = _mm512_set1_epi32(static_cast<int>(pairs[h * stride / 2 + pos / 2]));
         for (int d = 0; d < DV; ++d) acc[h][d] = dot_pairs(acc[h][d], w, v[d]);

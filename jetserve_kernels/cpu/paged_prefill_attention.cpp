@@ -12,10 +12,11 @@
 // per key, so the softmax's maxima and sums run across vectors; the keys and values are read once
 // per tile through the block table, nothing gathered. The arithmetic keeps the batch-invariant
 // order (attention_simd.h): the decode kernel asked for that order gives each token the same
-// bits. Asked for that order (`invariant`, a bf16 model's prefill) over a bf16 cache, where the
-// CPU has AVX512-BF16, its products are bf16 dot products: the queries and weights in bf16 pairs
-// against the keys' pairs of elements and the values' pairs of positions (prefill_tile_pairs),
-// over the slice's keys and values staged once a call for all its tiles (stage_pairs).
+// bits. Asked for that order (`invariant`, a bf16 model's prefill) over a bf16 or int8 cache,
+// where the CPU has AVX512-BF16, its products are bf16 dot products: the queries and weights in
+// bf16 pairs against the keys' pairs of elements and the values' pairs of positions
+// (prefill_tile_pairs), over the slice's keys and values staged in bf16 once a call for all its
+// tiles (stage_pairs; an int8 cache's dequantized and rounded).
 
 #include "ops.h"
 #include "attention_simd.h"
@@ -256,12 +257,12 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
 
 
 #if defined(__AVX512BF16__)
-// A bf16 cache's rows of one slice, staged once a call for every tile of its KV heads (a bf16
-// model's prefill, `invariant`): each KV head's keys contiguous and as they are (pairs of
-// elements), and its values in pairs of positions, values[m][d] = (v[2m][d], v[2m + 1][d]);
-// zeros past the last position, up to a multiple of 16. A tile then reads both straight
-// through: before, each tile copied and interleaved every row it read, and a 2,048-token slice
-// has 384 tiles a KV head.
+// A bf16 or int8 cache's rows of one slice in bf16, staged once a call for every tile of its KV
+// heads (a bf16 model's prefill, `invariant`; an int8 row dequantized and rounded as the decode
+// kernel rounds it, attention_simd.h): each KV head's keys contiguous (pairs of elements), and
+// its values in pairs of positions, values[m][d] = (v[2m][d], v[2m + 1][d]); zeros past the last
+// position, up to a multiple of 16. A tile then reads both straight through: before, each tile
+// copied and interleaved every row it read, and a 2,048-token slice has 384 tiles a KV head.
 struct StagedPairs {
   int64_t positions;  // a KV head's rows: the slice's last position + 1, rounded up to 16
   int64_t head_dim;
@@ -272,9 +273,10 @@ struct StagedPairs {
   const uint32_t* values_of(int64_t kv) const { return values + kv * positions / 2 * head_dim; }
 };
 
-template <int DV>
+template <typename T, int DV>
 StagedPairs stage_pairs(const SliceView& s, int64_t num_keys, std::vector<__m512i>& scratch) {
   constexpr int D = 16 * DV;
+  // A row of zeros, bf16 or int8 (codes, scales and offsets all 0: 18 * DV bytes of these).
   alignas(64) static const uint16_t zeros[D] = {};
   const int64_t positions = (num_keys + 15) / 16 * 16;
   grow(scratch, s.num_kv_heads * positions * D * 4 / 64);  // 2 bytes a key, 2 a value
@@ -283,17 +285,15 @@ StagedPairs stage_pairs(const SliceView& s, int64_t num_keys, std::vector<__m512
   for_each_chunk(s, num_keys, 16,
                  [&](int64_t kv, int64_t c0, int n, RowCursor& k, RowCursor& v) {
     uint16_t* kd = keys + (kv * positions + c0) * D;
-    for (int j = 0; j < 16; ++j) {
-      const char* row = j < n ? k.next() : reinterpret_cast<const char*>(zeros);
-      for (int b = 0; b < DV / 2; ++b)
-        _mm512_store_si512(kd + j * D + 32 * b, _mm512_loadu_si512(row + 64 * b));
-    }
+    for (int j = 0; j < 16; ++j)
+      key_pairs<T, DV>(j < n ? k.next() : reinterpret_cast<const char*>(zeros), kd + j * D);
     uint32_t* vd = values + (kv * positions + c0) / 2 * D;
     for (int m = 0; m < 8; ++m) {
       const char* a = 2 * m < n ? v.next() : reinterpret_cast<const char*>(zeros);
       const char* b = 2 * m + 1 < n ? v.next() : reinterpret_cast<const char*>(zeros);
-      for (int d = 0; d < DV; ++d)
-        _mm512_store_si512(vd + m * D + 16 * d, interleave_bf16(a + 32 * d, b + 32 * d));
+      __m512i pairs[DV];
+      value_pairs<T, DV>(a, b, pairs);
+      for (int d = 0; d < DV; ++d) _mm512_store_si512(vd + m * D + 16 * d, pairs[d]);
     }
   });
   return {positions, D, keys, values};
@@ -613,8 +613,8 @@ void paged_prefill_attention(
     int64_t first_pos,                 // the position of its first token (cached tokens before)
     torch::Tensor& out,                // [num_tokens, num_heads, head_dim]
     double scale,
-    bool invariant) {                  // bf16 products over a bf16 cache, as the decode kernel's
-                                       // invariant order (attention_simd.h)
+    bool invariant) {                  // the decode kernel's invariant order (attention_simd.h):
+                                       // bf16 products over a bf16 or int8 cache
   const paged::Rows kind =
       paged::check_attention_args("paged_prefill_attention", q, k_cache, v_cache, out, block_table);
   const paged::SliceView s(q, k_cache, v_cache, block_table, out, scale);
@@ -635,10 +635,13 @@ void paged_prefill_attention(
   }
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
-  if (kind == paged::Rows::BF16 && invariant) {
+  if (kind != paged::Rows::F32 && invariant) {  // bf16 products over a bf16 or int8 cache
     static thread_local std::vector<__m512i> scratch;  // kept for the next call: no page faults
-    const auto staged = d64 ? stage_pairs<4>(s, first_pos + q_len, scratch)
-                            : stage_pairs<8>(s, first_pos + q_len, scratch);
+    const bool int8 = kind == paged::Rows::Int8;
+    const auto staged =
+        (d64 ? (int8 ? stage_pairs<int8_t, 4> : stage_pairs<c10::BFloat16, 4>)
+             : (int8 ? stage_pairs<int8_t, 8> : stage_pairs<c10::BFloat16, 8>))(
+            s, first_pos + q_len, scratch);
     for_each_tile<__m512>(
         s, q_start, q_len, first_pos, 16,
         [&](int64_t kv, const float* q_, int64_t q_stride, float* out_, int64_t out_stride,

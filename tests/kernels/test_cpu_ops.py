@@ -553,6 +553,26 @@ def scattered_cache(lens: list[int], block: int, kv_heads: int, head_dim: int, k
     return k_cache, v_cache, tables
 
 
+def reference_cache(k_cache, v_cache, bf16_products: bool):
+    """The caches as the reference reads them: a bf16 cache widened; an int8 one dequantized,
+    and rounded to bf16 where the kernel takes bf16 products over it (attention_simd.h). The
+    kernels dequantize with one fused multiply-add; so does this, in float64 (code * scale +
+    offset is exact there) rounded once to fp32: a last bit of difference would round some
+    values to the neighbouring bf16."""
+    if kv_int8.is_int8(k_cache) and bf16_products:
+        def rounded(rows):
+            d = kv_int8.head_dim_of(rows)
+            params = rows[..., d:].contiguous().view(torch.float16).double()
+            scale, offset = params[..., 0::2, None], params[..., 1::2, None]
+            codes = rows[..., :d].double().unflatten(-1, (scale.shape[-2], -1))
+            return (codes * scale + offset).flatten(-2).float().bfloat16().float()
+
+        return rounded(k_cache), rounded(v_cache)
+    if k_cache.dtype == torch.bfloat16:
+        return k_cache.float(), v_cache.float()
+    return k_cache, v_cache
+
+
 # 64 and 128 take the vectorized path, which scores a KV head's query heads together and sums
 # values for up to 16 / (head_dim / 16) of them at a time: groups of 1, 3, 5 and 7 cover every case.
 @pytest.mark.parametrize("head_dim,group,block", [
@@ -571,11 +591,10 @@ def test_paged_decode_attention_matches_reference(k, head_dim, group, block, kv,
                              torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens)), out, 0.1,
                              invariant)
     cu_seqlens = torch.arange(len(lens) + 1)
-    # The invariant order over a bf16 cache takes bf16 products where the CPU has them (the
-    # vectorized path).
-    products = (kv == "bf16" and invariant and k.bf16_dot_products() and head_dim in (64, 128))
-    if kv == "bf16":  # the reference over the same values, widened
-        k_cache, v_cache = k_cache.float(), v_cache.float()
+    # The invariant order over a bf16 or int8 cache takes bf16 products where the CPU has them
+    # (the vectorized path).
+    products = (kv != "fp32" and invariant and k.bf16_dot_products() and head_dim in (64, 128))
+    k_cache, v_cache = reference_cache(k_cache, v_cache, products)
     expected = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables), cu_seqlens,
                                          torch.tensor(lens), 0.1, bf16_products=products)
     reference.assert_attention_close(out, expected, products)
@@ -608,9 +627,8 @@ def test_a_batch_of_decodes_gives_each_sequence_its_bits_alone(k, head_dim, grou
                                  0.1, invariant)
     same = (together.view(torch.int32) == alone.view(torch.int32)).all(-1).all(-1)
     assert same.all(), f"sequences {(~same).nonzero().flatten().tolist()} differ"
-    products = kv == "bf16" and invariant and k.bf16_dot_products()
-    if kv == "bf16":
-        k_cache, v_cache = k_cache.float(), v_cache.float()
+    products = kv != "fp32" and invariant and k.bf16_dot_products()
+    k_cache, v_cache = reference_cache(k_cache, v_cache, products)
     expected = reference.paged_attention(q, k_cache, v_cache, tables.long(),
                                          torch.arange(len(lens) + 1), torch.tensor(lens), 0.1,
                                          bf16_products=products)
@@ -654,9 +672,8 @@ def test_paged_prefill_attention_matches_reference(k, head_dim, group, block, sc
         q_start += new
     assert out[:pad].isnan().all() and out[-pad:].isnan().all()
     cu_seqlens = torch.tensor([0] + new_tokens).cumsum(0)
-    products = kv == "bf16" and invariant and k.bf16_dot_products()  # the tiles' bf16 products
-    if kv == "bf16":
-        k_cache, v_cache = k_cache.float(), v_cache.float()
+    products = kv != "fp32" and invariant and k.bf16_dot_products()  # the tiles' bf16 products
+    k_cache, v_cache = reference_cache(k_cache, v_cache, products)
     rows = slice(pad, pad + total)
     expected = reference.paged_attention(q[rows], k_cache, v_cache, torch.tensor(tables),
                                          cu_seqlens, torch.tensor(lens), scale,

@@ -14,7 +14,7 @@ def test_int8_kv_keeps_top1_and_perplexity(tmp_path):
                                    "--result-json", str(out)]) == 0
     r = json.loads(out.read_text())["results"]
     assert r["tokens"] == 8 * 256
-    assert 5 < r["perplexity_fp32_kv"] < 40  # the model reads the text (a broken one: ~50,000)
+    assert 5 < r["perplexity_reference_kv"] < 40  # the model reads the text (a broken one: ~50,000)
     assert r["top1_agreement"] >= 0.99
     assert abs(r["perplexity_relative"]) < 0.01
     # Rounded, not a copy; and well under the one-scale-a-row layout this replaced, which
