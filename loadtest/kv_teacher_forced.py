@@ -6,18 +6,21 @@ The text is Python's Language Reference as every CPython install ships it (the t
 every later token is then fed as a decode step (all windows in one batch, as the engine runs
 them), so every scored position but each window's first (scored by the prefill kernel) reads its
 whole context back from the cache through the decode kernel, the path generation takes. The same
-steps run over an fp32 cache and a compressed one (`--kv-dtype`: int8, jetserve_kernels/kv_int8.py,
-or bf16), and each position's logits are compared:
+steps run over an fp32 cache (or `--reference-kv bfloat16`) and a compressed one (`--kv-dtype`:
+int8, jetserve_kernels/kv_int8.py, or bf16), and each position's logits are compared. The model
+is fp32, or `--model-dtype bfloat16` (batch-invariant: its attention over a bf16 or int8 cache
+in bf16 products where the CPU has AVX512-BF16, as the engine runs a bf16 model):
 
 - **top-1 agreement**: the share of positions where both caches' most likely next token is the
   same (the text's own next token is fed either way: one difference does not derail the rest,
   as it does when whole greedy continuations are compared);
-- **perplexity** of the text under each, and the int8 one's relative difference;
-- **KL divergence** from the fp32 cache's next-token distribution, the mean over positions.
+- **perplexity** of the text under each, and the compressed one's relative difference;
+- **KL divergence** from the reference cache's next-token distribution, the mean over positions.
 
 It needs the CPU kernels (they read an int8 or bf16 cache in place); without them it stops.
 
     python -m loadtest.kv_teacher_forced --result-json results/kv_teacher_forced.json
+    python -m loadtest.kv_teacher_forced --model-dtype bfloat16 --reference-kv bfloat16
 """
 
 from __future__ import annotations
