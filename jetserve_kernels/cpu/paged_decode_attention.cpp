@@ -8,9 +8,9 @@
 // orders: 16 products summed lane by lane, then across lanes in one tree (an fp32 model's), or
 // the batch-invariant order of attention_simd.h (`invariant`: a bf16 model's), for which 16 key
 // rows are transposed in registers and scored as one vector per query head (over a bf16 or int8
-// cache, where the CPU has AVX512-BF16, in bf16 dot products, the values too). With AVX2 alone (head_dim
-// a multiple of 16) 8 keys are scored at a time, and elsewhere plain loops run, both in one order
-// whatever `invariant` says. Keys and values are read in place through the
+// cache, where the CPU has AVX512-BF16, in bf16 dot products, the values too). With AVX2 alone
+// (head_dim a multiple of 16) 8 keys are scored at a time, and elsewhere plain loops run, both in
+// one order whatever `invariant` says. Keys and values are read in place through the
 // block table, once per step for all the query heads that share them: nothing is gathered into a
 // contiguous copy first (but for the AVX2 path's bf16 and int8 rows, widened into its scratch).
 //
