@@ -738,6 +738,65 @@ def test_a_prefill_as_decodes_gives_each_token_its_decode_bits(k, head_dim, grou
         k.paged_prefill_as_decodes(q, k_cache, v_cache, blocks, 0, 2, 0, out[:1], 0.1)
 
 
+# Each int8 row as random codes with fp16 scales and offsets, some groups extreme: scale 0, the
+# largest fp16 scale and offset, subnormal ones.
+def extreme_int8_rows(cache: torch.Tensor, gen) -> torch.Tensor:
+    d = kv_int8.head_dim_of(cache)
+    params = cache[..., d:].contiguous().view(torch.float16)  # [..., 2 * groups]
+    pick = torch.randint(0, 8, params.shape, generator=gen)
+    special = torch.tensor([0.0, 60000.0, -60000.0, 6e-8, -6e-8], dtype=torch.float16)
+    params = torch.where(pick < len(special), special[pick.clamp(max=len(special) - 1)], params)
+    out = cache.clone()
+    out[..., d:] = params.view(torch.int8)
+    return out
+
+
+@pytest.mark.parametrize("head_dim,group,block", [(64, 3, 16), (64, 8, 8), (128, 5, 32)])
+def test_an_int8_cache_under_bf16_products_is_the_bf16_cache_of_its_rounded_values(
+        k, head_dim, group, block):
+    """A bf16 model's attention over an int8 cache (attention_simd.h): each row dequantized with
+    one fused multiply-add and rounded to bf16, then the bf16 cache's path. So every output has
+    the bits the same kernel gives over a bf16 cache holding those rounded values: decodes
+    (batched), prefill tiles and prefills as decodes, from 1 to 40 new tokens."""
+    if not k.bf16_dot_products():
+        pytest.skip("bf16 products need AVX512-BF16")
+    kv_heads = 2
+    heads = group * kv_heads
+    gen = torch.Generator().manual_seed(head_dim * group + block)
+    slices = [(0, 1), (0, 17), (5, 3), (37, 20), (64, 40), (250, 7), (1, 2)]
+    lens = [cached + new for cached, new in slices]
+    k8, v8, tables = scattered_cache(lens, block, kv_heads, head_dim, "int8", gen)
+    k8, v8 = extreme_int8_rows(k8, gen), extreme_int8_rows(v8, gen)
+    kb, vb = (c.bfloat16() for c in reference_cache(k8, v8, True))
+    total = sum(new for _, new in slices)
+    q = torch.randn(total, heads, head_dim, generator=gen)
+
+    def bits(x):
+        return x.view(torch.int32)
+
+    def run(kc, vc):
+        prefill = torch.full_like(q, float("nan"))
+        as_decodes = torch.full_like(q, float("nan"))
+        q_start = 0
+        for (cached, new), table in zip(slices, tables):
+            blocks = torch.tensor(table[:-(-(cached + new) // block)], dtype=torch.int32)
+            k.paged_prefill_attention(q, kc, vc, blocks, q_start, new, cached, prefill, 0.125,
+                                      True)
+            k.paged_prefill_as_decodes(q, kc, vc, blocks, q_start, new, cached, as_decodes,
+                                       0.125)
+            q_start += new
+        decodes = torch.full_like(q, float("nan"))
+        rows = torch.tensor([sum(n for _, n in slices[:i + 1]) - 1 for i in range(len(slices))])
+        k.paged_decode_attention(q, kc, vc, torch.tensor(tables, dtype=torch.int32),
+                                 torch.tensor(lens, dtype=torch.int32), rows, decodes, 0.125, True)
+        return prefill, as_decodes, decodes[rows]
+
+    for name, a, b in zip(["prefill", "as decodes", "decodes"], run(k8, v8), run(kb, vb)):
+        assert not a.isnan().any(), name
+        same = (bits(a) == bits(b)).all(-1)
+        assert same.all(), f"{name}: rows {(~same).nonzero()[:5].tolist()} differ"
+
+
 def test_the_prefill_kernel_is_built_where_avx512_or_avx2_is(k):
     """The prefill tests above run only where the kernel is built: on this machine it is, if it
     has AVX-512 or AVX2 and FMA (or, built for another instruction set with JETSERVE_CPU_ARCH,

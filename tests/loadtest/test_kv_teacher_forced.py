@@ -29,7 +29,7 @@ def test_int8_kv_under_a_bf16_model_stays_near_its_bf16_cache(tmp_path):
     """The shipped default on a CPU with AVX512-BF16: a bf16 model, whose attention over an int8
     cache rounds the dequantized rows to bf16 and takes bf16 products, against its own bf16
     cache. Measured on these tokens: 98.83 % top-1, perplexity +0.11 %, KL 5.0e-4 (on 20,160
-    tokens 98.81 %, -0.004 %, 4.6e-4: BENCHMARKS.md); under the fp32 model's 99 %, as the fp32
+    tokens 98.81 %, -0.004 %, 4.62e-4: BENCHMARKS.md); under the fp32 model's 99 %, as the fp32
     products before it were (98.82 %)."""
     from jetserve_kernels import cpu_ops
 
