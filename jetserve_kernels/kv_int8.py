@@ -69,9 +69,11 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """int8 rows [..., D + D / 8] -> values [..., D]."""
+    """int8 rows [..., D + D / 8] -> values [..., D]. In float64, code * scale + offset is exact:
+    rounded to fp32 it has the bits of the kernels' one fused multiply-add."""
     d = head_dim_of(rows)
-    params = rows[..., d:].contiguous().view(torch.float16).float()  # [..., 2 * groups]
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    params = rows[..., d:].contiguous().view(torch.float16).to(compute)  # [..., 2 * groups]
     scale, offset = params[..., 0::2, None], params[..., 1::2, None]
-    codes = rows[..., :d].float().unflatten(-1, (scale.shape[-2], -1))
+    codes = rows[..., :d].to(compute).unflatten(-1, (scale.shape[-2], -1))
     return (codes * scale + offset).flatten(-2).to(dtype)

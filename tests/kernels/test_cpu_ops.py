@@ -556,18 +556,11 @@ def scattered_cache(lens: list[int], block: int, kv_heads: int, head_dim: int, k
 def reference_cache(k_cache, v_cache, bf16_products: bool):
     """The caches as the reference reads them: a bf16 cache widened; an int8 one dequantized,
     and rounded to bf16 where the kernel takes bf16 products over it (attention_simd.h). The
-    kernels dequantize with one fused multiply-add; so does this, in float64 (code * scale +
-    offset is exact there) rounded once to fp32: a last bit of difference would round some
-    values to the neighbouring bf16."""
+    kernels dequantize with one fused multiply-add; so does this, exactly in float64 and rounded
+    once to fp32: a last bit of difference would round some values to the neighbouring bf16."""
     if kv_int8.is_int8(k_cache) and bf16_products:
-        def rounded(rows):
-            d = kv_int8.head_dim_of(rows)
-            params = rows[..., d:].contiguous().view(torch.float16).double()
-            scale, offset = params[..., 0::2, None], params[..., 1::2, None]
-            codes = rows[..., :d].double().unflatten(-1, (scale.shape[-2], -1))
-            return (codes * scale + offset).flatten(-2).float().bfloat16().float()
-
-        return rounded(k_cache), rounded(v_cache)
+        return tuple(kv_int8.dequantize(c, torch.float64).float().bfloat16().float()
+                     for c in (k_cache, v_cache))
     if k_cache.dtype == torch.bfloat16:
         return k_cache.float(), v_cache.float()
     return k_cache, v_cache
