@@ -34,7 +34,7 @@ import torch
 from loadtest.metrics import write_result
 from services.executor.engine.attention import SeqSlice, TorchBackend
 from services.executor.engine.model import KvSegment, LlamaModel
-from services.executor.engine.model_runner import kv_cache_row
+from services.executor.engine.model_runner import calibrate_key_basis, kv_cache_row
 from services.executor.engine.weights import load_model_files
 
 BLOCK = 16
@@ -50,7 +50,8 @@ def held_out_text() -> str:
 class Forced:
     """One model, stepping every window through a cache of the given dtype."""
 
-    def __init__(self, model_name: str, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_name: str, dtype: torch.dtype = torch.float32,
+                 key_basis: bool = True):
         from shared.model_files import tokenizer_dir
         from shared.tokenizer import Tokenizer
 
@@ -63,6 +64,8 @@ class Forced:
                              "benchmark measures them")
         self.model = LlamaModel(self.config, weights, self.backend,
                                 max_position=self.config.max_position)
+        if key_basis:  # what an engine with an int8 pool measures at start (kv_int8.py)
+            calibrate_key_basis(self.model, BLOCK, device)
 
     def steps(self, windows: list[list[int]], prefix: int, cache_dtype: torch.dtype):
         """Yields, step by step, the log-probabilities [windows, vocab] of each window's next
@@ -130,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="model.dtype (bfloat16: batch-invariant, its attention in bf16 "
                         "products over a bf16 or int8 cache where the CPU has AVX512-BF16)")
+    parser.add_argument("--no-key-basis", action="store_true",
+                        help="int8 keys in their own basis, as before the key basis (the "
+                        "baseline: kv_int8.py)")
     parser.add_argument("--result-json", default="results/kv_teacher_forced.json")
     args = parser.parse_args(argv)
 
-    forced = Forced(args.model, getattr(torch, args.model_dtype))
+    forced = Forced(args.model, getattr(torch, args.model_dtype), not args.no_key_basis)
     ids = forced.tokenizer.encode(held_out_text())
     if len(ids) < args.windows * args.window:
         parser.error(f"the text has {len(ids)} tokens, fewer than {args.windows} x {args.window}")
@@ -145,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['tokens']} tokens scored, {args.windows} windows of {args.window} "
           f"({args.prefix} prefilled, the rest decoded one by one)")
     kv, ref = args.kv_dtype, {"float32": "fp32", "bfloat16": "bf16"}[args.reference_kv]
-    print(f"model {args.model_dtype}; top-1 agreement, {kv} KV against {ref} KV: "
+    basis = ", keys as they are" if args.no_key_basis else ""
+    print(f"model {args.model_dtype}{basis}; top-1 agreement, {kv} KV against {ref} KV: "
           f"{100 * result['top1_agreement']:.2f} %")
     print(f"perplexity: {ref} KV {result['perplexity_reference_kv']:.4f}, {kv} KV "
           f"{result['perplexity']:.4f} ({100 * result['perplexity_relative']:+.3f} %)")

@@ -46,6 +46,22 @@ void quantize_heads(const float* x, int64_t heads, int64_t head_dim, char* out) 
   }
 }
 
+// One head into an int8 cache's key basis (jetserve_kernels/kv_int8.py, to_key_basis_): times its
+// multipliers, then where `rotate` the unnormalized Walsh-Hadamard transform, butterflies of
+// distance 1, 2, 4, ... in that order, each sum and difference one fp32 rounding (the torch
+// reference's bits).
+void to_key_basis(float* x, const float* mul, int64_t head_dim, bool rotate) {
+  for (int64_t d = 0; d < head_dim; ++d) x[d] *= mul[d];
+  if (!rotate) return;
+  for (int64_t h = 1; h < head_dim; h *= 2)
+    for (int64_t i = 0; i < head_dim; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
+
 }  // namespace
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tensor>& residual,
@@ -86,7 +102,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tens
 
 void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
                       const torch::Tensor& cos_sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                      const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+                      const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                      const torch::optional<torch::Tensor>& q_mul,
+                      const torch::optional<torch::Tensor>& k_mul) {
   check_rows(qkv, "rotary_and_cache qkv");
   // An int8 cache row is head_dim int8 codes and their groups' fp16 scales and offsets
   // (jetserve_kernels/kv_int8.py).
@@ -105,6 +123,21 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
               cos_sin.size(1) == head_dim, "rotary_and_cache: cache or table layout");
   TORCH_CHECK(positions.scalar_type() == torch::kLong && slot_mapping.scalar_type() == torch::kLong,
               "rotary_and_cache: int64 positions and slots");
+  // The key basis (an int8 cache's, kv_int8.py): q and k moved into it in place after rotary.
+  TORCH_CHECK(q_mul.has_value() == k_mul.has_value(), "rotary_and_cache: q_mul and k_mul together");
+  const float* qm = nullptr;
+  const float* km = nullptr;
+  if (q_mul.has_value()) {
+    for (const torch::Tensor* m : {&*q_mul, &*k_mul})
+      TORCH_CHECK(m->scalar_type() == torch::kFloat32 && m->is_contiguous() && m->dim() == 2 &&
+                  m->size(0) == num_kv_heads && m->size(1) == head_dim,
+                  "rotary_and_cache: key basis multipliers fp32 [num_kv_heads, head_dim]");
+    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "rotary_and_cache: heads");
+    qm = q_mul->data_ptr<float>();
+    km = k_mul->data_ptr<float>();
+  }
+  const bool rotate = head_dim > 1 && (head_dim & (head_dim - 1)) == 0;
+  const int64_t group = qm ? num_heads / num_kv_heads : 1;
   const int64_t tokens = qkv.size(0), stride = qkv.stride(0);
   const int64_t kv_width = num_kv_heads * head_dim;
   float* base = qkv.data_ptr<float>();
@@ -127,6 +160,12 @@ void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
           x[i] = x1 * cos[i] - x2 * sin[i];
           x[i + half] = x2 * cos[i] + x1 * sin[i];
         }
+      }
+      if (qm) {
+        for (int64_t h = 0; h < num_heads; ++h)
+          to_key_basis(row + h * head_dim, qm + h / group * head_dim, head_dim, rotate);
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          to_key_basis(row + (num_heads + h) * head_dim, km + h * head_dim, head_dim, rotate);
       }
       const float* k = row + num_heads * head_dim;
       if (int8) {

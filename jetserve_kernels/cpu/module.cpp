@@ -33,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "registers (a benchmark's ceiling)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding x into the residual first");
   m.def("rotary_and_cache", &rotary_and_cache,
-        "rotary on the q and k parts of a fused qkv row, then k and v into the paged cache");
+        "rotary on the q and k parts of a fused qkv row (then, given q_mul and k_mul, both into "
+        "an int8 cache's key basis), then k and v into the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
 }

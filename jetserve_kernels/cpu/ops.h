@@ -77,5 +77,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::optional<torch::Tens
                        const torch::Tensor& weight, double eps);
 void rotary_and_cache(torch::Tensor& qkv, const torch::Tensor& positions,
                       const torch::Tensor& cos_sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                      const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads);
+                      const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                      const torch::optional<torch::Tensor>& q_mul,
+                      const torch::optional<torch::Tensor>& k_mul);
 torch::Tensor silu_and_mul(const torch::Tensor& x);

@@ -462,7 +462,8 @@ def test_rotary_and_cache_matches_rotary_then_cache_write(k, kv):
     value = expected[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
     reference.rotary_embedding(positions, q, key, cos_sin)
     reference.reshape_and_cache(key, value, caches[0], caches[1], slots)
-    k.rotary_and_cache(qkv, positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads)
+    k.rotary_and_cache(qkv, positions, cos_sin, caches[2], caches[3], slots, heads, kv_heads,
+                       None, None)
     torch.testing.assert_close(qkv, expected)
     if not int8:  # bf16: both round to nearest, from fp32 that may differ in the last bit
         torch.testing.assert_close(caches[2], caches[0])

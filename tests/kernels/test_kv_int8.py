@@ -1,7 +1,8 @@
 """The int8 KV cache: its rows round-trip within half a step of each group, the torch backend
-attends over it as over the dequantized values (with and without the C++ kernels), and an engine
+attends over it as over the dequantized values (with and without the C++ kernels), an engine
 sized by memory holds about 3.6x the blocks of fp32 (3.2x at the tiny model's head_dim of 16)
-and still serves."""
+and still serves, and the key basis keeps every score and is computed by the CPU kernel to the
+reference's bits."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def test_engine_with_an_int8_or_bf16_cache_holds_more_blocks_and_serves():
     from shared.config import engine_config
     from shared.protocol import Completion
 
-    async def blocks_and_tokens(dtype: str):
+    async def start_and_serve(dtype: str):
         # An fp32 model (model.dtype auto is bf16 on a CPU with native bf16).
         engine = Engine(engine_config({"model.name": "dummy:tiny", "kv_cache.cpu_cache_gib": 0.001,
                                        "model.dtype": "float32", "kv_cache.dtype": dtype}))
@@ -114,16 +115,139 @@ def test_engine_with_an_int8_or_bf16_cache_holds_more_blocks_and_serves():
             results = await run_requests(engine, [
                 '{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, '
                 '21, 22], "max_tokens": 12, "ignore_eos": true}'])
-            return engine.block_manager.num_blocks, engine.model_config.head_dim, results
+            assert isinstance(results[0], Completion) and len(results[0].token_ids) == 12
+            return engine.block_manager.num_blocks, engine.runner.model
         finally:
             await engine.stop()
 
-    fp32_blocks, head_dim, fp32_results = asyncio.run(blocks_and_tokens("auto"))
-    int8_blocks, _, results = asyncio.run(blocks_and_tokens("int8"))
-    expected = 4 * head_dim / kv_int8.row_bytes(head_dim)
-    assert int8_blocks / fp32_blocks == pytest.approx(expected, rel=0.05)
-    assert isinstance(results[0], Completion) and len(results[0].token_ids) == 12
+    fp32_blocks, model = asyncio.run(start_and_serve("auto"))
+    head_dim = model.config.head_dim
+    assert model.key_basis is None  # measured only for an int8 pool
+    int8_blocks, model = asyncio.run(start_and_serve("int8"))
+    assert int8_blocks / fp32_blocks == pytest.approx(4 * head_dim / kv_int8.row_bytes(head_dim),
+                                                      rel=0.05)
+    # The key basis, measured at start, is the same on every start (seeded random tokens).
+    assert len(model.key_basis) == model.config.num_layers
+    _, again = asyncio.run(start_and_serve("int8"))
+    for (q_mul, k_mul), (q_again, k_again) in zip(model.key_basis, again.key_basis):
+        assert torch.isfinite(q_mul).all() and not torch.equal(q_mul, k_mul)
+        assert torch.equal(q_mul, q_again) and torch.equal(k_mul, k_again)
     # A bf16 cache under the fp32 model: twice the blocks, read through the same kernels.
-    bf16_blocks, _, results = asyncio.run(blocks_and_tokens("bfloat16"))
+    bf16_blocks, _ = asyncio.run(start_and_serve("bfloat16"))
     assert bf16_blocks / fp32_blocks == pytest.approx(2, rel=0.05)
-    assert isinstance(results[0], Completion) and len(results[0].token_ids) == 12
+
+
+# The key basis (kv_int8.py): q' . k' = q . k, computed by the CPU kernel to the reference's bits.
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_the_key_basis_keeps_every_score(head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    kv_heads, group = 3, 3
+    balance = kv_int8.key_balance(torch.rand(kv_heads, head_dim, generator=gen) * 50,
+                                  torch.rand(kv_heads, head_dim, generator=gen) + 0.01)
+    q_mul, k_mul = kv_int8.key_basis(balance)
+    q = torch.randn(7, kv_heads * group, head_dim, generator=gen)
+    k = torch.randn(7, kv_heads, head_dim, generator=gen) * torch.linspace(0.1, 20, head_dim)
+    qb, kb = q.clone(), k.clone()
+    kv_int8.to_key_basis_pair_(qb, kb, q_mul, k_mul)
+    scores = torch.einsum("thd,skd->tshk", q.double(), k.double())
+    moved = torch.einsum("thd,skd->tshk", qb.double(), kb.double())
+    for h in range(kv_heads * group):  # query head h reads KV head h // group
+        torch.testing.assert_close(moved[:, :, h, h // group], scores[:, :, h, h // group],
+                                   rtol=1e-5, atol=1e-4)
+    # Rotated where head_dim is a power of two: an outlying channel's size spread over all.
+    spread = kb.abs().amax(-1) / kb.square().mean(-1).sqrt()
+    assert (spread < 4).all() if kv_int8.rotates(head_dim) else True
+    assert not kv_int8.rotates(80) and kv_int8.rotates(64)
+
+
+def test_key_balance_is_bounded_and_finite_on_dead_and_extreme_channels():
+    q_sq = torch.ones(2, 64, dtype=torch.float64)
+    k_sq = torch.ones(2, 64, dtype=torch.float64)
+    q_sq[0, 3] = 0.0  # a channel no query reads
+    k_sq[0, 5] = 0.0  # a channel every key leaves at zero
+    q_sq[1, 7], k_sq[1, 9] = 1e30, 1e-30
+    b = kv_int8.key_balance(q_sq, k_sq)
+    assert b.dtype == torch.float32 and torch.isfinite(b).all() and (b > 0).all()
+    assert b[0, 3] == b[0, 5] == b[0, 0]  # dead channels get the head's mean
+    assert b.max() <= kv_int8.BALANCE_LIMIT * 1.0001 and b.min() >= 1 / kv_int8.BALANCE_LIMIT / 1.0001
+    torch.testing.assert_close(b[0], torch.ones(64))  # a flat head stays flat
+    q_mul, k_mul = kv_int8.key_basis(b)
+    assert torch.isfinite(q_mul).all() and torch.isfinite(k_mul).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 16, 96])
+def test_rotary_and_cache_moves_q_and_k_into_the_key_basis_to_the_reference_bits(head_dim):
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("the CPU kernels did not build")
+    heads, kv_heads, block, tokens = 6, 2, 8, 9
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    slots = torch.randperm(4 * block, generator=gen)[:tokens]
+    cos_sin = torch.randn(64, head_dim, generator=gen)
+    balance = kv_int8.key_balance(torch.rand(kv_heads, head_dim, generator=gen) * 9 + 0.1,
+                                  torch.rand(kv_heads, head_dim, generator=gen) + 0.1)
+    q_mul, k_mul = kv_int8.key_basis(balance)
+    shape = (4, block, kv_heads, kv_int8.row_bytes(head_dim))
+    caches = [torch.zeros(shape, dtype=torch.int8) for _ in range(4)]
+    expected = qkv.clone()
+    kernels.rotary_and_cache(expected, positions, cos_sin, caches[0], caches[1], slots, heads,
+                             kv_heads, None, None)
+    q = expected[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = expected[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    kv_int8.to_key_basis_pair_(q, k, q_mul, k_mul)
+    kernels.rotary_and_cache(qkv, positions, cos_sin, caches[2], caches[3], slots, heads,
+                             kv_heads, q_mul, k_mul)
+    assert torch.equal(qkv, expected)  # the same bits: q and k moved, v untouched
+    row = kv_int8.row_bytes(head_dim)
+    written = caches[2].view(-1, kv_heads, row)[slots]
+    torch.testing.assert_close(kv_int8.dequantize(written), k, rtol=0, atol=k.abs().max() / 200)
+    assert torch.equal(caches[3], caches[1])  # values as without the basis
+    with pytest.raises(RuntimeError, match="together"):
+        kernels.rotary_and_cache(qkv, positions, cos_sin, caches[2], caches[3], slots, heads,
+                                 kv_heads, q_mul, None)
+    with pytest.raises(RuntimeError, match="multipliers"):
+        kernels.rotary_and_cache(qkv, positions, cos_sin, caches[2], caches[3], slots, heads,
+                                 kv_heads, q_mul[:1], k_mul[:1])
+
+
+@pytest.mark.parametrize("use_cpu_kernels", [False, True])
+def test_attention_over_int8_keys_in_their_basis_is_closer_to_fp32_kv(use_cpu_kernels):
+    """Keys whose channels differ in size by 50x and queries that read the small ones (as a
+    model's do): the same steps through an fp32 cache, an int8 cache and an int8 cache with the
+    key basis measured from these queries and keys. The basis changes no score (above), so what
+    differs is only the int8 error, which it must cut."""
+    if use_cpu_kernels and cpu_ops.load() is None:
+        pytest.skip("the CPU kernels did not build")
+    heads, kv_heads, dim, block = 6, 2, 64, 16
+    gen = torch.Generator().manual_seed(5)
+    backend = TorchBackend(block, torch.device("cpu"), torch.float32, use_cpu_kernels)
+    key_size = torch.ones(dim)
+    key_size[torch.randperm(dim, generator=gen)[:6]] = 50.0
+    qkv = torch.randn(45, (heads + 2 * kv_heads) * dim, generator=gen)
+    qkv[:, heads * dim:(heads + kv_heads) * dim] *= key_size.repeat(kv_heads)
+    qkv[:, :heads * dim] /= key_size.repeat(heads)
+    cos_sin = torch.cat((torch.ones(64, dim // 2), torch.zeros(64, dim // 2)), 1)  # rotary: none
+    q = qkv[:, :heads * dim].view(45, kv_heads, heads // kv_heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(45, kv_heads, dim)
+    basis = kv_int8.key_basis(kv_int8.key_balance(q.square().mean((0, 2)), k.square().mean(0)))
+
+    def run(dtype: torch.dtype, key_basis) -> torch.Tensor:
+        row = kv_int8.row_bytes(dim) if dtype == torch.int8 else dim
+        caches = [torch.zeros(4, block, kv_heads, row, dtype=dtype) for _ in range(2)]
+        outs = []
+        for start, count in ((0, 40), (40, 5)):  # 40 cached, then a chunk of 5 reading them
+            meta = backend.prepare([SeqSlice(0, count, start + count, [0, 1, 2])],
+                                   list(range(start, start + count)))
+            step = qkv[start:start + count].clone()
+            q_, k_, v_ = backend.rotary_and_cache(step, torch.arange(start, start + count),
+                                                  cos_sin, *caches, meta.slot_mapping, key_basis)
+            outs.append(backend.attention(q_, k_, v_, *caches, 0.125, meta))
+        return outs[1]
+
+    exact = run(torch.float32, None)
+    plain = (run(torch.int8, None) - exact).norm()
+    moved = (run(torch.int8, basis) - exact).norm()
+    assert moved < 0.5 * plain, (moved, plain)

@@ -172,17 +172,22 @@ class TorchBackend:
 
     def rotary_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor,
                          cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, slot_mapping: torch.Tensor):
-        """Rotary on q and k in place in the fused QKV output, k and v into their cache slots
-        (quantized for an int8 cache); returns the q, k, v views."""
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         key_basis: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Rotary on q and k in place in the fused QKV output, then with `key_basis` (an int8
+        cache's (q_mul, k_mul), kv_int8.py) both moved into that basis, and k and v into their
+        cache slots (quantized for an int8 cache); returns the q, k, v views."""
         num_kv_heads, head_dim = k_cache.shape[2], kv_int8.head_dim_of(k_cache)
         num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
         if self.cpu_kernels is not None:
+            q_mul, k_mul = key_basis or (None, None)
             self.cpu_kernels.rotary_and_cache(qkv, positions, cos_sin_cache, k_cache, v_cache,
-                                              slot_mapping, num_heads, num_kv_heads)
+                                              slot_mapping, num_heads, num_kv_heads, q_mul, k_mul)
             return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
         reference.rotary_embedding(positions, q, k, cos_sin_cache)
+        if key_basis is not None:
+            kv_int8.to_key_basis_pair_(q, k, *key_basis)
         # The reference's write without its negative-slot filter: the engine never pads.
         if kv_int8.is_int8(k_cache):
             k, v = kv_int8.quantize(k), kv_int8.quantize(v)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from jetserve_kernels import kv_int8
 from services.executor.engine import huge_pages
 from services.executor.engine.linear import (DenseLinear, QuantizedLinear, QuantizedWeight,
                                              concat, int8_activations, make_linear)
@@ -102,6 +103,10 @@ class LlamaModel:
             huge_pages.release_freed()
         self.cos_sin_cache = rotary_cos_sin(config, max_position, embed_tokens.device)
         self.q_size = config.num_heads * config.head_dim
+        # An int8 cache's key basis, (q_mul, k_mul) a layer (kv_int8.py): set where the engine
+        # has an int8 pool, from measure_key_squares. Other caches keep q and k as they are.
+        self.key_basis: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._key_squares: list[list[torch.Tensor]] | None = None
 
     def matmuls(self) -> str:
         """Where the layers' matmuls run, for the executor's start-up log: "bf16 on avx512" or
@@ -150,6 +155,30 @@ class LlamaModel:
                 layer: int) -> torch.Tensor:
         """Rotary, the cache write and attention for one segment's rows of a layer."""
         ops, (k_cache, v_cache) = self.backend, segment.caches[layer]
+        basis = None
+        if self.key_basis is not None and kv_int8.is_int8(k_cache):
+            basis = self.key_basis[layer]
         q, k, v = ops.rotary_and_cache(qkv, positions, self.cos_sin_cache, k_cache, v_cache,
-                                       segment.meta.slot_mapping)
+                                       segment.meta.slot_mapping, basis)
+        if self._key_squares is not None:
+            q_sq, k_sq = self._key_squares[layer]
+            group = self.config.num_heads // self.config.num_kv_heads
+            q_sq += q.double().unflatten(1, (-1, group)).square().sum((0, 2)).cpu()
+            k_sq += k.double().square().sum(0).cpu()
         return ops.attention(q, k, v, k_cache, v_cache, self.scale, segment.meta)
+
+    def measure_key_squares(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                            segment: KvSegment) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One forward pass over a cache that is not int8, measuring each layer's post-rotary
+        queries and keys: per layer (q, k) [KVH, D] float64, the mean square of each channel
+        (a KV head's query heads pooled), for kv_int8.key_balance."""
+        cfg = self.config
+        self._key_squares = [[torch.zeros(cfg.num_kv_heads, cfg.head_dim, dtype=torch.float64)
+                              for _ in range(2)] for _ in range(cfg.num_layers)]
+        try:
+            self.forward(input_ids, positions, [segment], positions.new_zeros(1))
+            group = cfg.num_heads // cfg.num_kv_heads
+            rows = input_ids.shape[0]
+            return [(q / (rows * group), k / rows) for q, k in self._key_squares]
+        finally:
+            self._key_squares = None

@@ -7,6 +7,7 @@ step is prepared: its slot in `input_ids` is filled on the model thread from tha
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,33 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     return per_token * block_size * (1 if dtype == torch.int8 else torch.finfo(dtype).bits // 8)
 
 
+def calibrate_key_basis(model: LlamaModel, block_size: int, device: torch.device) -> None:
+    """Sets model.key_basis, the int8 cache's key basis (jetserve_kernels/kv_int8.py): one
+    prefill of kv_int8.CALIBRATION_TOKENS seeded random token ids (no text favoured; the same
+    ids, so the same basis, on every start), measuring each layer's post-rotary queries and keys.
+    It runs on the plain torch ops (SDPA over the fresh keys and values, a scratch fp32 cache
+    written and not read) whatever the engine's backend: statistics need no particular kernel,
+    and under the Triton interpreter the kernels would take seconds."""
+    cfg = model.config
+    count = min(kv_int8.CALIBRATION_TOKENS, model.cos_sin_cache.shape[0])
+    draws = random.Random(kv_int8.CALIBRATION_SEED)
+    ids = torch.tensor([draws.randrange(cfg.vocab_size) for _ in range(count)], device=device)
+    blocks = -(-count // block_size)
+    shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+              for _ in range(cfg.num_layers)]
+    plain = TorchBackend(block_size, device, torch.float32, use_cpu_kernels=False)
+    meta = plain.prepare([SeqSlice(0, count, count, list(range(blocks)))], list(range(count)))
+    backend, model.backend = model.backend, plain
+    try:
+        squares = model.measure_key_squares(ids, torch.arange(count, device=device),
+                                            KvSegment(meta, caches))
+    finally:
+        model.backend = backend
+    model.key_basis = [tuple(m.to(device) for m in kv_int8.key_basis(kv_int8.key_balance(q, k)))
+                       for q, k in squares]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, backend: TorchBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, int8_blocks: int = 0,
@@ -72,6 +100,8 @@ class ModelRunner:
         self.kv_pools = [pool(num_blocks, dtype)]
         if int8_blocks:
             self.kv_pools.append(pool(int8_blocks, torch.int8))
+        if dtype == torch.int8 or int8_blocks:
+            calibrate_key_basis(model, block_size, device)
         self.kv_caches = self.kv_pools[0]
         self.block_size = block_size
         self._last_sampled: torch.Tensor | None = None

@@ -56,12 +56,16 @@ class TritonBackend:
 
     @staticmethod
     def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor):
-        """Rotary on q and k in place, k and v into their cache slots (quantized for an int8
-        cache); the q, k, v views."""
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         key_basis: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Rotary on q and k in place (then with `key_basis`, an int8 cache's, both into that
+        basis: kv_int8.py), k and v into their cache slots (quantized for an int8 cache); the
+        q, k, v views."""
         num_kv_heads, head_dim = k_cache.shape[2], kv_int8.head_dim_of(k_cache)
         q, k, v = split_qkv(qkv, qkv.shape[1] // head_dim - 2 * num_kv_heads, num_kv_heads, head_dim)
         rotary_embedding(positions, q, k, cos_sin_cache)
+        if key_basis is not None:
+            kv_int8.to_key_basis_pair_(q, k, *key_basis)
         reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
         return q, k, v
 
