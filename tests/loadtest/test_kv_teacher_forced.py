@@ -20,17 +20,19 @@ def test_int8_kv_keeps_top1_and_perplexity(tmp_path):
     assert 5 < r["perplexity_reference_kv"] < 40  # the model reads the text (a broken one: ~50,000)
     assert r["top1_agreement"] >= 0.99
     assert abs(r["perplexity_relative"]) < 0.01
-    # Rounded, not a copy; and well under the one-scale-a-row layout this replaced, which
-    # measured 9.4e-4 on these tokens (2.4e-4 with a scale and offset per 32 channels).
-    assert 0 < r["mean_kl"] < 5e-4
+    # Rounded, not a copy; and well under the layouts this replaced, which measured on these
+    # tokens 9.4e-4 (one scale a row) and 2.25e-4 (a scale and offset per 32 channels, keys as
+    # they are); in the key basis (kv_int8.py) 9.0e-5.
+    assert 0 < r["mean_kl"] < 1.5e-4
 
 
 def test_int8_kv_under_a_bf16_model_stays_near_its_bf16_cache(tmp_path):
     """The shipped default on a CPU with AVX512-BF16: a bf16 model, whose attention over an int8
     cache rounds the dequantized rows to bf16 and takes bf16 products, against its own bf16
-    cache. Measured on these tokens: 98.83 % top-1, perplexity +0.11 %, KL 5.0e-4 (on 20,160
-    tokens 98.81 %, -0.004 %, 4.62e-4: BENCHMARKS.md); under the fp32 model's 99 %, as the fp32
-    products before it were (98.82 %)."""
+    cache. Measured on these tokens: 99.17 % top-1, perplexity -0.10 %, KL 3.2e-4 (on 20,160
+    tokens 98.89 %, +0.003 %, 3.6e-4: BENCHMARKS.md); with keys as they are (before the key
+    basis) 98.83 %, +0.11 % and 5.0e-4. The KL is the steady measure (a top-1 share of
+    2,048 tokens moves by a few near-ties with any change of arithmetic)."""
     from jetserve_kernels import cpu_ops
 
     kernels = cpu_ops.load()
@@ -43,6 +45,6 @@ def test_int8_kv_under_a_bf16_model_stays_near_its_bf16_cache(tmp_path):
     r = json.loads(out.read_text())["results"]
     assert r["tokens"] == 8 * 256
     assert 5 < r["perplexity_reference_kv"] < 40
-    assert r["top1_agreement"] >= 0.98
+    assert r["top1_agreement"] >= 0.985
     assert abs(r["perplexity_relative"]) < 0.01
-    assert 0 < r["mean_kl"] < 1e-3
+    assert 0 < r["mean_kl"] < 4e-4
