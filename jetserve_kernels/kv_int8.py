@@ -121,10 +121,13 @@ def key_balance(q_squares: torch.Tensor, k_squares: torch.Tensor) -> torch.Tenso
     """Per (KV head, channel) balances [KVH, D] from the mean squares of the queries (over the
     head's query heads) and keys [KVH, D]: (rms q / rms k)^(1/2), divided by their geometric mean
     over the head's channels and kept within BALANCE_LIMIT of it. A channel that is zero on
-    either side (measured as under 1e-12 of its head's largest) gets the head's mean."""
+    either side (measured as under 1e-12 of its head's largest) or not finite (a NaN or inf in
+    the measuring pass) gets the head's mean, so the multipliers are always finite."""
     q_sq, k_sq = q_squares.double(), k_squares.double()
+    bad = ~(torch.isfinite(q_sq) & torch.isfinite(k_sq))
+    q_sq, k_sq = q_sq.masked_fill(bad, 0.0), k_sq.masked_fill(bad, 0.0)
     floor = 1e-12
-    dead = (q_sq <= floor * q_sq.amax(-1, keepdim=True)) | (
+    dead = bad | (q_sq <= floor * q_sq.amax(-1, keepdim=True)) | (
         k_sq <= floor * k_sq.amax(-1, keepdim=True))
     log_b = torch.where(dead, torch.zeros_like(q_sq), BALANCE_POWER / 2 * (q_sq / k_sq).log())
     alive = (~dead).sum(-1, keepdim=True).clamp(min=1)
@@ -152,7 +155,11 @@ def to_key_basis_(x: torch.Tensor, mul: torch.Tensor) -> torch.Tensor:
     step is one rounding of fp32, so the CPU kernel, in the same order, gets the same bits."""
     t, heads, d = x.shape
     y = x * mul
-    if rotates(d):
+    if rotates(d) and x.device.type != "cpu":
+        # On a GPU (the Triton backend) one matmul instead of 2 log2(D) small ops: the same
+        # transform, its sums in another order (the CPU kernels' bits are not asked for there).
+        y = y.float() @ _sylvester(d, x.device)
+    elif rotates(d):
         h = 1
         while h < d:
             pairs = y.view(t, heads, d // (2 * h), 2, h)
@@ -161,6 +168,20 @@ def to_key_basis_(x: torch.Tensor, mul: torch.Tensor) -> torch.Tensor:
             h *= 2
     x.copy_(y)
     return x
+
+
+_SYLVESTER: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _sylvester(d: int, device: torch.device) -> torch.Tensor:
+    """The unnormalized Sylvester Hadamard matrix [d, d] (symmetric: x @ H is the transform)."""
+    key = (d, str(device))
+    if key not in _SYLVESTER:
+        h = torch.ones(1, 1)
+        while h.shape[0] < d:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        _SYLVESTER[key] = h.to(device)
+    return _SYLVESTER[key]
 
 
 def to_key_basis_pair_(q: torch.Tensor, k: torch.Tensor, q_mul: torch.Tensor,

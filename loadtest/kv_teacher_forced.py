@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="model.dtype (bfloat16: batch-invariant, its attention in bf16 "
                         "products over a bf16 or int8 cache where the CPU has AVX512-BF16)")
     parser.add_argument("--no-key-basis", action="store_true",
-                        help="int8 keys in their own basis, as before the key basis (the "
+                        help="int8 keys quantized as they are, without the key basis (the "
                         "baseline: kv_int8.py)")
     parser.add_argument("--result-json", default="results/kv_teacher_forced.json")
     args = parser.parse_args(argv)

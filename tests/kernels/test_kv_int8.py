@@ -155,6 +155,10 @@ def test_the_key_basis_keeps_every_score(head_dim):
     for h in range(kv_heads * group):  # query head h reads KV head h // group
         torch.testing.assert_close(moved[:, :, h, h // group], scores[:, :, h, h // group],
                                    rtol=1e-5, atol=1e-4)
+    # The GPU's form (one matmul by the Sylvester matrix) is the same transform.
+    if kv_int8.rotates(head_dim):
+        as_matmul = (k * k_mul) @ kv_int8._sylvester(head_dim, k.device)
+        torch.testing.assert_close(as_matmul, kb, rtol=1e-5, atol=1e-4)
     # Rotated where head_dim is a power of two: an outlying channel's size spread over all.
     spread = kb.abs().amax(-1) / kb.square().mean(-1).sqrt()
     assert (spread < 4).all() if kv_int8.rotates(head_dim) else True
@@ -167,9 +171,12 @@ def test_key_balance_is_bounded_and_finite_on_dead_and_extreme_channels():
     q_sq[0, 3] = 0.0  # a channel no query reads
     k_sq[0, 5] = 0.0  # a channel every key leaves at zero
     q_sq[1, 7], k_sq[1, 9] = 1e30, 1e-30
+    q_sq[0, 11], k_sq[0, 12], q_sq[1, 13] = float("nan"), float("inf"), float("-inf")
     b = kv_int8.key_balance(q_sq, k_sq)
     assert b.dtype == torch.float32 and torch.isfinite(b).all() and (b > 0).all()
-    assert b[0, 3] == b[0, 5] == b[0, 0]  # dead channels get the head's mean
+    # Dead or unmeasurable channels get the head's mean, and leave the others' balance alone.
+    assert b[0, 3] == b[0, 5] == b[0, 11] == b[0, 12] == b[0, 0]
+    assert b[1, 13] == b[1, 0]
     assert b.max() <= kv_int8.BALANCE_LIMIT * 1.0001 and b.min() >= 1 / kv_int8.BALANCE_LIMIT / 1.0001
     torch.testing.assert_close(b[0], torch.ones(64))  # a flat head stays flat
     q_mul, k_mul = kv_int8.key_basis(b)
