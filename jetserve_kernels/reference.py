@@ -18,10 +18,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     position seq_len - q_len + i and attends to positions <= its own. An int8 cache
     (jetserve_kernels/kv_int8.py) is read dequantized. bf16_products: what the CPU kernels
     compute over a bf16 cache with bf16 dot products (q * scale and the softmax's unnormalized
-    weights rounded to bf16, the total summing the rounded weights); over an int8 cache they
-    take its values dequantized and rounded to bf16, which the caller passes."""
+    weights rounded to bf16, the total summing the rounded weights); over an int8 cache, the
+    keys' scores in integers (int8_key_scores) and the values dequantized and rounded to bf16."""
     out = torch.empty_like(q) if out is None else out
-    if kv_int8.is_int8(k_cache):
+    key_codes = kv_int8.is_int8(k_cache) and bf16_products
+    if key_codes:  # dequantized in one rounding, as the kernels' fused multiply-add does
+        v_cache = kv_int8.dequantize(v_cache, torch.float64).float().bfloat16().float()
+    elif kv_int8.is_int8(k_cache):
         k_cache, v_cache = kv_int8.dequantize(k_cache), kv_int8.dequantize(v_cache)
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -31,15 +34,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if q_len == 0:
             continue
         blocks = block_tables[s, :(seq_len + block_size - 1) // block_size].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len].float()
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[3])[:seq_len]
         values = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        if bf16_products:
+        if key_codes:
+            scores = int8_key_scores(q[start:end].float() * scale, keys)
+        elif bf16_products:
             scaled = (q[start:end].float() * scale).bfloat16().float()
-            scores = torch.einsum("qhd,khd->hqk", scaled, keys)
+            scores = torch.einsum("qhd,khd->hqk", scaled, keys.float())
         else:
-            scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+            scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys.float()) * scale
         positions = seq_len - q_len + torch.arange(q_len, device=q.device)
         visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -50,6 +55,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             weights = scores.softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", weights, values).to(out.dtype)
     return out
+
+
+def int8_key_scores(scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Scores [heads, queries, keys] of q * scale ([queries, heads, head_dim], fp32) against int8
+    key rows ([keys, heads, row]) as the attention kernels compute them with bf16 products
+    (attention_simd.h): each query row in 16-bit codes, code = q' / unit rounded to nearest
+    even, unit = max |q'| / 32767; per group g of 32 channels the exact integer sums I[g] (codes
+    times the keys' codes) and Q[g] (the query's codes); then one fp32 chain over the groups,
+    s = fma(I[g], scale[g], s), s = fma(Q[g], offset[g], s) (each product and sum exact in
+    float64, rounded once to fp32), times the unit."""
+    d = scaled.shape[-1]
+    groups = d // kv_int8.group_size(d)
+    top = scaled.abs().amax(-1, keepdim=True)
+    # (a tensor over a tensor: `32767.0 / top` would multiply by a rounded reciprocal)
+    per_unit = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
+    codes = torch.round(scaled * per_unit).clamp(-32768, 32767).double()
+    unit = (top / 32767.0).squeeze(-1)  # [queries, heads]
+    key_codes = rows[..., :d].double()
+    params = rows[..., d:].contiguous().view(torch.float16).double().unflatten(-1, (groups, 2))
+    sums = torch.einsum("qhgc,khgc->hqkg", codes.unflatten(-1, (groups, -1)),
+                        key_codes.unflatten(-1, (groups, -1)))  # exact: under 2^31
+    query_sums = codes.unflatten(-1, (groups, -1)).sum(-1).permute(1, 0, 2)  # [heads, q, g]
+    scale, offset = (params[..., i].permute(1, 0, 2) for i in (0, 1))  # [heads, keys, g]
+    s = torch.zeros(sums.shape[:3], dtype=torch.float32)
+    for g in range(groups):
+        s = (sums[..., g].float().double() * scale[:, None, :, g] + s.double()).float()
+        s = (query_sums[:, :, None, g] * offset[:, None, :, g] + s.double()).float()
+    return s * unit.t()[:, :, None]
 
 
 def bf16_pairs_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

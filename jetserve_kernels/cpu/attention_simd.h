@@ -288,12 +288,12 @@ inline float reciprocal(float x) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.
 // A tile scores with one (token, head) row per lane and one key per multiply-add; the decode
 // kernel transposes 16 keys (element d of each in one vector) to make the same chains.
 //
-// Asked for it, over a bf16 or int8 cache, where the CPU has AVX512-BF16 (`bf16_products`), the
-// products are bf16 dot products (vdpbf16ps: twice the products of an FMA), and so q' and the
-// weights are rounded to bf16 (nearest, ties to even) first; the keys and values are bf16
-// already, or (int8) dequantized as load_row does it, scale * code + offset in one fused
-// multiply-add, then rounded to bf16 the same way (a bf16 model's int8 cache holds the values a
-// bf16 cache would hold, give or take its int8 step):
+// Asked for it, over a bf16 or int8 cache, where the CPU has AVX512-BF16 (and AVX512-VNNI, which
+// every such CPU has: `bf16_products`), the products are bf16 dot products (vdpbf16ps: twice the
+// products of an FMA), and so q' and the weights are rounded to bf16 (nearest, ties to even)
+// first; the keys and values of a bf16 cache are bf16 already, an int8 cache's values are
+// dequantized as load_row does it, scale * code + offset in one fused multiply-add, then rounded
+// to bf16 the same way:
 //   score[p] = one chain over the pairs d = (0, 1), (2, 3), ... from 0: s = dot_pairs(s, q', k);
 //   e[p] = bf16(exp_nonpositive(score[p] - the largest score)), the total summing these;
 //   out[d] = (a chain over the pairs of positions (0, 1), (2, 3), ... from 0:
@@ -303,7 +303,21 @@ inline float reciprocal(float x) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.
 // halves.) The same bits assume finite cached values (0 times a later token's infinite value
 // would be NaN in a tile, 0 in a decode: a model that overflowed), and a zero output may
 // differ in its sign (vdpbf16ps flushes tiny sums to zero), which no later sum can tell.
-#if defined(__AVX512BF16__)
+//
+// An int8 cache's keys are not rounded to bf16: each query is, instead, put in 16-bit codes
+// (query_codes: unit = max |q'| / 32767, code = q' / unit rounded to nearest even), and the
+// products with the keys' int8 codes are integers (vpdpwssd: 32 products of 16-bit pairs into 16
+// int32 sums, exact, in any order), one sum I[g] a group of 32 channels, and Q[g] the sum of the
+// query's codes there:
+//   score[p] = (a chain over the groups g in order, from 0:
+//               s = fma(float(I[g]), scale[p][g], s); s = fma(float(Q[g]), offset[p][g], s))
+//              * unit.
+// That is q' . k to fp32's precision for the query in 16-bit codes (15 bits and a sign, where
+// bf16 keeps 8) against the key exactly as cached: rounding both to bf16 cost a bf16 model's int8
+// KV a third of its top-1 agreement with fp32 KV under teacher forcing (BENCHMARKS.md, "Integer
+// key products"), at fewer instructions a key than dequantizing and rounding it.
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define PAGED_BF16_PRODUCTS 1
 constexpr bool kBf16Products = true;
 #else
 constexpr bool kBf16Products = false;
@@ -345,7 +359,7 @@ inline void load_row(const char* row, __m512* v) {
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(PAGED_BF16_PRODUCTS)
 // Lane i of v[d]: the pair (a's element 16 d + i, b's) in bf16, for the value sums with bf16
 // products: a bf16 row's elements as they are, an int8 row's dequantized (load_row) and rounded.
 template <typename T, int DV>
@@ -361,20 +375,62 @@ inline void value_pairs(const char* a, const char* b, __m512i* v) {
   }
 }
 
-// A key row's 16 * DV elements in bf16, in order (pairs of elements) into dst: a bf16 row's as
-// they are, an int8 row's dequantized (load_row) and rounded.
-template <typename T, int DV>
+// A bf16 key row's 16 * DV elements, in order (pairs of elements), into dst.
+template <int DV>
 inline void key_pairs(const char* row, uint16_t* dst) {
-  static_assert(bf16_products<T>);
-  if constexpr (std::is_same_v<T, int8_t>) {
-    __m512 v[DV];
-    load_row<T, DV>(row, v);
-    for (int d = 0; d < DV; ++d)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * d), bf16_bits(v[d]));
-  } else {
-    for (int b = 0; b < DV / 2; ++b)
-      _mm512_store_si512(dst + 32 * b, _mm512_loadu_si512(row + 64 * b));
+  for (int b = 0; b < DV / 2; ++b)
+    _mm512_store_si512(dst + 32 * b, _mm512_loadu_si512(row + 64 * b));
+}
+
+// --- Integer key products over an int8 cache ----------------------------------------------
+
+// a / b, rounded once (a division the compiler may not turn into a product by a reciprocal).
+inline float quotient(float a, float b) {
+  return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b)));
+}
+
+// A query row's 16 * DV scaled elements (q') in 16-bit codes: code = q' / unit rounded to nearest
+// even, unit = max |q'| / 32767 (codes of 0 for a row of zeros), written as pairs of codes into
+// pairs[16 * DV / 2] (element 2i in the low half of pair i, as a key's pair), each group of 32's
+// sum of codes into sums[], as fp32 (exactly: under 2^21). Returns the unit. Both kernels call
+// this for every (token, query head), so a token gets the same codes in a prefill tile as in a
+// decode.
+template <int DV>
+inline float query_codes(const float* qs, uint32_t* pairs, float* sums) {
+  __m512 peak = _mm512_setzero_ps();
+  for (int d = 0; d < DV; ++d)
+    peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(qs + 16 * d)));
+  const float top = _mm512_reduce_max_ps(peak);  // exact, in any order
+  const __m512 per_unit = _mm512_set1_ps(top > 0.0f ? quotient(32767.0f, top) : 0.0f);
+  for (int g = 0; g < DV / 2; ++g) {
+    __m512i codes[2];
+    for (int j = 0; j < 2; ++j)  // |q' / unit| <= 32767 (a NaN saturates below)
+      codes[j] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qs + 32 * g + 16 * j), per_unit));
+    const __m256i lo = _mm512_cvtsepi32_epi16(codes[0]), hi = _mm512_cvtsepi32_epi16(codes[1]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 16 * g), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 16 * g + 8), hi);
+    sums[g] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(
+        _mm512_cvtepi16_epi32(lo), _mm512_cvtepi16_epi32(hi))));
   }
+  return quotient(top, 32767.0f);
+}
+
+// An int8 key row's codes as 16-bit pairs (32 codes, 16 pairs, a vector per group of 32) into
+// dst, and each group's scale and offset into params[2 g], [2 g + 1], as fp32.
+template <int DV>
+inline void key_codes(const char* row, uint16_t* dst, float* params) {
+  constexpr int D = 16 * DV;
+  for (int g = 0; g < DV / 2; ++g) {
+    _mm512_store_si512(dst + 32 * g, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(row + 32 * g))));
+    params[2 * g] = group_scale(row, D, g);
+    params[2 * g + 1] = group_offset(row, D, g);
+  }
+}
+
+// One step of a score's chain over an int8 key's groups (the order above): s + I scale + Q offset.
+inline __m512 add_group(__m512 s, __m512i sums, __m512 scale, __m512 query_sums, __m512 offset) {
+  return _mm512_fmadd_ps(query_sums, offset, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, s));
 }
 #endif
 

@@ -84,11 +84,11 @@ constexpr int kBlockVectors = bf16_products<T> ? kKeyBlock<T> / 2 : kKeyBlock<T>
 // elements (32-bit lanes), each pair widened after (half the shuffles of widening first), or,
 // with bf16 products (attention_simd.h), not widened. An int8 row as quads of codes, each code
 // then sign-extended in place and dequantized with its group's scale and offset, gathered for
-// the 16 rows: one transpose per 64 elements instead of one per 16; or, with bf16 products, each
-// row dequantized in order and rounded to bf16 pairs, then transposed as pairs (two transposes,
-// no gathers: 8 % faster than rounding the transposed quads).
+// the 16 rows: one transpose per 64 elements instead of one per 16. (With bf16 products an int8
+// row's codes go to key_code_group instead.)
 template <typename T, int DV>
 inline void key_block(const char* const* rows, int b, __m512* kt) {
+  static_assert(!(std::is_same_v<T, int8_t> && bf16_products<T>));
   constexpr int D = 16 * DV;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     __m512 raw[16], pairs[16];
@@ -105,34 +105,6 @@ inline void key_block(const char* const* rows, int b, __m512* kt) {
         kt[2 * l + 1] = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
       }
     }
-  } else if constexpr (std::is_same_v<T, int8_t> && bf16_products<T>) {
-#if defined(__AVX512BF16__)
-    // Each row's 64 elements dequantized in order (load_row's arithmetic), rounded to bf16 in
-    // pairs (one vector of 16 pairs per group of 32), then transposed as a bf16 row's pairs are.
-    __m512 pairs[2][16];
-    for (int i = 0; i < 16; ++i) {
-      const char* row = rows[i];
-      // Groups 2b and 2b + 1: scale, offset, scale, offset.
-      const __m128 params = _mm_cvtph_ps(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + D + 8 * b)));
-      for (int half = 0; half < 2; ++half) {
-        const __m512 scale = _mm512_broadcastss_ps(
-            half == 0 ? params : _mm_movehl_ps(params, params));
-        const __m512 offset = _mm512_broadcastss_ps(
-            _mm_shuffle_ps(params, params, half == 0 ? 0x55 : 0xFF));
-        __m512 v[2];
-        for (int j = 0; j < 2; ++j)
-          v[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                     reinterpret_cast<const __m128i*>(row + 64 * b + 32 * half +
-                                                                      16 * j)))),
-                                 scale, offset);
-        pairs[half][i] = _mm512_castsi512_ps(
-            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[1], v[0])));
-      }
-    }
-    transpose16(pairs[0], 1, kt);
-    transpose16(pairs[1], 1, kt + 16);
-#endif
   } else if constexpr (std::is_same_v<T, int8_t>) {
     const __m512i base = _mm512_set1_epi64(reinterpret_cast<int64_t>(rows[0]));
     const __m512i lo = _mm512_sub_epi64(_mm512_loadu_si512(rows), base);
@@ -183,7 +155,7 @@ inline void score_heads(const float* qs, const uint32_t* qp, const char* const* 
     for (int c = 0; c < C; ++c) key_block<T, DV>(rows + 16 * c, b, kt[c]);
 #pragma GCC unroll 64
     for (int v = 0; v < kVectors; ++v) {  // each block vector loaded once for the HB heads
-#if defined(__AVX512BF16__)
+#if defined(PAGED_BF16_PRODUCTS)
       if constexpr (bf16_products<T>) {
         __m512i q[HB];
         for (int h = 0; h < HB; ++h)
@@ -203,20 +175,86 @@ inline void score_heads(const float* qs, const uint32_t* qp, const char* const* 
   }
 }
 
+#if defined(PAGED_BF16_PRODUCTS)
+// Group g (32 elements) of 16 int8 key rows for integer products (attention_simd.h): kt[v]
+// holds the pair of codes v of the group of each row, as 16-bit codes (each row's 32 codes
+// sign-extended in one instruction, then the pairs transposed), and scale, offset each row's
+// parameters of the group, gathered.
+template <int DV>
+inline void key_code_group(const char* const* rows, int g, __m512i* kt, __m512& scale,
+                           __m512& offset) {
+  constexpr int D = 16 * DV;
+  __m512 codes[16];
+  for (int i = 0; i < 16; ++i)
+    codes[i] = _mm512_castsi512_ps(_mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + 32 * g))));
+  transpose16(codes, 1, reinterpret_cast<__m512*>(kt));
+  const __m512i base = _mm512_set1_epi64(reinterpret_cast<int64_t>(rows[0]));
+  const __m512i lo = _mm512_sub_epi64(_mm512_loadu_si512(rows), base);
+  const __m512i hi = _mm512_sub_epi64(_mm512_loadu_si512(rows + 8), base);
+  const char* at = rows[0] + D + 4 * g;  // the group's fp16 scale, offset
+  const __m512i both = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm512_i64gather_epi32(lo, at, 1)),
+      _mm512_i64gather_epi32(hi, at, 1), 1);
+  scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(both));
+  offset = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
+}
+
+// score_heads over an int8 cache with bf16 products: HB query heads in 16-bit codes (pairs
+// qp[h * 8 * DV + i], group sums qsums[h * DV / 2 + g], units[h]) against C chunks of 16 key
+// rows, each group's integer sums then added into the chain (attention_simd.h).
+template <int DV, int HB, int C>
+inline void score_heads_codes(const uint32_t* qp, const float* qsums, const float* units,
+                              const char* const* rows, __m512* s) {
+  constexpr int D = 16 * DV, G = DV / 2;
+  for (int i = 0; i < C * HB; ++i) s[i] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    alignas(64) __m512i kt[C][16];
+    __m512 scale[C], offset[C];
+    for (int c = 0; c < C; ++c) key_code_group<DV>(rows + 16 * c, g, kt[c], scale[c], offset[c]);
+    __m512i sums[C * HB];
+    for (int i = 0; i < C * HB; ++i) sums[i] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int v = 0; v < 16; ++v) {
+      __m512i q[HB];
+      for (int h = 0; h < HB; ++h)
+        q[h] = _mm512_set1_epi32(static_cast<int>(qp[h * D / 2 + 16 * g + v]));
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < HB; ++h)
+          sums[c * HB + h] = _mm512_dpwssd_epi32(sums[c * HB + h], kt[c][v], q[h]);
+    }
+    for (int h = 0; h < HB; ++h) {
+      const __m512 query_sums = _mm512_set1_ps(qsums[h * G + g]);
+      for (int c = 0; c < C; ++c)
+        s[c * HB + h] = add_group(s[c * HB + h], sums[c * HB + h], scale[c], query_sums, offset[c]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < C; ++c)
+      s[c * HB + h] = _mm512_mul_ps(s[c * HB + h], _mm512_set1_ps(units[h]));
+}
+#endif
+
 // A thread's working space, reused by its tasks (sized by `fit`): the scores of G query heads
 // at scores[h * stride + pos], their scaled queries, maxima (per lane, then each) and totals.
 struct GroupScratch {
   std::vector<float> scores, qs, peak, totals;
-  // With bf16 products: qs rounded to bf16, and the weights (of positions 2i, 2i + 1 at
-  // h * stride / 2 + i), as bf16 pairs.
+  // With bf16 products: qs rounded to bf16 (over an int8 cache: in 16-bit codes, with their
+  // group sums and units), and the weights (of positions 2i, 2i + 1 at h * stride / 2 + i), as
+  // bf16 pairs.
   std::vector<uint32_t> qpairs, wpairs;
+  std::vector<float> qsums, units;
   std::vector<__m512> peaks;
 
   void fit(int64_t group, int64_t head_dim, int64_t stride, bool pairs) {
     if (static_cast<int64_t>(scores.size()) < group * stride) scores.resize(group * stride);
     if (pairs && static_cast<int64_t>(wpairs.size()) < group * stride / 2)
       wpairs.resize(group * stride / 2);
-    if (pairs) qpairs.resize(group * head_dim / 2);
+    if (pairs) {
+      qpairs.resize(group * head_dim / 2);
+      qsums.resize(group * head_dim / paged::kInt8Group);
+      units.resize(group);
+    }
     qs.resize(group * head_dim);
     peak.resize(group);
     totals.resize(group);
@@ -250,8 +288,12 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
   float* scores = w.scores.data();
   const float* qs = w.qs.data();
   for (int64_t h = 0; h < group; ++h) scaled_query<DV>(q + h * D, scale, w.qs.data() + h * D);
-#if defined(__AVX512BF16__)
-  if constexpr (Invariant && bf16_products<T>)
+#if defined(PAGED_BF16_PRODUCTS)
+  if constexpr (Invariant && bf16_products<T> && std::is_same_v<T, int8_t>)
+    for (int64_t h = 0; h < group; ++h)
+      w.units[h] = query_codes<DV>(qs + h * D, w.qpairs.data() + h * D / 2,
+                                   w.qsums.data() + h * DV / 2);
+  else if constexpr (Invariant && bf16_products<T>)
     for (int64_t i = 0; i < group * D; i += 16)  // 16 values: 8 pairs
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.qpairs.data() + i / 2),
                           bf16_bits(_mm512_loadu_ps(qs + i)));
@@ -282,7 +324,13 @@ void score_group(const float* q, int64_t group, float scale, RowCursor keys, int
         auto run = [&](auto hb, auto cc) {
           constexpr int HB = decltype(hb)::value, C = decltype(cc)::value;
           __m512 s[C * HB];
-          score_heads<T, DV, HB, C>(qh, ph, rows, s);
+#if defined(PAGED_BF16_PRODUCTS)
+          if constexpr (std::is_same_v<T, int8_t> && bf16_products<T>)
+            score_heads_codes<DV, HB, C>(ph, w.qsums.data() + h0 * DV / 2, w.units.data() + h0,
+                                         rows, s);
+          else
+#endif
+            score_heads<T, DV, HB, C>(qh, ph, rows, s);
           for (int c = 0; c < C; ++c)
             for (int h = 0; h < HB; ++h) {
               _mm512_mask_storeu_ps(scores + (h0 + h) * stride + p0 + 16 * c, valid[c],
@@ -335,7 +383,7 @@ float exponentiate(float* scores, int64_t len, float peak, uint32_t* pairs) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + p0), top));
-#if defined(__AVX512BF16__)
+#if defined(PAGED_BF16_PRODUCTS)
     if constexpr (Pairs) {
       e = bf16_rounded(_mm512_maskz_mov_ps(valid, e));  // zeros past the last
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + p0 / 2), bf16_bits(e));
@@ -359,7 +407,7 @@ void accumulate_values(const float* weights, const uint32_t* pairs, int64_t stri
     for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
   RowCursor ahead = values;  // its first kAhead rows were prefetched with the scores
   for (int64_t i = 0; i < std::min<int64_t>(kAhead, len); ++i) ahead.next();
-#if defined(__AVX512BF16__)
+#if defined(PAGED_BF16_PRODUCTS)
   if constexpr (Pairs) {
     // A row of zeros, bf16 or int8 (codes, scales and offsets all 0: 18 * DV bytes of these).
     alignas(64) static const uint16_t zeros[16 * DV] = {};

@@ -256,37 +256,52 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
 }
 
 
-#if defined(__AVX512BF16__)
-// A bf16 or int8 cache's rows of one slice in bf16, staged once a call for every tile of its KV
-// heads (a bf16 model's prefill, `invariant`; an int8 row dequantized and rounded as the decode
-// kernel rounds it, attention_simd.h): each KV head's keys contiguous (pairs of elements), and
-// its values in pairs of positions, values[m][d] = (v[2m][d], v[2m + 1][d]); zeros past the last
-// position, up to a multiple of 16. A tile then reads both straight through: before, each tile
-// copied and interleaved every row it read, and a 2,048-token slice has 384 tiles a KV head.
+#if defined(PAGED_BF16_PRODUCTS)
+// A bf16 or int8 cache's rows of one slice for bf16 products, staged once a call for every tile
+// of its KV heads (a bf16 model's prefill, `invariant`): each KV head's keys contiguous, a bf16
+// row's pairs of elements as they are or an int8 row's codes as 16-bit pairs (key_codes) with
+// its groups' scales and offsets beside them in fp32; and its values in bf16 pairs of positions,
+// values[m][d] = (v[2m][d], v[2m + 1][d]) (an int8 row dequantized and rounded as the decode
+// kernel rounds it, attention_simd.h); zeros past the last position, up to a multiple of 16. A
+// tile then reads them straight through: before, each tile copied and interleaved every row it
+// read, and a 2,048-token slice has 384 tiles a KV head.
 struct StagedPairs {
   int64_t positions;  // a KV head's rows: the slice's last position + 1, rounded up to 16
   int64_t head_dim;
   const uint16_t* keys;    // [KV head][positions][head_dim]
   const uint32_t* values;  // [KV head][positions / 2][head_dim]
+  const float* params;     // int8: [KV head][positions][head_dim / 32][scale, offset]
 
   const uint16_t* keys_of(int64_t kv) const { return keys + kv * positions * head_dim; }
   const uint32_t* values_of(int64_t kv) const { return values + kv * positions / 2 * head_dim; }
+  const float* params_of(int64_t kv) const {
+    return params ? params + kv * positions * head_dim / 16 : nullptr;
+  }
 };
 
 template <typename T, int DV>
 StagedPairs stage_pairs(const SliceView& s, int64_t num_keys, std::vector<__m512i>& scratch) {
   constexpr int D = 16 * DV;
+  constexpr bool kCodes = std::is_same_v<T, int8_t>;
   // A row of zeros, bf16 or int8 (codes, scales and offsets all 0: 18 * DV bytes of these).
   alignas(64) static const uint16_t zeros[D] = {};
   const int64_t positions = (num_keys + 15) / 16 * 16;
-  grow(scratch, s.num_kv_heads * positions * D * 4 / 64);  // 2 bytes a key, 2 a value
+  // 2 bytes a key element and 2 a value's, and an int8 key's 8 bytes of parameters a group.
+  grow(scratch, s.num_kv_heads * positions * (D * 4 + (kCodes ? D / 4 : 0)) / 64);
   uint16_t* keys = reinterpret_cast<uint16_t*>(scratch.data());
   uint32_t* values = reinterpret_cast<uint32_t*>(keys + s.num_kv_heads * positions * D);
+  float* params = kCodes ? reinterpret_cast<float*>(values + s.num_kv_heads * positions / 2 * D)
+                         : nullptr;
   for_each_chunk(s, num_keys, 16,
                  [&](int64_t kv, int64_t c0, int n, RowCursor& k, RowCursor& v) {
     uint16_t* kd = keys + (kv * positions + c0) * D;
-    for (int j = 0; j < 16; ++j)
-      key_pairs<T, DV>(j < n ? k.next() : reinterpret_cast<const char*>(zeros), kd + j * D);
+    for (int j = 0; j < 16; ++j) {
+      const char* row = j < n ? k.next() : reinterpret_cast<const char*>(zeros);
+      if constexpr (kCodes)
+        key_codes<DV>(row, kd + j * D, params + (kv * positions + c0 + j) * D / 16);
+      else
+        key_pairs<DV>(row, kd + j * D);
+    }
     uint32_t* vd = values + (kv * positions + c0) / 2 * D;
     for (int m = 0; m < 8; ++m) {
       const char* a = 2 * m < n ? v.next() : reinterpret_cast<const char*>(zeros);
@@ -296,19 +311,21 @@ StagedPairs stage_pairs(const SliceView& s, int64_t num_keys, std::vector<__m512
       for (int d = 0; d < DV; ++d) _mm512_store_si512(vd + m * D + 16 * d, pairs[d]);
     }
   });
-  return {positions, D, keys, values};
+  return {positions, D, keys, values, params};
 }
 
 // prefill_tile's rows in the batch-invariant order with bf16 products (attention_simd.h), over
 // staged keys and values (stage_pairs): the same chains as the decode kernel's. Scores as
-// prefill_tile makes them; then every weight, rounded and paired by position, into `kept` after
-// the scores; then the values' sums 16 elements at a time, each a chain over every pair of
-// positions in registers, reading each pair of value rows as it is, with no copy.
+// prefill_tile makes them (over an int8 cache, `params` given: each lane's query in 16-bit codes
+// against the keys' codes, one integer sum a group); then every weight, rounded and paired by
+// position, into `kept` after the scores; then the values' sums 16 elements at a time, each a
+// chain over every pair of positions in registers, reading each pair of value rows as it is,
+// with no copy.
 template <int DV>
 void prefill_tile_pairs(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                         int64_t r0, int64_t num_rows, int64_t group, int64_t first_pos,
-                        float scale, const uint16_t* keys, const uint32_t* values,
-                        std::vector<__m512>& kept) {
+                        float scale, const uint16_t* keys, const float* params,
+                        const uint32_t* values, std::vector<__m512>& kept) {
   constexpr int D = 16 * DV;
   const TileRows<DV> tile(q, q_stride, r0, num_rows, group, first_pos, scale);
   const __m512* qt = tile.qt;
@@ -319,9 +336,30 @@ void prefill_tile_pairs(const float* q, int64_t q_stride, float* out, int64_t ou
   __m512* scores = kept.data();
   __m512i* weights = reinterpret_cast<__m512i*>(kept.data() + padded);
 
-  // Scores: the scaled queries as bf16 pairs of elements against each key's pairs.
+  // Scores: the scaled queries as bf16 pairs of elements against each key's pairs, or (int8)
+  // as 16-bit codes (each lane's row coded as the decode kernel codes it, then transposed).
+  constexpr int G = DV / 2;
   __m512i qp[D / 2];
-  for (int i = 0; i < D / 2; ++i) qp[i] = bf16_pairs(qt[2 * i], qt[2 * i + 1]);
+  __m512 query_sums[G], unit;
+  if (params) {
+    alignas(64) uint32_t pairs[16][D / 2];
+    alignas(64) float sums[G][16], units[16];
+    for (int lane = 0; lane < 16; ++lane) {
+      const int64_t r = r0 + std::min(lane, tile.live - 1);
+      alignas(64) float row[D];
+      scaled_query<DV>(q + (r / group) * q_stride + (r % group) * D, scale, row);
+      float lane_sums[G];
+      units[lane] = query_codes<DV>(row, pairs[lane], lane_sums);
+      for (int g = 0; g < G; ++g) sums[g][lane] = lane_sums[g];
+    }
+    for (int b = 0; b < G; ++b)
+      transpose16(reinterpret_cast<const __m512*>(&pairs[0][16 * b]), D / 32,
+                  reinterpret_cast<__m512*>(qp + 16 * b));
+    for (int g = 0; g < G; ++g) query_sums[g] = _mm512_load_ps(sums[g]);
+    unit = _mm512_load_ps(units);
+  } else {
+    for (int i = 0; i < D / 2; ++i) qp[i] = bf16_pairs(qt[2 * i], qt[2 * i + 1]);
+  }
   __m512 peak = _mm512_set1_ps(-INFINITY);
   for (int64_t c0 = 0; c0 < num_keys; c0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, num_keys - c0));
@@ -329,11 +367,33 @@ void prefill_tile_pairs(const float* q, int64_t q_stride, float* out, int64_t ou
     __m512 sc[16];
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) sc[j] = _mm512_setzero_ps();
-    for (int i = 0; i < D / 2; ++i) {
-      const __m512i qi = qp[i];
+    if (params) {
+      const float* kp = params + c0 * 2 * G;  // key j's group g: kp[2 (G j + g)], + 1
+      for (int g = 0; g < G; ++g) {
+        __m512i sums[16];
 #pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j)
-        sc[j] = dot_pairs(sc[j], qi, _mm512_set1_epi32(static_cast<int>(k[j * D / 2 + i])));
+        for (int j = 0; j < 16; ++j) sums[j] = _mm512_setzero_si512();
+        for (int i = 16 * g; i < 16 * g + 16; ++i) {
+          const __m512i qi = qp[i];
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j)
+            sums[j] = _mm512_dpwssd_epi32(sums[j], qi,
+                                          _mm512_set1_epi32(static_cast<int>(k[j * D / 2 + i])));
+        }
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j)
+          sc[j] = add_group(sc[j], sums[j], _mm512_set1_ps(kp[2 * (G * j + g)]), query_sums[g],
+                            _mm512_set1_ps(kp[2 * (G * j + g) + 1]));
+      }
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) sc[j] = _mm512_mul_ps(sc[j], unit);
+    } else {
+      for (int i = 0; i < D / 2; ++i) {
+        const __m512i qi = qp[i];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j)
+          sc[j] = dot_pairs(sc[j], qi, _mm512_set1_epi32(static_cast<int>(k[j * D / 2 + i])));
+      }
     }
     for (int j = 0; j < n; ++j) {
       scores[c0 + j] = sc[j];
@@ -634,7 +694,7 @@ void paged_prefill_attention(
     return;
   }
 #if defined(__AVX512F__)
-#if defined(__AVX512BF16__)
+#if defined(PAGED_BF16_PRODUCTS)
   if (kind != paged::Rows::F32 && invariant) {  // bf16 products over a bf16 or int8 cache
     static thread_local std::vector<__m512i> scratch;  // kept for the next call: no page faults
     const bool int8 = kind == paged::Rows::Int8;
@@ -649,7 +709,7 @@ void paged_prefill_attention(
             std::vector<__m512>& kept) {
           (d64 ? prefill_tile_pairs<4> : prefill_tile_pairs<8>)(
               q_, q_stride, out_, out_stride, r0, num_rows, group, first, scale_,
-              staged.keys_of(kv), staged.values_of(kv), kept);
+              staged.keys_of(kv), staged.params_of(kv), staged.values_of(kv), kept);
         });
     return;
   }

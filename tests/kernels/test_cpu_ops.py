@@ -555,13 +555,8 @@ def scattered_cache(lens: list[int], block: int, kv_heads: int, head_dim: int, k
 
 
 def reference_cache(k_cache, v_cache, bf16_products: bool):
-    """The caches as the reference reads them: a bf16 cache widened; an int8 one dequantized,
-    and rounded to bf16 where the kernel takes bf16 products over it (attention_simd.h). The
-    kernels dequantize with one fused multiply-add; so does this, exactly in float64 and rounded
-    once to fp32: a last bit of difference would round some values to the neighbouring bf16."""
-    if kv_int8.is_int8(k_cache) and bf16_products:
-        return tuple(kv_int8.dequantize(c, torch.float64).float().bfloat16().float()
-                     for c in (k_cache, v_cache))
+    """The caches as the reference reads them: a bf16 cache widened; an int8 one as it is (the
+    reference dequantizes it, or with bf16 products scores its keys' codes as the kernels do)."""
     if k_cache.dtype == torch.bfloat16:
         return k_cache.float(), v_cache.float()
     return k_cache, v_cache
@@ -746,12 +741,13 @@ def extreme_int8_rows(cache: torch.Tensor, gen) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("head_dim,group,block", [(64, 3, 16), (64, 8, 8), (128, 5, 32)])
-def test_an_int8_cache_under_bf16_products_is_the_bf16_cache_of_its_rounded_values(
-        k, head_dim, group, block):
-    """A bf16 model's attention over an int8 cache (attention_simd.h): each row dequantized with
-    one fused multiply-add and rounded to bf16, then the bf16 cache's path. So every output has
-    the bits the same kernel gives over a bf16 cache holding those rounded values: decodes
-    (batched), prefill tiles and prefills as decodes, from 1 to 40 new tokens."""
+def test_an_int8_cache_under_bf16_products_gives_every_path_the_same_bits(k, head_dim, group,
+                                                                          block):
+    """A bf16 model's attention over an int8 cache (attention_simd.h): each query in 16-bit codes
+    against the keys' codes in integer sums, the values dequantized and rounded to bf16. Prefill
+    tiles, prefills as decodes and (batched) decodes give every token the same bits, from 1 to 40
+    new tokens, over rows with extreme scales and offsets (0, fp16's largest, subnormal) and
+    codes of -128, with no NaN; and each is the reference's attention for those codes."""
     if not k.bf16_dot_products():
         pytest.skip("bf16 products need AVX512-BF16")
     kv_heads = 2
@@ -761,34 +757,41 @@ def test_an_int8_cache_under_bf16_products_is_the_bf16_cache_of_its_rounded_valu
     lens = [cached + new for cached, new in slices]
     k8, v8, tables = scattered_cache(lens, block, kv_heads, head_dim, "int8", gen)
     k8, v8 = extreme_int8_rows(k8, gen), extreme_int8_rows(v8, gen)
-    kb, vb = (c.bfloat16() for c in reference_cache(k8, v8, True))
+    codes = k8[..., :head_dim]
+    codes[(torch.rand(codes.shape, generator=gen) < 0.01)] = -128  # past the quantizer's range
     total = sum(new for _, new in slices)
     q = torch.randn(total, heads, head_dim, generator=gen)
+    q[::5, 0] *= 1000.0  # some rows' codes far coarser than others'
+    q[1, 1] = 0.0  # a row of zeros: codes and unit 0
 
-    def bits(x):
-        return x.view(torch.int32)
-
-    def run(kc, vc):
-        prefill = torch.full_like(q, float("nan"))
-        as_decodes = torch.full_like(q, float("nan"))
-        q_start = 0
-        for (cached, new), table in zip(slices, tables):
-            blocks = torch.tensor(table[:-(-(cached + new) // block)], dtype=torch.int32)
-            k.paged_prefill_attention(q, kc, vc, blocks, q_start, new, cached, prefill, 0.125,
-                                      True)
-            k.paged_prefill_as_decodes(q, kc, vc, blocks, q_start, new, cached, as_decodes,
-                                       0.125)
-            q_start += new
-        decodes = torch.full_like(q, float("nan"))
-        rows = torch.tensor([sum(n for _, n in slices[:i + 1]) - 1 for i in range(len(slices))])
-        k.paged_decode_attention(q, kc, vc, torch.tensor(tables, dtype=torch.int32),
-                                 torch.tensor(lens, dtype=torch.int32), rows, decodes, 0.125, True)
-        return prefill, as_decodes, decodes[rows]
-
-    for name, a, b in zip(["prefill", "as decodes", "decodes"], run(k8, v8), run(kb, vb)):
-        assert not a.isnan().any(), name
-        same = (bits(a) == bits(b)).all(-1)
-        assert same.all(), f"{name}: rows {(~same).nonzero()[:5].tolist()} differ"
+    prefill = torch.full_like(q, float("nan"))
+    as_decodes = torch.full_like(q, float("nan"))
+    q_start = 0
+    for (cached, new), table in zip(slices, tables):
+        blocks = torch.tensor(table[:-(-(cached + new) // block)], dtype=torch.int32)
+        k.paged_prefill_attention(q, k8, v8, blocks, q_start, new, cached, prefill, 0.125, True)
+        k.paged_prefill_as_decodes(q, k8, v8, blocks, q_start, new, cached, as_decodes, 0.125)
+        q_start += new
+    decodes = torch.full_like(q, float("nan"))
+    tables_t = torch.tensor(tables, dtype=torch.int32)
+    for t in range(max(new for _, new in slices)):  # every token of every slice, in 40 batches
+        rows, seq_lens, seqs = [], [], []
+        for i, (cached, new) in enumerate(slices):
+            if t < new:
+                rows.append(sum(n for _, n in slices[:i]) + t)
+                seq_lens.append(cached + t + 1)
+                seqs.append(i)
+        k.paged_decode_attention(q, k8, v8, tables_t[seqs], torch.tensor(seq_lens,
+                                 dtype=torch.int32), torch.tensor(rows), decodes, 0.125, True)
+    assert not decodes.isnan().any()
+    for name, a in [("prefill", prefill), ("as decodes", as_decodes)]:
+        same = (a.view(torch.int32) == decodes.view(torch.int32)).all(-1)
+        assert same.all(), f"{name}: rows {(~same).nonzero()[:5].tolist()} differ from decodes"
+    expected = reference.paged_attention(q, k8, v8, torch.tensor(tables),
+                                         torch.tensor([0] + [n for _, n in slices]).cumsum(0),
+                                         torch.tensor(lens), 0.125, bf16_products=True)
+    size = expected.abs().amax(-1, keepdim=True).clamp(min=1.0)  # values up to fp16's largest
+    reference.assert_attention_close(decodes / size, expected / size, True)
 
 
 def test_the_prefill_kernel_is_built_where_avx512_or_avx2_is(k):
