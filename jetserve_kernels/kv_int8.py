@@ -35,6 +35,13 @@ measured when the engine starts (`key_balance`, from a prefill of seeded random 
 text is favoured); `key_basis` makes the two multipliers, and `to_key_basis_` is the transform,
 which the CPU kernels' `rotary_and_cache` computes to the same bits. Values keep their basis:
 their error is not what int8 loses (BENCHMARKS.md, "int8 keys in a basis of their own").
+
+**How the CPU kernels read a row.** An fp32 model's attention dequantizes keys and values to
+fp32. A bf16 model's (batch-invariant, bf16 dot products where the CPU has AVX512-BF16) does not
+dequantize the keys: each query is put in 16-bit codes and meets a key's int8 codes in exact
+integer sums, one a group, which its scale and offset then weigh in fp32
+(jetserve_kernels/cpu/attention_simd.h; `reference.int8_key_scores` states it in torch); the
+values are dequantized and rounded to bf16.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ whole context back from the cache through the decode kernel, the path generation
 steps run over an fp32 cache (or `--reference-kv bfloat16`) and a compressed one (`--kv-dtype`:
 int8, jetserve_kernels/kv_int8.py, or bf16), and each position's logits are compared. The model
 is fp32, or `--model-dtype bfloat16` (batch-invariant: its attention over a bf16 or int8 cache
-in bf16 products where the CPU has AVX512-BF16, as the engine runs a bf16 model):
+in bf16 products where the CPU has AVX512-BF16, an int8 cache's keys in integer products, as the
+engine runs a bf16 model):
 
 - **top-1 agreement**: the share of positions where both caches' most likely next token is the
   same (the text's own next token is fed either way: one difference does not derail the rest,

@@ -313,9 +313,10 @@ inline float reciprocal(float x) { return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.
 //               s = fma(float(I[g]), scale[p][g], s); s = fma(float(Q[g]), offset[p][g], s))
 //              * unit.
 // That is q' . k to fp32's precision for the query in 16-bit codes (15 bits and a sign, where
-// bf16 keeps 8) against the key exactly as cached: rounding both to bf16 cost a bf16 model's int8
-// KV a third of its top-1 agreement with fp32 KV under teacher forcing (BENCHMARKS.md, "Integer
-// key products"), at fewer instructions a key than dequantizing and rounding it.
+// bf16 keeps 8) against the key exactly as cached, where rounding both to bf16 added its own
+// error to the int8 step's; and a decode reads a key row's codes in one widening instruction a
+// group instead of dequantizing and rounding them (BENCHMARKS.md, "Integer products for int8
+// keys").
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define PAGED_BF16_PRODUCTS 1
 constexpr bool kBf16Products = true;

@@ -28,7 +28,8 @@ void prefill_as_decode_rows(const torch::Tensor& q, const torch::Tensor& k_cache
 // A prefill slice's causal attention over its cached context and its own new tokens (written to
 // the cache already), for head_dim 64 or 128 where AVX-512, or AVX2 and FMA, is built in
 // (prefill_attention_kernel). AVX-512 in the batch-invariant order: invariant, as
-// paged_decode_attention's (over a bf16 or int8 cache, bf16 products where the CPU has them);
+// paged_decode_attention's (over a bf16 or int8 cache, bf16 products where the CPU has them, and
+// an int8 cache's keys in integer products);
 // otherwise fp32 products over every cache. AVX2 in one order, whatever invariant says. A slice of
 // 16 (token, query head) rows a KV head or fewer runs as rows of paged_decode_attention
 // (prefill_as_decode_rows) in the order asked.

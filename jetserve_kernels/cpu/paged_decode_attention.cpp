@@ -7,8 +7,10 @@
 // vectorized and the rows prefetched ahead of their use, and the scores come in one of two
 // orders: 16 products summed lane by lane, then across lanes in one tree (an fp32 model's), or
 // the batch-invariant order of attention_simd.h (`invariant`: a bf16 model's), for which 16 key
-// rows are transposed in registers and scored as one vector per query head (over a bf16 or int8
-// cache, where the CPU has AVX512-BF16, in bf16 dot products, the values too). With AVX2 alone
+// rows are transposed in registers and scored as one vector per query head (over a bf16 cache,
+// where the CPU has AVX512-BF16, in bf16 dot products, the values too; over an int8 cache there,
+// the keys' codes against each query in 16-bit codes, in integer sums, and the values in bf16
+// dot products). With AVX2 alone
 // (head_dim a multiple of 16) 8 keys are scored at a time, and elsewhere plain loops run, both in
 // one order whatever `invariant` says. Keys and values are read in place through the
 // block table, once per step for all the query heads that share them: nothing is gathered into a

@@ -15,8 +15,9 @@
 // bits. Asked for that order (`invariant`, a bf16 model's prefill) over a bf16 or int8 cache,
 // where the CPU has AVX512-BF16, its products are bf16 dot products: the queries and weights in
 // bf16 pairs against the keys' pairs of elements and the values' pairs of positions
-// (prefill_tile_pairs), over the slice's keys and values staged in bf16 once a call for all its
-// tiles (stage_pairs; an int8 cache's dequantized and rounded).
+// (prefill_tile_pairs), over the slice's keys and values staged once a call for all its tiles
+// (stage_pairs). Over an int8 cache the keys are staged as their codes, which meet each query in
+// 16-bit codes in integer sums (attention_simd.h), and the values dequantized and rounded.
 
 #include "ops.h"
 #include "attention_simd.h"
@@ -674,7 +675,8 @@ void paged_prefill_attention(
     torch::Tensor& out,                // [num_tokens, num_heads, head_dim]
     double scale,
     bool invariant) {                  // the decode kernel's invariant order (attention_simd.h):
-                                       // bf16 products over a bf16 or int8 cache
+                                       // bf16 (int8 keys: integer) products over a bf16
+                                       // or int8 cache
   const paged::Rows kind =
       paged::check_attention_args("paged_prefill_attention", q, k_cache, v_cache, out, block_table);
   const paged::SliceView s(q, k_cache, v_cache, block_table, out, scale);

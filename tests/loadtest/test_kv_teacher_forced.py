@@ -28,9 +28,10 @@ def test_int8_kv_keeps_top1_and_perplexity(tmp_path):
 
 def test_int8_kv_under_a_bf16_model_stays_near_its_bf16_cache(tmp_path):
     """The shipped default on a CPU with AVX512-BF16: a bf16 model, whose attention over an int8
-    cache rounds the dequantized rows to bf16 and takes bf16 products, against its own bf16
-    cache. Measured on these tokens: 99.17 % top-1, perplexity -0.10 %, KL 3.2e-4 (on 20,160
-    tokens 99.03 %, -0.04 %, 3.5e-4: BENCHMARKS.md); with keys as they are (before the key
+    cache scores the keys' codes in integer products and takes the values dequantized and
+    rounded to bf16 in bf16 products, against its own bf16 cache. Measured on these tokens:
+    KL 3.0e-4, perplexity -0.09 % (on 20,160 tokens 99.02 % top-1, 3.2e-4: BENCHMARKS.md); with
+    the keys dequantized and rounded to bf16 too 3.2e-4; with keys as they are (before the key
     basis) 98.83 %, +0.11 % and 5.0e-4. The KL is the steady measure (a top-1 share of
     2,048 tokens moves by a few near-ties with any change of arithmetic)."""
     from jetserve_kernels import cpu_ops
