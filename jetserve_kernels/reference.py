@@ -61,15 +61,16 @@ def int8_key_scores(scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Scores [heads, queries, keys] of q * scale ([queries, heads, head_dim], fp32) against int8
     key rows ([keys, heads, row]) as the attention kernels compute them with bf16 products
     (attention_simd.h): each query row in 16-bit codes, code = q' / unit rounded to nearest
-    even, unit = max |q'| / 32767; per group g of 32 channels the exact integer sums I[g] (codes
-    times the keys' codes) and Q[g] (the query's codes); then one fp32 chain over the groups,
-    s = fma(I[g], scale[g], s), s = fma(Q[g], offset[g], s) (each product and sum exact in
-    float64, rounded once to fp32), times the unit."""
+    even, unit = max |q'| / 32767 (codes of 0 where max |q'| < 1e-30); per group g of 32
+    channels the exact integer sums I[g] (codes times the keys' codes) and Q[g] (the query's
+    codes); then one fp32 chain over the groups, s = fma(I[g], scale[g], s),
+    s = fma(Q[g], offset[g], s) (fused_add), times the unit."""
     d = scaled.shape[-1]
     groups = d // kv_int8.group_size(d)
     top = scaled.abs().amax(-1, keepdim=True)
     # (a tensor over a tensor: `32767.0 / top` would multiply by a rounded reciprocal)
-    per_unit = torch.where(top > 0, torch.full_like(top, 32767.0) / top, torch.zeros_like(top))
+    per_unit = torch.where(top >= 1e-30, torch.full_like(top, 32767.0) / top,
+                           torch.zeros_like(top))
     codes = torch.round(scaled * per_unit).clamp(-32768, 32767).double()
     unit = (top / 32767.0).squeeze(-1)  # [queries, heads]
     key_codes = rows[..., :d].double()
@@ -80,9 +81,25 @@ def int8_key_scores(scaled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     scale, offset = (params[..., i].permute(1, 0, 2) for i in (0, 1))  # [heads, keys, g]
     s = torch.zeros(sums.shape[:3], dtype=torch.float32)
     for g in range(groups):
-        s = (sums[..., g].float().double() * scale[:, None, :, g] + s.double()).float()
-        s = (query_sums[:, :, None, g] * offset[:, None, :, g] + s.double()).float()
+        s = fused_add(sums[..., g].float().double() * scale[:, None, :, g], s)
+        s = fused_add(query_sums[:, :, None, g] * offset[:, None, :, g], s)
     return s * unit.t()[:, :, None]
+
+
+def fused_add(product: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """product + s rounded once to fp32, as a fused multiply-add makes it: product (float64) is an
+    exact product of an fp32 and an fp16 value (at most 35 bits), s fp32. Their float64 sum is
+    rounded to odd (where it was inexact, its last bit set by the sign of what it dropped), which
+    then rounds to the nearest fp32 as the exact sum would."""
+    a, b = product, s.double()
+    total = a + b
+    b_part = total - a
+    dropped = (a - (total - b_part)) + (b - b_part)  # the exact sum is total + dropped
+    even = (total.view(torch.int64) & 1) == 0
+    toward = torch.where(dropped > 0, torch.full_like(total, float("inf")),
+                         torch.full_like(total, float("-inf")))
+    total = torch.where(even & (dropped != 0), torch.nextafter(total, toward), total)
+    return total.float()
 
 
 def bf16_pairs_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

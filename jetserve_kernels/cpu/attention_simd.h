@@ -391,7 +391,9 @@ inline float quotient(float a, float b) {
 }
 
 // A query row's 16 * DV scaled elements (q') in 16-bit codes: code = q' / unit rounded to nearest
-// even, unit = max |q'| / 32767 (codes of 0 for a row of zeros), written as pairs of codes into
+// even, unit = max |q'| / 32767 (codes of 0 where max |q'| is under 1e-30, whose 32767 / max
+// would overflow: a row of zeros, or one whose scores are 0 to fp32's precision anyway; the
+// unit is computed all the same), written as pairs of codes into
 // pairs[16 * DV / 2] (element 2i in the low half of pair i, as a key's pair), each group of 32's
 // sum of codes into sums[], as fp32 (exactly: under 2^21). Returns the unit. Both kernels call
 // this for every (token, query head), so a token gets the same codes in a prefill tile as in a
@@ -402,10 +404,11 @@ inline float query_codes(const float* qs, uint32_t* pairs, float* sums) {
   for (int d = 0; d < DV; ++d)
     peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(qs + 16 * d)));
   const float top = _mm512_reduce_max_ps(peak);  // exact, in any order
-  const __m512 per_unit = _mm512_set1_ps(top > 0.0f ? quotient(32767.0f, top) : 0.0f);
+  const __m512 per_unit = _mm512_set1_ps(top >= 1e-30f ? quotient(32767.0f, top) : 0.0f);
   for (int g = 0; g < DV / 2; ++g) {
     __m512i codes[2];
-    for (int j = 0; j < 2; ++j)  // |q' / unit| <= 32767 (a NaN saturates below)
+    for (int j = 0; j < 2; ++j)  // |q' / unit| <= 32767 (a NaN saturates below; an inf's code,
+                                 // x * 0, too)
       codes[j] = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qs + 32 * g + 16 * j), per_unit));
     const __m256i lo = _mm512_cvtsepi32_epi16(codes[0]), hi = _mm512_cvtsepi32_epi16(codes[1]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 16 * g), lo);

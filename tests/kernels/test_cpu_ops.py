@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+from fractions import Fraction
 
 import pytest
 import torch
@@ -746,7 +747,7 @@ def test_an_int8_cache_under_bf16_products_gives_every_path_the_same_bits(k, hea
     """A bf16 model's attention over an int8 cache (attention_simd.h): each query in 16-bit codes
     against the keys' codes in integer sums, the values dequantized and rounded to bf16. Prefill
     tiles, prefills as decodes and (batched) decodes give every token the same bits, from 1 to 40
-    new tokens, over rows with extreme scales and offsets (0, fp16's largest, subnormal) and
+    new tokens, over rows with extreme scales and offsets (0, +-60,000, subnormal) and
     codes of -128, with no NaN; and each is the reference's attention for those codes."""
     if not k.bf16_dot_products():
         pytest.skip("bf16 products need AVX512-BF16")
@@ -763,6 +764,7 @@ def test_an_int8_cache_under_bf16_products_gives_every_path_the_same_bits(k, hea
     q = torch.randn(total, heads, head_dim, generator=gen)
     q[::5, 0] *= 1000.0  # some rows' codes far coarser than others'
     q[1, 1] = 0.0  # a row of zeros: codes and unit 0
+    q[2, 2] *= 1e-36  # 32767 / its largest would overflow: codes 0, scores 0
 
     prefill = torch.full_like(q, float("nan"))
     as_decodes = torch.full_like(q, float("nan"))
@@ -790,8 +792,41 @@ def test_an_int8_cache_under_bf16_products_gives_every_path_the_same_bits(k, hea
     expected = reference.paged_attention(q, k8, v8, torch.tensor(tables),
                                          torch.tensor([0] + [n for _, n in slices]).cumsum(0),
                                          torch.tensor(lens), 0.125, bf16_products=True)
-    size = expected.abs().amax(-1, keepdim=True).clamp(min=1.0)  # values up to fp16's largest
+    size = expected.abs().amax(-1, keepdim=True).clamp(min=1.0)  # values up to +-60,000 and more
     reference.assert_attention_close(decodes / size, expected / size, True)
+
+
+def to_fp32_once(x: Fraction) -> float:
+    """x rounded once to the nearest fp32 (ties to even), for normal results."""
+    if x == 0:
+        return 0.0
+    sign, x = (-1, -x) if x < 0 else (1, x)
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    if Fraction(2) ** e > x:
+        e -= 1
+    m = x / Fraction(2) ** (e - 23)  # in [2^23, 2^24)
+    whole, rest = divmod(m.numerator, m.denominator)
+    if 2 * rest > m.denominator or (2 * rest == m.denominator and whole % 2):
+        whole += 1
+    return sign * float(whole * Fraction(2) ** (e - 23))
+
+
+def test_the_references_fused_add_rounds_once():
+    """reference.fused_add (the int8 keys' chain in int8_key_scores) is a fused multiply-add's
+    one rounding of product + s, also where the float64 sum is itself inexact (a large s and a
+    small product with many bits), which rounding the float64 sum to fp32 gets wrong."""
+    gen = torch.Generator().manual_seed(5)
+    n = 4000
+    a = (torch.randint(-2**24, 2**24, (n,), generator=gen).float().double()
+         * torch.randn(n, generator=gen).half().double())
+    s = (torch.randn(n, generator=gen) * 2.0 ** torch.randint(-20, 40, (n,), generator=gen)).float()
+    # The case two roundings get wrong: 2^40 + (2^16 + 2^-18 k), which sits just over half an
+    # fp32 step (2^17) above 2^40 and so rounds up once, but to the tie, then down, twice.
+    a[0], s[0] = 2.0 ** 16 + 5 * 2.0 ** -18, 2.0 ** 40
+    got = reference.fused_add(a, s)
+    want = [to_fp32_once(Fraction(x) + Fraction(y)) for x, y in zip(a.tolist(), s.tolist())]
+    assert got[0].item() == 2.0 ** 40 + 2.0 ** 17
+    assert got.tolist() == want
 
 
 def test_the_prefill_kernel_is_built_where_avx512_or_avx2_is(k):
