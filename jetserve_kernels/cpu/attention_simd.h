@@ -393,9 +393,9 @@ inline float quotient(float a, float b) {
 // A query row's 16 * DV scaled elements (q') in 16-bit codes: code = q' / unit rounded to nearest
 // even, unit = max |q'| / 32767 (codes of 0 where max |q'| is under 1e-30, whose 32767 / max
 // would overflow: a row of zeros, or one whose scores are 0 to fp32's precision anyway; the
-// unit is computed all the same), written as pairs of codes into
-// pairs[16 * DV / 2] (element 2i in the low half of pair i, as a key's pair), each group of 32's
-// sum of codes into sums[], as fp32 (exactly: under 2^21). Returns the unit. Both kernels call
+// unit is computed all the same), written as pairs of codes into pairs[16 * DV / 2] (element 2i
+// in the low half of pair i, as a key's pair), each group of 32's sum of codes into sums[], as
+// fp32 (exactly: under 2^21). Returns the unit. Both kernels call
 // this for every (token, query head), so a token gets the same codes in a prefill tile as in a
 // decode.
 template <int DV>

@@ -10,11 +10,11 @@
 // rows are transposed in registers and scored as one vector per query head (over a bf16 cache,
 // where the CPU has AVX512-BF16, in bf16 dot products, the values too; over an int8 cache there,
 // the keys' codes against each query in 16-bit codes, in integer sums, and the values in bf16
-// dot products). With AVX2 alone
-// (head_dim a multiple of 16) 8 keys are scored at a time, and elsewhere plain loops run, both in
-// one order whatever `invariant` says. Keys and values are read in place through the
-// block table, once per step for all the query heads that share them: nothing is gathered into a
-// contiguous copy first (but for the AVX2 path's bf16 and int8 rows, widened into its scratch).
+// dot products). With AVX2 alone (head_dim a multiple of 16) 8 keys are scored at a time, and
+// elsewhere plain loops run, both in one order whatever `invariant` says. Keys and values are
+// read in place through the block table, once per step for all the query heads that share them:
+// nothing is gathered into a contiguous copy first (but for the AVX2 path's bf16 and int8 rows,
+// widened into its scratch).
 //
 // paged_prefill_as_decodes gives a prefill's tokens the bits the invariant kernel gives each of
 // them as a decode (a batch-invariant model's prefill): the prefill kernel's tiles, which keep

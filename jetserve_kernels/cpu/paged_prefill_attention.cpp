@@ -262,11 +262,10 @@ void prefill_tile(const float* q, int64_t q_stride, float* out, int64_t out_stri
 // of its KV heads (a bf16 model's prefill, `invariant`): each KV head's keys contiguous, a bf16
 // row's pairs of elements as they are or an int8 row's codes as 16-bit pairs (key_codes), its
 // groups' scales and offsets in fp32 in an array after the values; and its values in bf16 pairs
-// of positions,
-// values[m][d] = (v[2m][d], v[2m + 1][d]) (an int8 row dequantized and rounded as the decode
-// kernel rounds it, attention_simd.h); zeros past the last position, up to a multiple of 16. A
-// tile then reads them straight through: before, each tile copied and interleaved every row it
-// read, and a 2,048-token slice has 384 tiles a KV head.
+// of positions, values[m][d] = (v[2m][d], v[2m + 1][d]) (an int8 row dequantized and rounded as
+// the decode kernel rounds it, attention_simd.h); zeros past the last position, up to a multiple
+// of 16. A tile then reads them straight through: before, each tile copied and interleaved every
+// row it read, and a 2,048-token slice has 384 tiles a KV head.
 struct StagedPairs {
   int64_t positions;  // a KV head's rows: the slice's last position + 1, rounded up to 16
   int64_t head_dim;
