@@ -223,7 +223,7 @@ inline void score_heads_codes(const uint32_t* qp, const float* qsums, const floa
         q[h] = _mm512_set1_epi32(static_cast<int>(qp[h * D / 2 + 16 * g + v]));
       for (int c = 0; c < C; ++c)
         for (int h = 0; h < HB; ++h)
-          sums[c * HB + h] = _mm512_dpwssd_epi32(sums[c * HB + h], kt[c][v], q[h]);
+          sums[c * HB + h] = dot_codes(sums[c * HB + h], kt[c][v], q[h]);
     }
     for (int h = 0; h < HB; ++h) {
       const __m512 query_sums = _mm512_set1_ps(qsums[h * G + g]);

@@ -369,7 +369,11 @@ void prefill_tile_pairs(const float* q, int64_t q_stride, float* out, int64_t ou
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) sc[j] = _mm512_setzero_ps();
     if (params) {
+      // Each key's chain over the groups kept in its place in `scores` (padded to 16 keys)
+      // between groups, not in registers: the 16 integer sums alone then fill them, as the bf16
+      // products' 16 sums do (with the chains too the loop spilled and copied them: 9 % slower).
       const float* kp = params + c0 * 2 * G;  // key j's group g: kp[2 (G j + g)], + 1
+      __m512* chain = scores + c0;
       for (int g = 0; g < G; ++g) {
         __m512i sums[16];
 #pragma GCC unroll 16
@@ -378,16 +382,16 @@ void prefill_tile_pairs(const float* q, int64_t q_stride, float* out, int64_t ou
           const __m512i qi = qp[i];
 #pragma GCC unroll 16
           for (int j = 0; j < 16; ++j)
-            sums[j] = _mm512_dpwssd_epi32(sums[j], qi,
-                                          _mm512_set1_epi32(static_cast<int>(k[j * D / 2 + i])));
+            sums[j] = dot_codes(sums[j], qi, _mm512_set1_epi32(static_cast<int>(k[j * D / 2 + i])));
         }
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j)
-          sc[j] = add_group(sc[j], sums[j], _mm512_set1_ps(kp[2 * (G * j + g)]), query_sums[g],
-                            _mm512_set1_ps(kp[2 * (G * j + g) + 1]));
+          chain[j] = add_group(g == 0 ? _mm512_setzero_ps() : chain[j], sums[j],
+                               _mm512_set1_ps(kp[2 * (G * j + g)]), query_sums[g],
+                               _mm512_set1_ps(kp[2 * (G * j + g) + 1]));
       }
 #pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) sc[j] = _mm512_mul_ps(sc[j], unit);
+      for (int j = 0; j < 16; ++j) sc[j] = _mm512_mul_ps(chain[j], unit);
     } else {
       for (int i = 0; i < D / 2; ++i) {
         const __m512i qi = qp[i];
