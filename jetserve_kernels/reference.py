@@ -21,8 +21,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     weights rounded to bf16, the total summing the rounded weights); over an int8 cache, the
     keys' scores in integers (int8_key_scores) and the values dequantized and rounded to bf16."""
     out = torch.empty_like(q) if out is None else out
-    key_codes = kv_int8.is_int8(k_cache) and bf16_products
-    if key_codes:  # dequantized in one rounding, as the kernels' fused multiply-add does
+    integer_keys = kv_int8.is_int8(k_cache) and bf16_products
+    if integer_keys:  # dequantized in one rounding, as the kernels' fused multiply-add does
         v_cache = kv_int8.dequantize(v_cache, torch.float64).float().bfloat16().float()
     elif kv_int8.is_int8(k_cache):
         k_cache, v_cache = kv_int8.dequantize(k_cache), kv_int8.dequantize(v_cache)
@@ -38,7 +38,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         values = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[3])[:seq_len].float()
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        if key_codes:
+        if integer_keys:
             scores = int8_key_scores(q[start:end].float() * scale, keys)
         elif bf16_products:
             scaled = (q[start:end].float() * scale).bfloat16().float()
