@@ -10,9 +10,11 @@
 #                   tiles of their own for matmuls (int8 activations too) and for decode and
 #                   prefill attention
 # A build runs here only if this CPU has what it needs (a build for a CPU it is not would die
-# of an illegal instruction). Each build takes a minute or so once (cached like the native one,
-# under its own key); the tests run on two workers (TEST_JOBS=N for another count); the whole
-# script about 4 minutes on 2 cores with the builds cached, 8 with the builds.
+# of an illegal instruction). Unless named, a build whose path is this CPU's own is skipped too:
+# the native build takes the same code paths (the kernels' #ifs name instruction sets, not
+# CPUs), and make test has run them. Each build takes a minute or so once (cached like the
+# native one, under its own key); the tests run on two workers (TEST_JOBS=N for another count);
+# the whole script about 4 minutes on 2 cores with the builds cached, 8 with the builds.
 #
 #   bash tests/cpu_paths.sh [ARCH ...]        # default: all three
 set -euo pipefail
@@ -20,7 +22,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export PATH="$PWD/.venv/bin:$PATH"  # the venv's ninja for torch's extension builds, as make's
 archs=("$@")
-[ ${#archs[@]} -gt 0 ] || archs=(cascadelake skylake-avx512 x86-64-v3)
+named=${#archs[@]}
+[ "$named" -gt 0 ] || archs=(cascadelake skylake-avx512 x86-64-v3)
 
 # What each build needs of this CPU (/proc/cpuinfo's names).
 needs() {
@@ -31,6 +34,19 @@ needs() {
         *) echo "unknown" ;;  # not one this script knows: name it in needs() first
     esac
 }
+
+# Whether this CPU's own (native) build takes the path of the named one: the kernels choose by
+# AVX2 and FMA, AVX-512 (F, BW), AVX512-VNNI and AVX512-BF16 (jetserve_kernels/cpu's #ifs),
+# and the AVX-512 CPUs these builds stand for all have AVX2, FMA and BW.
+own_path() {
+    case "$1" in
+        cascadelake) has avx512_vnni && ! has avx512_bf16 ;;
+        skylake-avx512) has avx512f && ! has avx512_vnni ;;
+        x86-64-v3) ! has avx512f ;;
+        *) return 1 ;;
+    esac
+}
+has() { [[ "$flags" == *" $1 "* ]]; }
 
 flags=" $( (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) | cut -d: -f2) "
 if [ -z "${flags// /}" ]; then
@@ -45,6 +61,10 @@ for arch in "${archs[@]}"; do
     done
     if [ -n "$missing" ]; then
         echo "== $arch: skipped, this CPU lacks:$missing"
+        continue
+    fi
+    if [ "$named" -eq 0 ] && own_path "$arch"; then
+        echo "== $arch: skipped, this CPU's own build takes its path (make test ran it)"
         continue
     fi
     # The engine's tests on the builds that change what a model runs (the default dtype, the
