@@ -12,9 +12,10 @@
 # A build runs here only if this CPU has what it needs (a build for a CPU it is not would die
 # of an illegal instruction). Unless named, a build whose path is this CPU's own is skipped too:
 # the native build takes the same code paths (the kernels' #ifs name instruction sets, not
-# CPUs), and make test has run them; only the native build's loading is checked for it. Each build takes a minute or so once (cached like the
-# native one, under its own key); the tests run on two workers (TEST_JOBS=N for another count);
-# the whole script about 4 minutes on 2 cores with the builds cached, 8 with the builds.
+# CPUs), and make test has run them; only the native build's loading is checked for it. Each
+# build takes a minute or so once (cached like the native one, under its own key); the tests run
+# on two workers (TEST_JOBS=N for another count); the whole script about 4 minutes on 2 cores
+# with the builds cached, 8 with the builds.
 #
 #   bash tests/cpu_paths.sh [ARCH ...]        # default: all three
 set -euo pipefail
@@ -48,6 +49,13 @@ own_path() {
 }
 has() { [[ "$flags" == *" $1 "* ]]; }
 
+# Whether the kernels build and load for JETSERVE_CPU_ARCH as the caller sets it (unset:
+# -march=native). Checked before any tests: where they fail to, the tests skip the kernels (and
+# the engine falls back to torch) and pass.
+kernels_load() {
+    "$PY" -c 'import sys; from jetserve_kernels import cpu_ops; sys.exit(cpu_ops.load() is None)'
+}
+
 flags=" $( (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) | cut -d: -f2) "
 if [ -z "${flags// /}" ]; then
     echo "== skipped: /proc/cpuinfo names no x86 flags here (the builds are x86 ones)"
@@ -57,16 +65,14 @@ status=0
 for arch in "${archs[@]}"; do
     missing=""
     for flag in $(needs "$arch"); do
-        [[ "$flags" == *" $flag "* ]] || missing="$missing $flag"
+        has "$flag" || missing="$missing $flag"
     done
     if [ -n "$missing" ]; then
         echo "== $arch: skipped, this CPU lacks:$missing"
         continue
     fi
     if [ "$named" -eq 0 ] && own_path "$arch"; then
-        # make test ran these tests, but they skip where the kernels did not build: so the
-        # native build must load here (cached by make test: seconds).
-        if "$PY" -c 'import sys; from jetserve_kernels import cpu_ops; sys.exit(cpu_ops.load() is None)'; then
+        if kernels_load; then  # cached by make test: seconds
             echo "== $arch: this CPU's own build takes its path: it loads, and make test ran its tests"
         else
             echo "== $arch: FAILED: this CPU's own build, which takes its path, did not build"
@@ -83,10 +89,7 @@ for arch in "${archs[@]}"; do
         tests+=(tests/executor)
     fi
     echo "== $arch: ${tests[*]}"
-    # The build first: where it fails the tests would skip the kernels (and the engine fall back
-    # to torch) and pass.
-    if ! JETSERVE_CPU_ARCH="$arch" "$PY" -c \
-            'import sys; from jetserve_kernels import cpu_ops; sys.exit(cpu_ops.load() is None)'; then
+    if ! JETSERVE_CPU_ARCH="$arch" kernels_load; then
         echo "== $arch: FAILED: the kernels did not build (the warning above says why)"
         status=1
         continue
