@@ -58,6 +58,8 @@ log = structlog.get_logger()
 
 SECOND_ANSWERS = counter("second_answers_withheld", "Final answers not sent: another attempt "
                          "of the request had answered it (shared/request_state.py)")
+LAPSES = counter("holder_lapses", "Times a holder of requests found it may have looked dead to "
+                 "admission: cut off from NATS, or stalled (shared/bus.py Lapses)")
 REPLIES_REFUSED = counter("replies_refused", "Requests given no answer: their reply subject was "
                           "not a client inbox (docs/protocol.md)", ("endpoint",))
 
@@ -362,12 +364,57 @@ async def every(interval_s: float, tick: Callable[[], Awaitable[None]]) -> None:
             log.exception("periodic task failed", task=getattr(tick, "__name__", repr(tick)))
 
 
+class Lapses:
+    """When a holder of requests (priority, the batcher, an executor) may have looked dead to
+    admission while it held them: cut off from NATS (a reconnect: its holding reports, and any
+    revoke sent to it meanwhile, were lost), or its event loop stalled (no holding report for
+    `stall_s`: half a lease, at least two heartbeat intervals). Admission hands on a request
+    nobody reported for a lease and revokes the earlier attempt; a holder that missed the revoke
+    would run that attempt on to a second answer. On a lapse, `on_lapse` marks what the holder
+    holds (`WorkItem.lapsed`), and such an attempt of a generate claims its answer first
+    (Outbox.final), as a handed-on attempt does. The holder `check`s before it hands an item on
+    or answers it, and `beat`s with each holding report it sends."""
+
+    def __init__(self, nc: Client, lease_s: float, interval_s: float,
+                 on_lapse: Callable[[], None]):
+        self.nc, self.on_lapse = nc, on_lapse
+        self.stall_s = max(lease_s / 2, 2 * interval_s)
+        self.reconnects_seen = nc.stats["reconnects"]
+        self.beat_at: float | None = None  # the latest holding report (None: none yet)
+        self.count = 0  # lapses found
+
+    def check(self) -> bool:
+        """Whether this holder lapsed since the last check (what it holds is marked, and
+        `count` goes up). A holder disconnected now lapses: what it sends waits for the
+        reconnect, and the lease may run out meanwhile."""
+        reconnects = self.nc.stats["reconnects"]
+        stalled = self.beat_at is not None and time.monotonic() - self.beat_at > self.stall_s
+        lapsed = reconnects != self.reconnects_seen or not self.nc.is_connected or stalled
+        if lapsed:
+            self.count += 1
+            LAPSES.inc()
+            log.info("this holder may have looked dead to admission: the generates it holds "
+                     "claim their answers", reconnected=reconnects != self.reconnects_seen,
+                     connected=self.nc.is_connected, stalled=stalled)
+            self.on_lapse()
+        self.reconnects_seen = reconnects
+        if stalled:  # (counted once)
+            self.beat_at = time.monotonic()
+        return lapsed
+
+    def beat(self) -> None:
+        """A holding report went out: the gap since the previous one is checked, and restarts."""
+        self.check()
+        self.beat_at = time.monotonic()
+
+
 async def report_holding(nc: Client, subjects: Subjects, holder: str, interval_s: float,
                          held: Callable[[], list[RequestKey]],
-                         ended: Callable[[], list[Ended]] = list) -> None:
+                         ended: Callable[[], list[Ended]] = list,
+                         lapses: Lapses | None = None) -> None:
     """Tell admission every `interval_s` which requests `holder` holds (it hands on those nobody
     reports), and which it answered lately (`ended`); a long list is several messages, each
-    within the payload limit."""
+    within the payload limit. Each report is a beat of `lapses`."""
     async def holding_report() -> None:
         budget = payload_budget(nc)
         for part in chunked(held(), holding_entry_bytes, budget):
@@ -375,6 +422,8 @@ async def report_holding(nc: Client, subjects: Subjects, holder: str, interval_s
         for part in chunked(ended(), ended_bytes, budget):
             await nc.publish(subjects.holding, encode(Holding(holder=holder, requests=[],
                                                               ended=part)))
+        if lapses is not None:
+            lapses.beat()
 
     await every(interval_s, holding_report)
 
@@ -586,9 +635,11 @@ class Outbox:
 
         A handed-on attempt of a generate claims its answer first (`claim_answer`, one
         JetStream round trip): if the request was answered already it sends nothing, and says
-        Done only, so that whoever watches this attempt stops."""
+        Done only, so that whoever watches this attempt stops. So does a first attempt whose
+        holder lapsed while holding it (`WorkItem.lapsed`): it may have been handed on, its
+        revoke lost."""
         claim = None
-        if done and not item.durable and item.attempt > 0:
+        if done and not item.durable and (item.attempt > 0 or item.lapsed):
             claim = await claim_answer(self.js, self.subjects, item.key, item.arrival_time)
             if claim is Claim.SECOND:
                 SECOND_ANSWERS.inc()

@@ -45,6 +45,11 @@ class WorkItem(msgspec.Struct, kw_only=True):
     # in time) is withdrawn by this token (Unassign), so a late acceptance never runs a request
     # that went back to the queue.
     assignment: str = ""
+    # A holder of this attempt lapsed while it held it (cut off from NATS, or stalled for part
+    # of a lease: shared/bus.py Lapses): admission may have taken it for dead and handed the
+    # request on, and the revoke may not have reached it. A generate's answer is then claimed
+    # first (Outbox.final), as a handed-on attempt's is.
+    lapsed: bool = False
 
     @property
     def request_id(self) -> str:

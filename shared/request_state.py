@@ -15,10 +15,11 @@ Stream LLM_STATE (file storage, `nats.replicas` copies) keeps one message per su
 Whoever gives a request its final answer (`Outbox.final`) writes an empty message, a
 tombstone with a short TTL, on both subjects as it says Done (the state's acked and retried,
 `end_state`): a request whose Done is lost while no admission is alive is not taken for lost
-and run again, and a late compare-and-set against an ended request fails. A handed-on attempt of a generate reads its
-state before it answers (`claim_answer`): one reaching its end after the first attempt
-(which ran on, unheard) finds that attempt's tombstone and sends nothing (a durable request's
-result store is its once-only check).
+and run again, and a late compare-and-set against an ended request fails. A handed-on attempt of a
+generate reads its state before it answers (`claim_answer`), as does a first attempt whose
+holder lapsed while holding it (cut off or stalled: shared/bus.py Lapses): one reaching its
+end after another attempt answered finds that attempt's tombstone and sends nothing (a
+durable request's result store is its once-only check).
 """
 
 from __future__ import annotations
@@ -169,10 +170,13 @@ async def claim_answer(js, subjects: Subjects, key: RequestKey, arrival_time: fl
     answered: a tombstone of this request (its arrival time) is there, or the subject moved on
     to a later request of the id. If not, this attempt's own tombstone goes there first
     (marked as its own: a try whose ack was lost finds it on the next), a compare-and-set on
-    what it read, so that of two claiming at once one answers. A first attempt (never handed
-    on) does not claim: its tombstone after its answer is what a later one reads. Not covered:
-    a handed-on attempt answering before the first one, which missed its revoke and answers
-    later; and one answering after the first's tombstone expired (TOMBSTONE_TTL)."""
+    what it read, so that of two claiming at once one answers. A first attempt claims too when
+    a holder of it lapsed (`WorkItem.lapsed`: it was cut off or stalled, and may have missed
+    its revoke); one never handed on and never lapsed does not: its tombstone after its answer
+    is what a later one reads. Not covered: a first attempt whose holder was taken for dead
+    without a lapse of its own (its reports lost on a broken route between NATS nodes while it
+    stayed connected), answering after a handed-on one; and an attempt answering after
+    another's tombstone expired (TOMBSTONE_TTL)."""
     subject = request_subject(subjects, key, False)
     arrival, mine = repr(arrival_time), secrets.token_hex(8)  # (mine: this call's mark)
     for _ in range(tries):

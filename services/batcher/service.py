@@ -18,6 +18,7 @@ from services.batcher.registry import ExecutorRegistry
 from shared.keys import RequestKey
 from shared.bus import (
     ended_window_s,
+    Lapses,
     Outbox,
     add_micro_service,
     cancel_all,
@@ -71,6 +72,10 @@ class BatcherService:
         self.subjects = Subjects(config.nats.prefix)
         self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix,
                              config.nats.tenant_inboxes)
+        # Cut off or stalled while requests are on their way here: their attempts are marked
+        # (each one's answer claimed, shared/bus.py Lapses).
+        self.lapses = Lapses(nc, config.distributed.heartbeat_timeout_s,
+                             config.distributed.heartbeat_interval_s, self.mark_lapsed)
         self.timeout = config.nats.request_timeout_s
         self.block_size = config.kv_cache.block_size
         batch = config.scheduler.batch_level
@@ -123,7 +128,7 @@ class BatcherService:
                           self.config.distributed.heartbeat_interval_s,
                           lambda: list(self.holding),
                           lambda: self.outbox.recently_ended(
-                              ended_window_s(self.config.distributed))),
+                              ended_window_s(self.config.distributed)), self.lapses),
                           name="holding")]
         if self.config.scheduler.batch_level.overtaking_dispatch:
             self.tasks.append(asyncio.create_task(self._until_stopped(self.overtake_once),
@@ -388,6 +393,7 @@ class BatcherService:
                             }) as span:
             item.trace = carrier_of(span)
             item.assignment = f"{self.instance}-{next(self.assignments)}"
+            self.lapses.check()
             try:
                 reply = await self.nc.request(self.subjects.executor_assign(executor), encode(item),
                                               timeout=self.timeout, headers=item.trace)
@@ -415,8 +421,13 @@ class BatcherService:
             log.warning("could not withdraw an assignment", executor=executor,
                         request_id=item.request_id, error=repr(exc))
 
+    def mark_lapsed(self) -> None:
+        for item in self.holding.values():
+            item.lapsed = True
+
     async def requeue(self, item: WorkItem) -> None:
         self.counts["requeued"] += 1
+        self.lapses.check()
         try:
             reply = await self.nc.request(self.subjects.priority_submit, encode(item),
                                           timeout=self.timeout, headers=item.trace)

@@ -25,6 +25,7 @@ from services.executor.observe import Observer, kv_pools
 from services.executor.recovery import holding_reports
 from shared.bus import (
     ended_window_s,
+    Lapses,
     Outbox,
     add_micro_service,
     cancel_all,
@@ -103,6 +104,9 @@ class ExecutorService:
         self.subjects = Subjects(config.nats.prefix)
         self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix,
                              config.nats.tenant_inboxes)
+        # Cut off or stalled while holding requests: their attempts are marked (answers claimed).
+        self.lapses = Lapses(nc, config.distributed.heartbeat_timeout_s,
+                             config.distributed.heartbeat_interval_s, self.mark_lapsed)
         self.engine = engine or Engine(config.engine_config(name))
         self.running: dict[RequestKey, _Running] = {}
         self.outputs: asyncio.Queue[tuple[WorkItem, Output]] = asyncio.Queue()
@@ -306,6 +310,10 @@ class ExecutorService:
         while len(self.unassigned) > UNASSIGNED_KEPT:
             self.unassigned.popitem(last=False)
 
+    def mark_lapsed(self) -> None:
+        for running in self.running.values():
+            running.item.lapsed = True
+
     def drop(self, key: RequestKey) -> None:
         """End a running request here without any output: another attempt owns it now. What the
         engine still sends for it finds no running entry and is discarded (`publish`)."""
@@ -370,6 +378,8 @@ class ExecutorService:
             await self.outbox.delta(item, output,
                                     reply=f"{self.gone_inbox}.{probe}" if probe else None)
             return
+        self.lapses.check()  # (marks this item too, while it is still in self.running)
+        lapses = self.lapses.count
         del self.running[item.key]
         self.unheard.pop(item.key, None)
         if running.probe is not None:
@@ -393,11 +403,17 @@ class ExecutorService:
         # A durable result is stored in JetStream, and a generate's answer claimed there
         # first (Outbox.final), which may be electing a stream leader (a NATS node died):
         # beside the publish loop, not in front of every other request's deltas.
-        task = asyncio.create_task(self.answer(item, output, carrier_of(running.span)))
+        task = asyncio.create_task(self.answer(item, output, carrier_of(running.span), lapses))
         self.answering[task] = item.key
         task.add_done_callback(self.answering.pop)
 
-    async def answer(self, item: WorkItem, output, headers: dict[str, str]) -> None:
+    async def answer(self, item: WorkItem, output, headers: dict[str, str],
+                     lapses: int) -> None:
+        """`lapses`: `Lapses.count` when the output came; one found since (before this task
+        ran, or now) marks the item, no longer in self.running."""
+        self.lapses.check()
+        if self.lapses.count != lapses:
+            item.lapsed = True
         try:
             await self.outbox.final(item, output, headers, held=True)  # (in self.answering)
         except Exception:  # no Done: admission's lease hands it on, and LLM_RESULTS keeps one
@@ -430,6 +446,7 @@ class ExecutorService:
                                                   payload_budget(self.nc), ended,
                                                   self.answering.values()):
                         await self.nc.publish(self.subjects.holding, encode(report))
+                    self.lapses.beat()
             except Exception:  # a missed beat is survivable; a dead loop looks like a dead executor
                 log.exception("heartbeat failed")
             await asyncio.sleep(HEARTBEAT_MIN_GAP_S)

@@ -18,6 +18,7 @@ from services.priority.request_level import MISSED_MS, RequestScheduler
 from shared.keys import RequestKey
 from shared.bus import (
     ended_window_s,
+    Lapses,
     Outbox,
     add_micro_service,
     cancel_all,
@@ -90,6 +91,10 @@ class PriorityService:
         self.nc, self.js, self.tracer = nc, js, tracer
         self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix,
                              config.nats.tenant_inboxes)
+        # Cut off or stalled while requests wait here: their attempts are marked (each one's
+        # answer claimed, shared/bus.py Lapses).
+        self.lapses = Lapses(nc, config.distributed.heartbeat_timeout_s,
+                             config.distributed.heartbeat_interval_s, self.mark_lapsed)
         self.quotas = config.quotas
         self.scheduler = RequestScheduler(config.scheduler.request_level,
                                           config.scheduler.batch_level.max_num_batched_tokens)
@@ -128,7 +133,7 @@ class PriorityService:
                           self.nc, self.subjects, "priority", self.heartbeat_interval_s,
                           lambda: [item.key for item in self.queue.items()],
                           lambda: self.outbox.recently_ended(
-                              ended_window_s(self.distributed))),
+                              ended_window_s(self.distributed)), self.lapses),
                           name="holding"),
                       asyncio.create_task(every(EXPIRY_CHECK_S, self.expire_and_forget),
                                           name="expiry"),
@@ -210,6 +215,10 @@ class PriorityService:
         self.superseded(RequestKey(revoke.tenant, revoke.request_id),
                         lambda item: item.attempt <= revoke.attempt)
 
+    def mark_lapsed(self) -> None:
+        for item in self.queue.items():
+            item.lapsed = True
+
     def superseded(self, key: RequestKey, which) -> None:
         """A waiting request another attempt answered (its Done), or whose attempt admission
         revoked (it handed the request on, to this priority's replica perhaps, while this one
@@ -234,6 +243,7 @@ class PriorityService:
             self.scheduler.executor_gone(name)
 
     async def expire(self, now: float) -> None:
+        self.lapses.check()
         for item in self.scheduler.expired(now):
             self.counts["deadline_exceeded"] += 1
             waited_ms = 1e3 * (now - item.arrival_time)
@@ -397,6 +407,7 @@ class PriorityService:
         now = time.time()
         await self.expire(now)
         budget = payload_budget(self.nc)
+        self.lapses.check()
         dispatches = self.scheduler.pop(ask.max_items, now, ask.min_standing,
                                         max_bytes=min(budget, ask.max_bytes or budget))
         for dispatch in dispatches:
@@ -429,6 +440,8 @@ class PriorityService:
         span = self.wait_spans.pop(item.key)
         span.set_attribute("cancelled", True)
         span.end()
+        if self.lapses.check():
+            item.lapsed = True
         await self.outbox.final(item, cancelled_completion(item))
 
 

@@ -33,11 +33,13 @@ async def service_stats(client, name: str) -> dict:
     return next(ep["data"] for ep in msgspec.json.decode(msg.data)["endpoints"] if ep.get("data"))
 
 
-async def busy_executor(client, tries: int = 200) -> str:
-    """The name of the first executor the batcher hears running something."""
+async def busy_executor(client, tries: int = 200, besides: str | None = None) -> str:
+    """The name of the first executor (other than `besides`) the batcher hears running
+    something."""
     for _ in range(tries):
         reply = await client.nc.request("llm.internal.batcher.executors", b"", timeout=2)
-        busy = [n for n, e in msgspec.json.decode(reply.data).items() if e["running"]]
+        busy = [n for n, e in msgspec.json.decode(reply.data).items()
+                if e["running"] and n != besides]
         if busy:
             return busy[0]
         await asyncio.sleep(0.05)

@@ -305,7 +305,7 @@ async def test_an_executor_back_from_a_stall_drops_the_requests_handed_on(tmp_pa
             victim = await busy_executor(client)
             await asyncio.sleep(1.0)  # a checkpoint or two
             stack.processes[victim].send_signal(signal.SIGSTOP)
-            await asyncio.sleep(3.0)  # past the lease: handed on
+            await busy_executor(client, tries=1200, besides=victim)  # past the lease: handed on
             stack.processes[victim].send_signal(signal.SIGCONT)
             result = await client.result("napper", timeout=120)
             await revoked_there_one_result(client, victim, result)
@@ -383,7 +383,9 @@ async def test_a_stalled_holder_of_an_earlier_delivery_is_revoked_after_admissio
             stack.processes["admission"].kill()
             await stack.processes["admission"].wait()
             await stack.restart("admission")
-            await asyncio.sleep(4.0)  # redelivered, not reported: admitted again elsewhere
+            # Redelivered, not reported: admitted again, and running elsewhere (however long
+            # the new admission takes to start on a loaded host) before the victim wakes.
+            await busy_executor(client, tries=1200, besides=victim)
             stack.processes[victim].send_signal(signal.SIGCONT)
             result = await client.result("napper-2", timeout=120)
             await revoked_there_one_result(client, victim, result)

@@ -142,6 +142,31 @@ async def test_a_generate_is_answered_once_whichever_attempts_reach_their_end(tm
         assert [decode_output(m.data).text for m in await _drain(inbox)] == ["again"]
 
 
+async def test_a_first_attempt_whose_holder_lapsed_claims_its_answer(tmp_path):
+    """The other order: the handed-on attempt answers first, and the first attempt, whose
+    holder was cut off (it missed its revoke), reaches its end after. Marked lapsed by its
+    holder, it claims its answer as a handed-on attempt does, finds the answer given, and
+    sends nothing but its Done. (Unmarked, a first attempt answers without a claim.)"""
+    async with nats_server(tmp_path) as nc:
+        js = nc.jetstream()
+        await ensure_streams(js, JetserveConfig())
+        subjects = Subjects("llm")
+        outbox = Outbox(nc, js, subjects, "_INBOX")
+        inbox = await nc.subscribe("_INBOX.client")
+        done = await nc.subscribe("llm.internal.done")
+        first = work_item("cut-off", durable=False, reply_to="_INBOX.client")
+        states = RequestStates(nc, js, subjects, "admission-a")
+        assert await states.create(first.key, b"item", 0, False, first.arrival_time) is not None
+        handed_on = msgspec.structs.replace(first, attempt=1)
+        await outbox.final(handed_on, completion("cut-off", "handed on"))
+        await outbox.final(msgspec.structs.replace(first, lapsed=True),
+                           completion("cut-off", "first"))
+        answers = [decode_output(msg.data).text for msg in await _drain(inbox)]
+        dones = [decoder(Done).decode(msg.data) for msg in await _drain(done)]
+    assert answers == ["handed on"]
+    assert [d.request_id for d in dones] == ["cut-off", "cut-off"]
+
+
 async def _drain(sub, wait_s: float = 0.3) -> list:
     out = []
     with pytest.raises(nats.errors.TimeoutError):
