@@ -366,41 +366,45 @@ async def every(interval_s: float, tick: Callable[[], Awaitable[None]]) -> None:
 
 class Lapses:
     """When a holder of requests (priority, the batcher, an executor) may have looked dead to
-    admission while it held them: cut off from NATS (a reconnect: its holding reports, and any
-    revoke sent to it meanwhile, were lost), or its event loop stalled (no holding report for
-    `stall_s`: half a lease, at least two heartbeat intervals). Admission hands on a request
-    nobody reported for a lease and revokes the earlier attempt; a holder that missed the revoke
-    would run that attempt on to a second answer. On a lapse, `on_lapse` marks what the holder
-    holds (`WorkItem.lapsed`), and such an attempt of a generate claims its answer first
+    admission while it held them: cut off from NATS (disconnected, or reconnected since the
+    last look: its holding reports, and any revoke sent to it meanwhile, were lost), or its
+    event loop stalled (no holding report for `stall_s`, half a lease: a report is due every
+    heartbeat interval, and a lease is at least three). Admission hands on a request nobody
+    reported for a lease and revokes the earlier attempt; a holder that missed the revoke would
+    run that attempt on to a second answer. On a lapse, `on_lapse` marks what the holder holds
+    (`WorkItem.lapsed`), and such an attempt of a generate claims its answer first
     (Outbox.final), as a handed-on attempt does. The holder `check`s before it hands an item on
-    or answers it, and `beat`s with each holding report it sends."""
+    or answers it (a caller holding an item outside what `on_lapse` marks compares `count`
+    before and after), and `beat`s with each holding report it sends."""
 
-    def __init__(self, nc: Client, lease_s: float, interval_s: float,
-                 on_lapse: Callable[[], None]):
+    def __init__(self, nc: Client | None, lease_s: float, on_lapse: Callable[[], None]):
         self.nc, self.on_lapse = nc, on_lapse
-        self.stall_s = max(lease_s / 2, 2 * interval_s)
-        self.reconnects_seen = nc.stats["reconnects"]
+        self.stall_s = lease_s / 2
+        self.reconnects_seen = nc.stats["reconnects"] if nc is not None else 0
+        self.connected_seen = True
         self.beat_at: float | None = None  # the latest holding report (None: none yet)
         self.count = 0  # lapses found
 
     def check(self) -> bool:
-        """Whether this holder lapsed since the last check (what it holds is marked, and
-        `count` goes up). A holder disconnected now lapses: what it sends waits for the
-        reconnect, and the lease may run out meanwhile."""
-        reconnects = self.nc.stats["reconnects"]
-        stalled = self.beat_at is not None and time.monotonic() - self.beat_at > self.stall_s
-        lapsed = reconnects != self.reconnects_seen or not self.nc.is_connected or stalled
-        if lapsed:
-            self.count += 1
-            LAPSES.inc()
-            log.info("this holder may have looked dead to admission: the generates it holds "
-                     "claim their answers", reconnected=reconnects != self.reconnects_seen,
-                     connected=self.nc.is_connected, stalled=stalled)
-            self.on_lapse()
-        self.reconnects_seen = reconnects
-        if stalled:  # (counted once)
-            self.beat_at = time.monotonic()
-        return lapsed
+        """Whether this holder lapsed since the last check: it was disconnected, or reconnected,
+        or stalled (each counted once; what it holds is marked, and `count` goes up)."""
+        reconnects, connected = self.nc.stats["reconnects"], self.nc.is_connected
+        now = time.monotonic()
+        stalled = self.beat_at is not None and now - self.beat_at > self.stall_s
+        reconnected = reconnects != self.reconnects_seen
+        cut_off = self.connected_seen and not connected
+        self.reconnects_seen, self.connected_seen = reconnects, connected
+        if stalled:
+            self.beat_at = now  # (the gap is counted once)
+        if not (stalled or reconnected or cut_off):
+            return False
+        self.count += 1
+        LAPSES.inc()
+        log.info("this holder may have looked dead to admission: the generates it holds "
+                 "claim their answers", reconnected=reconnected, disconnected=not connected,
+                 stalled=stalled)
+        self.on_lapse()
+        return True
 
     def beat(self) -> None:
         """A holding report went out: the gap since the previous one is checked, and restarts."""

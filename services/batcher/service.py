@@ -74,8 +74,7 @@ class BatcherService:
                              config.nats.tenant_inboxes)
         # Cut off or stalled while requests are on their way here: their attempts are marked
         # (each one's answer claimed, shared/bus.py Lapses).
-        self.lapses = Lapses(nc, config.distributed.heartbeat_timeout_s,
-                             config.distributed.heartbeat_interval_s, self.mark_lapsed)
+        self.lapses = Lapses(nc, config.distributed.heartbeat_timeout_s, self.mark_lapsed)
         self.timeout = config.nats.request_timeout_s
         self.block_size = config.kv_cache.block_size
         batch = config.scheduler.batch_level
@@ -94,7 +93,9 @@ class BatcherService:
         self.assignments = itertools.count()
         # Pulls awaiting priority's reply: id -> (its future, when sent, overtaking); the
         # future of one given up on is cancelled, and a reply to it is late.
-        self.pulls: dict[str, tuple[asyncio.Future, float, bool]] = {}
+        # (and the lapses counted when it went: one found before its requests are held here,
+        # where on_lapse marks them, marks them as they come, `arrived`)
+        self.pulls: dict[str, tuple[asyncio.Future, float, bool, int]] = {}
         self.pull_ids = itertools.count()
         self.pull_inbox, self.pull_replies = "", None
         # A late reply's requests are sent on only this soon after the pull: priority last
@@ -253,14 +254,15 @@ class BatcherService:
         the pull's wait. A reply that comes later has its requests sent on if it is not too
         late (`on_pulled`): they left priority's queue for this batcher."""
         now = time.monotonic()
-        for pull_id, (future, sent, _) in list(self.pulls.items()):  # (ordered by when sent)
+        for pull_id, (future, sent, *_) in list(self.pulls.items()):  # (ordered by when sent)
             if now - sent <= max(self.late_limit_s, PULL_WAIT_MS / 1e3 + PULL_LATE_S):
                 break
             if future.done():  # (given up; one still awaited is not forgotten under it)
                 del self.pulls[pull_id]
         pull_id = str(next(self.pull_ids))
         reply = asyncio.get_running_loop().create_future()
-        self.pulls[pull_id] = (reply, now, min_standing is not None)
+        lapses = self.lapses.count
+        self.pulls[pull_id] = (reply, now, min_standing is not None, lapses)
         try:
             await self.nc.publish(
                 self.subjects.priority_next,
@@ -280,6 +282,15 @@ class BatcherService:
         finally:
             reply.cancel()  # (given up, or the batcher stopping: a reply now is late)
         self.counts["pulled"] += len(items)
+        return self.arrived(items, lapses)
+
+    def arrived(self, items: list[WorkItem], lapses: int) -> list[WorkItem]:
+        """A pull's requests, marked lapsed if this batcher lapsed since it sent the pull
+        (`lapses`: the count then)."""
+        self.lapses.check()
+        if self.lapses.count != lapses:
+            for item in items:
+                item.lapsed = True
         return items
 
     async def on_pulled(self, msg) -> None:
@@ -304,7 +315,7 @@ class BatcherService:
             return
         self.counts["pulled_late"] += len(items)
         log.info("a late pull's requests sent on", requests=len(items))
-        for item in items:
+        for item in self.arrived(items, pulled[3]):
             self.send_beside(item, overtaking=pulled[2])
 
     async def dispatch_once(self) -> None:
@@ -401,7 +412,10 @@ class BatcherService:
             except Exception as exc:  # no answer, or an error reply without an AssignReply
                 answer = AssignReply(accepted=False, reason=repr(exc))
                 # It may still take it, late: withdrawn, so it cannot run beside its requeue.
+                # The withdrawal may not reach it either (cut off): the requeued copy claims
+                # its answer, as the executor's copy does once it lapsed.
                 await self.unassign(executor, item)
+                item.lapsed = True
             if answer.accepted:
                 self.counts["assigned"] += 1
                 return True

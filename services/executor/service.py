@@ -105,8 +105,7 @@ class ExecutorService:
         self.outbox = Outbox(nc, js, self.subjects, config.nats.client_inbox_prefix,
                              config.nats.tenant_inboxes)
         # Cut off or stalled while holding requests: their attempts are marked (answers claimed).
-        self.lapses = Lapses(nc, config.distributed.heartbeat_timeout_s,
-                             config.distributed.heartbeat_interval_s, self.mark_lapsed)
+        self.lapses = Lapses(nc, config.distributed.heartbeat_timeout_s, self.mark_lapsed)
         self.engine = engine or Engine(config.engine_config(name))
         self.running: dict[RequestKey, _Running] = {}
         self.outputs: asyncio.Queue[tuple[WorkItem, Output]] = asyncio.Queue()
@@ -238,6 +237,7 @@ class ExecutorService:
             # latest assignment now: withdrawing an earlier one leaves it running.
             self.counts["duplicates"] += 1
             running.item.assignment = item.assignment
+            running.item.lapsed |= item.lapsed
             return AssignReply(accepted=True)
         if running is not None:  # a generate reusing the id of one that runs: answer at once
             self.counts["id_in_use"] += 1
@@ -424,7 +424,10 @@ class ExecutorService:
         interval = self.config.distributed.heartbeat_interval_s
         spent_s, steps, holding_at = 0.0, 0, 0.0  # at the previous beat
         while True:
-            await wait_event(self.load_changed, interval)
+            # (woken when the next holding report is due, at the latest: they go out once an
+            # interval, and a gap of half a lease counts as a stall, Lapses)
+            await wait_event(self.load_changed,
+                             min(interval, max(0.0, holding_at + interval - time.monotonic())))
             self.load_changed.clear()
             stats = self.engine.stats
             # A step's time as a request sees it: the model's time and the gaps between steps

@@ -54,7 +54,7 @@ from shared.metrics import (
     TenantLabels,
     histogram,
 )
-from shared.protocol import QUOTA_RETRY_MS, Error
+from shared.protocol import QUOTA_RETRY_MS, Completion, Error
 from shared.request_state import STATE_STREAM, fairness_subject
 from shared.subjects import Subjects
 from shared.telemetry import Span, carrier_of, context_from
@@ -93,8 +93,7 @@ class PriorityService:
                              config.nats.tenant_inboxes)
         # Cut off or stalled while requests wait here: their attempts are marked (each one's
         # answer claimed, shared/bus.py Lapses).
-        self.lapses = Lapses(nc, config.distributed.heartbeat_timeout_s,
-                             config.distributed.heartbeat_interval_s, self.mark_lapsed)
+        self.lapses = Lapses(nc, config.distributed.heartbeat_timeout_s, self.mark_lapsed)
         self.quotas = config.quotas
         self.scheduler = RequestScheduler(config.scheduler.request_level,
                                           config.scheduler.batch_level.max_num_batched_tokens)
@@ -112,6 +111,7 @@ class PriorityService:
         self.refused_sent_at = 0.0
         self.tasks: list[asyncio.Task] = []
         self.pulls: set[asyncio.Task] = set()  # long polls being answered
+        self.answering: set[asyncio.Task] = set()  # final answers claimed beside (answer)
         self.measuring = config.monitoring.metrics
         self.collector = StatsCollector(self.read_metrics)
         self.tenant_label = TenantLabels()
@@ -153,11 +153,14 @@ class PriorityService:
         except Exception as exc:
             log.info("could not withdraw backpressure", error=repr(exc))
         self.collector.unregister()
+        self.lapses.check()
         for item in self.queue.take(list(range(len(self.queue)))):
             if not item.durable:
-                await self.outbox.final(item, Error(
+                await self.answer(item, Error(
                     request_id=item.request_id, code="overloaded",
                     message="the priority service is shutting down; retry"))
+        if self.answering:
+            await asyncio.wait(self.answering, timeout=10)
 
     async def report_backpressure(self) -> None:
         """Tell admission which tenants' new requests the full queue refuses (Backpressure), on
@@ -219,6 +222,24 @@ class PriorityService:
         for item in self.queue.items():
             item.lapsed = True
 
+    async def answer(self, item: WorkItem, output: Completion | Error) -> None:
+        """A request that waited here gets its final answer. One whose attempt lapsed here
+        claims it first (Outbox.final): a JetStream round trip, seconds while LLM_STATE elects
+        a leader after a NATS node died, so it is sent beside and no handler waits on it (a
+        pull answered late is dropped, a submission not answered is refused)."""
+        if not (item.lapsed and not item.durable):
+            await self.outbox.final(item, output)
+            return
+        task = asyncio.create_task(self._answer(item, output))
+        self.answering.add(task)
+        task.add_done_callback(self.answering.discard)
+
+    async def _answer(self, item: WorkItem, output: Completion | Error) -> None:
+        try:
+            await self.outbox.final(item, output)
+        except Exception:  # no Done: admission's lease hands it on
+            log.exception("could not deliver a final answer", request_id=item.request_id)
+
     def superseded(self, key: RequestKey, which) -> None:
         """A waiting request another attempt answered (its Done), or whose attempt admission
         revoked (it handed the request on, to this priority's replica perhaps, while this one
@@ -250,7 +271,7 @@ class PriorityService:
             span = self.wait_spans.pop(item.key)
             span.set_attribute("deadline_exceeded", True)
             span.end()
-            await self.outbox.final(item, Error(
+            await self.answer(item, Error(
                 request_id=item.request_id, code="deadline_exceeded",
                 message=f"`deadline_ms` {item.request.deadline_ms:g} passed after {waited_ms:.0f} "
                         f"ms in the waiting queue, before an executor could take the request"))
@@ -352,6 +373,7 @@ class PriorityService:
         now), or the Error that refuses `newcomer`."""
         full = f"the waiting queue is full (max_pending_requests {self.queue.capacity})"
         now = time.time()
+        self.lapses.check()
         pushed, why = self.scheduler.push_out_for(newcomer, now)
         if pushed is None:
             self.counts["overloaded"] += 1
@@ -371,7 +393,7 @@ class PriorityService:
             answer = Error(request_id=pushed.request_id, code="overloaded",
                            message=f"{full}: this request made room for one of a tenant "
                                    f"holding less of the queue, or of a higher priority")
-        await self.outbox.final(pushed, answer)
+        await self.answer(pushed, answer)
         return None
 
     async def on_next(self, request: Request) -> None:
@@ -442,7 +464,7 @@ class PriorityService:
         span.end()
         if self.lapses.check():
             item.lapsed = True
-        await self.outbox.final(item, cancelled_completion(item))
+        await self.answer(item, cancelled_completion(item))
 
 
 main = service_main("priority", PriorityService)

@@ -7,6 +7,7 @@ rather than running them beside it."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from opentelemetry.trace import NoOpTracer
@@ -90,3 +91,52 @@ async def test_a_pull_answered_past_the_hand_on_leaves_its_requests_to_admission
     assigned, counts = await late_pull(tmp_path, lease_s=2.0, answer_after_s=GIVEN_UP_S + 1.0)
     assert assigned == [], (assigned, counts)
     assert (counts["pulled_late"], counts["pulled_too_late"]) == (0, 1), counts
+
+
+async def test_requests_pulled_across_a_stall_of_the_batcher_are_marked_lapsed(tmp_path):
+    """The batcher's event loop stalls (for more than half a lease) while a pull's reply is
+    on its way: its requests were in nobody's holding reports meanwhile, and may have been
+    handed on, so they reach the executor marked lapsed (their answers are claimed,
+    shared/bus.py Lapses). Requests pulled before the stall, and after it, are not."""
+    config = JetserveConfig(distributed=DistributedSection(
+        heartbeat_interval_s=0.25, heartbeat_timeout_s=1.0))
+    subjects = Subjects(config.nats.prefix)
+    async with nats_server(tmp_path) as nc:
+        assigned: dict[str, bool] = {}
+        pulls = 0
+
+        async def on_next(msg) -> None:
+            nonlocal pulls
+            pulls += 1
+            name = {1: "before", 6: "across", 9: "after"}.get(pulls)
+            if name == "across":
+                time.sleep(0.8)  # the whole loop stalls, the batcher's with it
+            items = [] if name is None else [WorkItem(
+                request=GenerateRequest(request_id=name, prompt_token_ids=[1], max_tokens=4),
+                tenant="acme", arrival_time=0.0)]
+            if name is None:
+                await asyncio.sleep(0.2)
+            await nc.publish(msg.reply, encode(NextReply(items)))
+
+        async def on_assign(msg) -> None:
+            item = decoder(WorkItem).decode(msg.data)
+            assigned[item.request_id] = item.lapsed
+            await msg.respond(encode(AssignReply(accepted=True)))
+
+        await nc.subscribe(subjects.priority_next, cb=on_next)
+        await nc.subscribe(subjects.executor_assign("e0"), cb=on_assign)
+        batcher = BatcherService(config, nc, nc.jetstream(), NoOpTracer())
+        await batcher.start()
+        try:
+            for _ in range(60):
+                await nc.publish(subjects.heartbeat, encode(Heartbeat(
+                    executor="e0", model="m", max_num_seqs=4, queue_depth=0, running=0,
+                    waiting=0, assigned_total=len(assigned), free_kv_blocks=100,
+                    total_kv_blocks=100, step_ms=10.0, started_at=1.0)))
+                await asyncio.sleep(0.1)
+                if len(assigned) == 3:
+                    break
+        finally:
+            await batcher.stop()
+    assert assigned == {"before": False, "across": True, "after": False}, assigned
+    assert batcher.lapses.count >= 1

@@ -12,8 +12,10 @@ import pytest
 
 from shared.bus import Outbox, cancelled_completion, discover
 from shared.client import JetserveClient, _decode_output
+from shared.keys import RequestKey
 from shared.messages import SubmitReply, WorkItem, encode
 from shared.protocol import Completion, Error, GenerateRequest
+from shared.request_state import Claim, RequestStates, claim_answer
 from shared.subjects import Subjects
 from tests.integration.conftest import SMALL_EXECUTOR, busy_executor, running_stack
 
@@ -389,3 +391,38 @@ async def test_a_stalled_holder_of_an_earlier_delivery_is_revoked_after_admissio
             stack.processes[victim].send_signal(signal.SIGCONT)
             result = await client.result("napper-2", timeout=120)
             await revoked_there_one_result(client, victim, result)
+
+
+@pytest.mark.asyncio
+async def test_an_executor_back_from_a_stall_claims_a_generate_s_answer(tmp_path):
+    """SIGSTOP the executor running a generate (attempt 0) for more than half a lease: it may
+    have been taken for dead meanwhile (here it was not; the test claims the answer in
+    LLM_STATE as a handed-on attempt that answered would have). Back, it finds the gap in its
+    holding reports, marks the attempt lapsed and claims its answer before sending it, finds it
+    claimed, and sends nothing. (Before, a first attempt answered without a claim.)"""
+    settings = {"model.name": "sim:smollm2-cpu", "distributed.heartbeat_interval_s": 0.25,
+                "distributed.heartbeat_timeout_s": 3.0}
+    async with running_stack(tmp_path, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="napper") as client:
+            inbox = client.nc.new_inbox()
+            answers = await client.nc.subscribe(inbox)
+            await client.nc.publish(client.subjects.generate("napper"), msgspec.json.encode(
+                GenerateRequest(request_id="napper-3", prompt="wake me", max_tokens=100,
+                                ignore_eos=True)), reply=inbox)
+            victim = await busy_executor(client)
+            key = RequestKey("napper", "napper-3")
+            states = RequestStates(client.nc, client.js, client.subjects, "test")
+            taken = await states.read(key, durable=False)
+            stack.processes[victim].send_signal(signal.SIGSTOP)
+            assert await claim_answer(client.js, client.subjects, key,
+                                      taken.state.arrival_time) is Claim.FIRST
+            await asyncio.sleep(2.0)  # past half the lease (1.5 s), short of the lease
+            stack.processes[victim].send_signal(signal.SIGCONT)
+            for _ in range(200):  # until it ended the request
+                stats = await service_stats(client, "executor")
+                if stats["completed"]:
+                    break
+                await asyncio.sleep(0.1)
+            with pytest.raises(nats.errors.TimeoutError):
+                await answers.next_msg(timeout=1.0)
+    assert stats["completed"] == 1 and stats["revoked"] == 0
