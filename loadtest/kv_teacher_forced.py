@@ -7,7 +7,8 @@ every later token is then fed as a decode step (all windows in one batch, as the
 them), so every scored position but each window's first (scored by the prefill kernel) reads its
 whole context back from the cache through the decode kernel, the path generation takes. The same
 steps run over an fp32 cache (or `--reference-kv bfloat16`) and a compressed one (`--kv-dtype`:
-int8, jetserve_kernels/kv_int8.py, or bf16), and each position's logits are compared. The model
+int8, jetserve_kernels/kv_int8.py, or bf16), both in each step's one forward (a KV segment
+each, as the engine runs two KV pools), and each position's logits are compared. The model
 is fp32, or `--model-dtype bfloat16` (batch-invariant: its attention over a bf16 or int8 cache
 in bf16 products where the CPU has AVX512-BF16, an int8 cache's keys in integer products, as the
 engine runs a bf16 model):
@@ -68,17 +69,21 @@ class Forced:
         if key_basis:  # what an engine with an int8 pool measures at start (kv_int8.py)
             calibrate_key_basis(self.model, BLOCK, device)
 
-    def steps(self, windows: list[list[int]], prefix: int, cache_dtype: torch.dtype):
-        """Yields, step by step, the log-probabilities [windows, vocab] of each window's next
-        token: first of token `prefix` (after the prefill), then of each later one."""
+    def steps(self, windows: list[list[int]], prefix: int, cache_dtypes: list[torch.dtype]):
+        """Yields, step by step, for each cache dtype the log-probabilities [windows, vocab] of
+        each window's next token: first of token `prefix` (after the prefill), then of each
+        later one. Every cache steps in the same forward (a segment each, as the engine runs
+        two KV pools): the weights are read once a step for all of them."""
         cfg, n, length = self.config, len(windows), len(windows[0])
         per_seq = -(-length // BLOCK)
-        shape = (n * per_seq, BLOCK, cfg.num_kv_heads, kv_cache_row(cfg, cache_dtype))
-        caches = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
-                  for _ in range(cfg.num_layers)]
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
+        pools = []
+        for dtype in cache_dtypes:
+            shape = (n * per_seq, BLOCK, cfg.num_kv_heads, kv_cache_row(cfg, dtype))
+            pools.append([(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(cfg.num_layers)])
 
-        def step(start: int, count: int) -> torch.Tensor:
+        def step(start: int, count: int) -> list[torch.Tensor]:
             seqs, slots, ids, positions = [], [], [], []
             for i, window in enumerate(windows):
                 seqs.append(SeqSlice(i * count, count, start + count, tables[i]))
@@ -86,12 +91,14 @@ class Forced:
                     slots.append(tables[i][pos // BLOCK] * BLOCK + pos % BLOCK)
                     ids.append(window[pos])
                     positions.append(pos)
-            meta = self.backend.prepare(seqs, slots)
-            last = torch.arange(n) * count + count - 1
+            rows = n * count
+            segments = [KvSegment(self.backend.prepare(seqs, slots), caches, j * rows,
+                                  (j + 1) * rows) for j, caches in enumerate(pools)]
+            last = torch.arange(n * len(pools)) * count + count - 1
             with torch.inference_mode():
-                logits = self.model.forward(torch.tensor(ids), torch.tensor(positions),
-                                            [KvSegment(meta, caches)], last)
-                return torch.log_softmax(logits, -1)
+                logits = self.model.forward(torch.tensor(ids * len(pools)),
+                                            torch.tensor(positions * len(pools)), segments, last)
+                return list(torch.log_softmax(logits, -1).split(n))
 
         yield step(0, prefix)
         for pos in range(prefix, length - 1):
@@ -101,12 +108,11 @@ class Forced:
 def compare(forced: Forced, windows: list[list[int]], prefix: int,
             kv_dtype: torch.dtype = torch.int8,
             reference_kv: torch.dtype = torch.float32) -> dict:
-    """Both caches stepped side by side; top-1 agreement, perplexities and mean KL over every
+    """Both caches stepped together; top-1 agreement, perplexities and mean KL over every
     scored position, computed in fp32 as each step comes."""
     agree = total_kl = nll_ref = nll = 0.0
     count = 0
-    steps = zip(forced.steps(windows, prefix, reference_kv),
-                forced.steps(windows, prefix, kv_dtype))
+    steps = forced.steps(windows, prefix, [reference_kv, kv_dtype])
     for offset, (ref, other) in enumerate(steps):
         target = torch.tensor([w[prefix + offset] for w in windows])[:, None]
         agree += (ref.argmax(-1) == other.argmax(-1)).sum().item()

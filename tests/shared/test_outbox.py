@@ -146,7 +146,7 @@ async def test_a_first_attempt_whose_holder_lapsed_claims_its_answer(tmp_path):
     """The other order: the handed-on attempt answers first, and the first attempt, whose
     holder was cut off (it missed its revoke), reaches its end after. Marked lapsed by its
     holder, it claims its answer as a handed-on attempt does, finds the answer given, and
-    sends nothing but its Done. (Unmarked, a first attempt answers without a claim.)"""
+    sends nothing but its Done."""
     async with nats_server(tmp_path) as nc:
         js = nc.jetstream()
         await ensure_streams(js, JetserveConfig())
