@@ -175,8 +175,9 @@ async def claim_answer(js, subjects: Subjects, key: RequestKey, arrival_time: fl
     its revoke); one never handed on and never lapsed does not: its tombstone after its answer
     is what a later one reads. Not covered: a first attempt whose holder was taken for dead
     without a lapse of its own (its reports lost on a broken route between NATS nodes while it
-    stayed connected), answering after a handed-on one; and an attempt answering after
-    another's tombstone expired (TOMBSTONE_TTL)."""
+    stayed connected), or that was sent on just before its sender lapsed and arrived after its
+    revoke, answering after a handed-on one; and an attempt answering after another's
+    tombstone expired (TOMBSTONE_TTL)."""
     subject = request_subject(subjects, key, False)
     arrival, mine = repr(arrival_time), secrets.token_hex(8)  # (mine: this call's mark)
     for _ in range(tries):

@@ -440,21 +440,26 @@ class BatcherService:
             item.lapsed = True
 
     async def requeue(self, item: WorkItem) -> None:
+        """Back to priority's queue. A generate priority refuses gets an `internal` Error; one
+        it did not answer for (it may have queued it: a second answer would follow) is left,
+        as a durable request is, to admission, which hands it on once nobody reports it."""
         self.counts["requeued"] += 1
         self.lapses.check()
         try:
             reply = await self.nc.request(self.subjects.priority_submit, encode(item),
                                           timeout=self.timeout, headers=item.trace)
-            if _submit_reply.decode(reply.data).error is None:
-                return
-            message = "the waiting queue refused the request back"
         except Exception as exc:
-            message = f"the priority service did not take the request back: {exc!r}"
+            log.error("could not requeue; left to admission's hand-on",
+                      request_id=item.request_id, durable=item.durable, error=repr(exc))
+            return
+        if _submit_reply.decode(reply.data).error is None:
+            return
         log.error("could not requeue", request_id=item.request_id, durable=item.durable)
         if item.durable:
             return  # admission hands it to JetStream again once nobody reports holding it
+        self.lapses.check()
         await self.outbox.final(item, Error(request_id=item.request_id, code="internal",
-                                            message=message))
+                                            message="the waiting queue refused the request back"))
 
 
 main = service_main("batcher", BatcherService)

@@ -246,7 +246,7 @@ class ExecutorService:
                 message=f"`request_id` {item.request_id!r} is already running"), done=False)
             return AssignReply(accepted=True)
         if self.cancels.take(item.tenant, item.request_id, item.arrival_time):
-            await self.outbox.final(item, cancelled_completion(item, self.name))
+            self.answer_beside(item, cancelled_completion(item, self.name))
             return AssignReply(accepted=True)
         span = self.tracer.start_span(
             "executor.generate", context=context_from(item.trace),
@@ -261,7 +261,7 @@ class ExecutorService:
                 resume_token_ids=item.resume_token_ids)
         except ProtocolError as exc:
             span.end()
-            await self.outbox.final(item, exc.to_error(item.request_id))
+            self.answer_beside(item, exc.to_error(item.request_id))
         else:
             running = self.running[key] = _Running(item, span,
                                                    reported=len(item.resume_token_ids))
@@ -403,7 +403,13 @@ class ExecutorService:
         # A durable result is stored in JetStream, and a generate's answer claimed there
         # first (Outbox.final), which may be electing a stream leader (a NATS node died):
         # beside the publish loop, not in front of every other request's deltas.
-        task = asyncio.create_task(self.answer(item, output, carrier_of(running.span), lapses))
+        self.answer_beside(item, output, carrier_of(running.span), lapses)
+
+    def answer_beside(self, item: WorkItem, output, headers: dict[str, str] | None = None,
+                      lapses: int | None = None) -> None:
+        """`answer` in a task of its own, reported as held while it runs (self.answering)."""
+        lapses = self.lapses.count if lapses is None else lapses
+        task = asyncio.create_task(self.answer(item, output, headers or {}, lapses))
         self.answering[task] = item.key
         task.add_done_callback(self.answering.pop)
 
@@ -438,11 +444,15 @@ class ExecutorService:
             spent = stats.model_busy_s + stats.model_idle_s
             step_ms = 1e3 * (spent - spent_s) / new_steps if new_steps else 0.0
             spent_s, steps = spent, stats.steps
+            # (due or not, set before anything can fail: a heartbeat that keeps failing waits
+            # an interval for the next try, not HEARTBEAT_MIN_GAP_S)
+            holding_due = time.monotonic() - holding_at >= interval
+            if holding_due:
+                holding_at = time.monotonic()
             try:
                 await self.nc.publish(self.subjects.heartbeat, encode(self.heartbeat(step_ms)))
                 await self.publish_kv_changes()
-                if time.monotonic() - holding_at >= interval:
-                    holding_at = time.monotonic()
+                if holding_due:
                     ended = self.outbox.recently_ended(
                         ended_window_s(self.config.distributed))
                     for report in holding_reports(self.name, self.running, self.engine,

