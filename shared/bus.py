@@ -408,6 +408,11 @@ class Lapses:
         self.on_lapse()
         return True
 
+    def since(self, count: int) -> bool:
+        """Whether this holder lapsed since `count` was read (checked now)."""
+        self.check()
+        return self.count != count
+
     def beat(self) -> None:
         """A holding report went out: the gap since the previous one is checked, and restarts."""
         self.check()

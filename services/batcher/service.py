@@ -287,8 +287,7 @@ class BatcherService:
     def arrived(self, items: list[WorkItem], lapses: int) -> list[WorkItem]:
         """A pull's requests, marked lapsed if this batcher lapsed since it sent the pull
         (`lapses`: the count then)."""
-        self.lapses.check()
-        if self.lapses.count != lapses:
+        if self.lapses.since(lapses):
             for item in items:
                 item.lapsed = True
         return items

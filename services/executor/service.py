@@ -417,8 +417,7 @@ class ExecutorService:
                      lapses: int) -> None:
         """`lapses`: `Lapses.count` when the output came; one found since (before this task
         ran, or now) marks the item, no longer in self.running."""
-        self.lapses.check()
-        if self.lapses.count != lapses:
+        if self.lapses.since(lapses):
             item.lapsed = True
         try:
             await self.outbox.final(item, output, headers, held=True)  # (in self.answering)
