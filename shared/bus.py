@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import itertools
+import math
 import os
 import re
 import signal
@@ -60,6 +61,9 @@ SECOND_ANSWERS = counter("second_answers_withheld", "Final answers not sent: ano
                          "of the request had answered it (shared/request_state.py)")
 LAPSES = counter("holder_lapses", "Times a holder of requests found it may have looked dead to "
                  "admission: cut off from NATS, or stalled (shared/bus.py Lapses)")
+ANSWERS_AGAIN = counter("answers_published_again", "Final answers to a generate published again: "
+                        "the NATS connection that carried one was lost before its server took "
+                        "it (shared/bus.py Echoes)")
 REPLIES_REFUSED = counter("replies_refused", "Requests given no answer: their reply subject was "
                           "not a client inbox (docs/protocol.md)", ("endpoint",))
 
@@ -419,6 +423,121 @@ class Lapses:
         self.beat_at = time.monotonic()
 
 
+ECHO_EVERY_S = 0.005  # one echo out at a time, at most one this often (Echoes)
+ECHO_LATE_S = 0.1  # an echo not back by then: the next goes out anyway
+
+
+class Echoes:
+    """Whether a message this connection published reached its NATS server. Core NATS gives
+    the publisher no receipt: bytes written to a node's socket just before the node dies are
+    lost with it (a handful of milliseconds of a connection's messages), and nothing says so.
+    A generate's final answer lost that way leaves its client waiting: the request ended where
+    it was answered, and nothing runs it again.
+
+    An echo is an empty message this connection publishes to an inbox of its own after the
+    message in question. A server reads one connection's messages in order (nats-py writes
+    them in order, and PING does not: `flush` is no receipt), so the echo coming back on the
+    connection that carried the message says the server took the message. A connection lost
+    before its echo came back may have lost the message: the caller publishes it again. What
+    is left: a message the server took just before it died (routed to the client's node or
+    not) and an echo that did not come back, published twice; and a message still in nats-py's
+    buffer when the loss was seen, carried on the next connection and published again
+    there (both are duplicates, rarer than the losses they replace)."""
+
+    def __init__(self, nc: Client):
+        self.nc = nc
+        self.inbox: str | None = None  # this connection's echo inbox, subscribed on first use
+        self.subscribing = asyncio.Lock()
+        self.waiting: dict[str, asyncio.Future] = {}  # echoes out, by subject
+        self.latest: str | None = None  # the echo out last, until it is back
+        self.sent_at = -math.inf  # when it went out
+        self.forming: asyncio.Future | None = None  # the next echo, which callers join
+        self.timer: asyncio.TimerHandle | None = None  # when it goes out (none: at once)
+        self.sending: set[asyncio.Task] = set()
+        self.ids = itertools.count()
+
+    def mark(self) -> int:
+        """Taken just before a publish: the connection that will carry it (nats-py's reconnect
+        count then; a message published while away goes out on the next connection)."""
+        reconnects = self.nc.stats["reconnects"]
+        return reconnects if self.nc.is_connected else reconnects + 1
+
+    async def landed(self, carrier: int, deadline: float) -> bool:
+        """After a publish at `carrier` (`mark`): True once an echo published after it came
+        back on that connection, or, at `deadline`, when that connection was never lost (a
+        slow server or a busy event loop: a live connection loses nothing); False when it was
+        lost first (the message may be lost).
+
+        Echoes go out one at a time, as a group commit's writes do: callers join the next one,
+        which goes out once the one out is back and ECHO_EVERY_S after it went (at once after
+        a quiet spell), or ECHO_LATE_S after it went when it is not back (lost with its
+        connection, or slow). However many answers, a connection sends at most one echo each
+        ECHO_EVERY_S, and a caller waits on a future (no timer of its own)."""
+        if self.inbox is None:
+            async with self.subscribing:
+                if self.inbox is None:
+                    inbox = self.nc.new_inbox()
+                    await self.nc.subscribe(f"{inbox}.*", cb=self._back)
+                    self.inbox = inbox  # (the SUB goes out before any echo, in order)
+        while True:
+            if self.forming is None:
+                self.forming = asyncio.get_running_loop().create_future()
+                self._schedule()
+            back_on = await self.forming  # (raises what its publish raised)
+            if back_on is not None:
+                return back_on <= carrier
+            lost = self.nc.stats["reconnects"] > carrier  # late: lost with its connection?
+            if lost or time.monotonic() >= deadline:
+                return not lost and self.nc.is_connected
+
+    def _schedule(self) -> None:
+        """The forming echo goes out when none is out, ECHO_EVERY_S after the last went."""
+        if self.forming is None or self.latest is not None or self.timer is not None:
+            return
+        delay = max(0.0, self.sent_at + ECHO_EVERY_S - time.monotonic())
+        self.timer = asyncio.get_running_loop().call_later(delay, self._fire)
+
+    def _fire(self) -> None:
+        self.timer = None
+        task = asyncio.ensure_future(self._send())
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
+
+    async def _send(self) -> None:
+        back, self.forming = self.forming, None
+        if back is None:
+            return
+        subject = self.latest = f"{self.inbox}.{next(self.ids)}"
+        self.sent_at = time.monotonic()
+        self.waiting[subject] = back
+        # (resolved with None if not back in time: its callers look again, the next goes out)
+        late = asyncio.get_running_loop().call_later(ECHO_LATE_S, self._late, subject)
+        back.add_done_callback(lambda _: late.cancel())
+        try:
+            await self.nc.publish(subject, b"")
+        except Exception as exc:
+            self._late(subject, exc)
+
+    def _late(self, subject: str, exc: Exception | None = None) -> None:
+        back = self.waiting.pop(subject, None)
+        if back is not None and not back.done():
+            if exc is not None:
+                back.set_exception(exc)
+            else:
+                back.set_result(None)
+        if subject == self.latest:
+            self.latest = None
+            self._schedule()
+
+    async def _back(self, msg) -> None:
+        back = self.waiting.pop(msg.subject, None)
+        if back is not None and not back.done():
+            back.set_result(self.nc.stats["reconnects"])
+        if msg.subject == self.latest:
+            self.latest = None
+            self._schedule()  # the callers that joined meanwhile
+
+
 async def report_holding(nc: Client, subjects: Subjects, holder: str, interval_s: float,
                          held: Callable[[], list[RequestKey]],
                          ended: Callable[[], list[Ended]] = list,
@@ -567,6 +686,8 @@ class Outbox:
         # Answered requests whose state's end is not yet acked (JetStream electing a leader):
         # named answered in the holding reports until it is.
         self.unended: dict[tuple[RequestKey, float], Ended] = {}
+        self.echoes = Echoes(nc)  # whether a generate's final answer reached its server
+        self.replying: set[asyncio.Task] = set()  # refusals' echoes awaited (`reply`)
 
     def recently_ended(self, window_s: float) -> list[Ended]:
         """The requests this service answered within `window_s`, and those whose state's end
@@ -599,6 +720,31 @@ class Outbox:
                    else self.reply_to(item))
         if subject:
             await self.nc.publish(subject, json_encode(delta), reply=reply or "")
+
+    async def reply(self, subject: str, output: Error, stream: bool) -> None:
+        """A generate's Error where no request state was made (admission's refusals): sent, and
+        sent again while the connection that carried it was lost before an echo came back
+        (`Echoes`), beside the caller, for up to ANSWER_AGAIN_S."""
+        payload, headers = json_encode(output), service_error_headers(output)
+
+        async def publish() -> int:
+            carrier = self.echoes.mark()
+            await self.nc.publish(subject, payload, headers=headers)
+            if stream:
+                await self.nc.publish(subject, b"")  # end of a request-many stream
+            return carrier
+
+        async def land(carrier: int) -> None:
+            deadline = time.monotonic() + ANSWER_AGAIN_S
+            with contextlib.suppress(Exception):  # (nothing else to tell it by)
+                while not await self.echoes.landed(carrier, deadline) \
+                        and time.monotonic() < deadline:
+                    ANSWERS_AGAIN.inc()
+                    carrier = await publish()
+
+        task = asyncio.create_task(land(await publish()))
+        self.replying.add(task)
+        task.add_done_callback(self.replying.discard)
 
     async def store_result(self, tenant: str, request_id: str, output: Completion | Error,
                            headers: dict[str, str] | None = None,
@@ -648,7 +794,9 @@ class Outbox:
         JetStream round trip): if the request was answered already it sends nothing, and says
         Done only, so that whoever watches this attempt stops. So does a first attempt whose
         holder lapsed while holding it (`WorkItem.lapsed`): it may have been handed on, its
-        revoke lost."""
+        revoke lost. A generate's answer is not done until an echo says its NATS server took
+        it (`Echoes`): one that may have been lost with its connection (a NATS node died) is
+        published again, claimed first, for up to ANSWER_AGAIN_S."""
         claim = None
         if done and not item.durable and (item.attempt > 0 or item.lapsed):
             claim = await claim_answer(self.js, self.subjects, item.key, item.arrival_time)
@@ -660,7 +808,26 @@ class Outbox:
                 await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
                 return
         try:
-            await self._deliver(item, output, headers)
+            carrier = await self._deliver(item, output, headers)
+            deadline = time.monotonic() + ANSWER_AGAIN_S
+            while carrier is not None and not await self.echoes.landed(carrier, deadline):
+                # Lost with the connection that carried it, maybe (Echoes): published again,
+                # claimed first as a lapsed holder's answer is (cut off, this holder may have
+                # been taken for dead and the request handed on).
+                if time.monotonic() >= deadline:
+                    raise ConnectionError("the answer's NATS connection was lost, and it "
+                                          "could not be published again")
+                if done and claim is None:
+                    claim = await claim_answer(self.js, self.subjects, item.key,
+                                               item.arrival_time)
+                    if claim is Claim.SECOND:
+                        SECOND_ANSWERS.inc()
+                        await self.nc.publish(self.subjects.done, encode(done_of(item, output)))
+                        return
+                ANSWERS_AGAIN.inc()
+                log.info("a final answer published again: its NATS connection was lost before "
+                         "the server took it", tenant=item.tenant, request_id=item.request_id)
+                carrier = await self._deliver(item, output, headers)
         except Exception as exc:
             refused = exc if _refused_for_good(exc) else None
             if refused is None:
@@ -734,15 +901,19 @@ class Outbox:
                     raise
 
     async def _deliver(self, item: WorkItem, output: Completion | Error,
-                       headers: dict[str, str] | None) -> None:
+                       headers: dict[str, str] | None) -> int | None:
+        """For a generate's answer, the connection that carried it (`Echoes.mark`)."""
         if item.durable:
             await self.store_result(item.tenant, item.request_id, output, headers)
         elif reply_to := self.reply_to(item):
             if isinstance(output, Error):
                 headers = {**(headers or {}), **service_error_headers(output)}
+            carrier = self.echoes.mark()
             await self.nc.publish(reply_to, json_encode(output), headers=headers)
             if item.request.stream:
                 await self.nc.publish(reply_to, b"")  # end of a request-many stream
+            return carrier
+        return None
 
 
 def done_of(item: WorkItem, output: Completion | Error) -> Done:

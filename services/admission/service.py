@@ -53,7 +53,6 @@ from shared.bus import (
     add_micro_service,
     cancel_all,
     ensure_streams,
-    json_encode,
     payload_budget,
     service_main,
     while_connected,
@@ -85,7 +84,6 @@ from shared.protocol import (
     check_nesting,
     decode_cancel,
     decode_generate_request,
-    service_error_headers,
 )
 from shared.subjects import (
     ADMISSION_CONSUMER,
@@ -582,10 +580,7 @@ class Admission:
         if not msg.reply:
             return
         try:
-            await self.nc.publish(msg.reply, json_encode(error),
-                                  headers=service_error_headers(error))
-            if stream:  # the sentinel ends the stream
-                await self.nc.publish(msg.reply, b"")
+            await self.outbox.reply(msg.reply, error, stream)
         except Exception as exc:  # the connection is failing: nothing else to tell it by
             log.warning("could not answer a request's error", error=repr(exc))
 

@@ -7,12 +7,15 @@ to a reply subject only when it is a client inbox."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
 
 import msgspec
+import nats
 import nats.errors
 import pytest
 
-from shared.bus import Outbox, ensure_streams
+from shared.bus import ANSWERS_AGAIN, Outbox, ensure_streams
 from shared.config import JetserveConfig, NatsSection
 from shared.messages import Done, WorkItem, decoder
 from shared.protocol import (
@@ -26,6 +29,7 @@ from shared.protocol import (
 )
 from shared.request_state import ARRIVAL_HEADER, STATE_STREAM, RequestStates, request_subject
 from shared.subjects import RESULTS_STREAM, Subjects
+from services.stack import CLUSTER_PORT_OFFSET, free_port, nats_server_binary
 from tests.nats_server import nats_server
 
 decode_output = msgspec.json.Decoder(Completion | Error).decode
@@ -230,3 +234,80 @@ async def test_a_durable_result_is_stored_once_jetstream_takes_it(tmp_path):
         told = [decoder(Done).decode(msg.data) for msg in await _drain(done)]
     assert isinstance(stored, Completion) and stored.text == "stored late", stored
     assert [(d.request_id, d.durable) for d in told] == [("kept", True)]
+
+
+@pytest.mark.parametrize("by", ["final", "reply"])
+async def test_an_answer_lost_with_its_nats_node_is_published_again(by):
+    """Core NATS gives no receipt: bytes written to a node that dies before it reads them are
+    lost, and the publisher is not told. Here the outbox's node (of two, clustered) is stopped,
+    the answer written to it, and the node killed: the outbox, on the other node now, finds
+    its echo never came back and publishes the answer again. The client, on the other node,
+    gets it once. An answer over a live connection is published once. `final`: an executor's
+    (or priority's) answer; `reply`: admission's refusal, confirmed beside it."""
+    port = free_port(nats_cluster=2)
+    routes = ",".join(f"nats://127.0.0.1:{port + CLUSTER_PORT_OFFSET + i}" for i in range(2))
+    nodes = [subprocess.Popen(
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port + i), "--cluster_name", "t",
+         "--cluster", f"nats://127.0.0.1:{port + CLUSTER_PORT_OFFSET + i}", "--routes", routes],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    outbox, connections = None, []
+    try:
+        client = await _connect([port + 1])
+        services = await _connect([port, port + 1])  # on the first node while it lives
+        connections += [client, services]
+        inbox = await client.subscribe("_INBOX.client.*")
+        probe = await client.subscribe("_INBOX.probe")  # (its interest travels after the inbox's)
+        for _ in range(100):  # the client's interest has reached the first node
+            await services.publish("_INBOX.probe", b"")
+            if await _drain(probe, wait_s=0.05):
+                break
+        outbox = Outbox(services, services.jetstream(), Subjects("llm"), "_INBOX")
+
+        async def answer(request_id: str) -> None:
+            if by == "final":
+                await outbox.final(work_item(request_id, durable=False,
+                                             reply_to=f"_INBOX.client.{request_id}"),
+                                   completion(request_id, "answered"))
+            else:
+                await outbox.reply(f"_INBOX.client.{request_id}", Error(
+                    request_id=request_id, code="rate_limited", message="answered"), False)
+
+        again = ANSWERS_AGAIN._value.get()
+        await answer("live")
+        await asyncio.gather(*outbox.replying)
+        assert [decode_output(m.data).request_id for m in await _drain(inbox)] == ["live"]
+        assert ANSWERS_AGAIN._value.get() == again
+
+        nodes[0].send_signal(signal.SIGSTOP)  # reads nothing more: what is written stays unread
+        answering = asyncio.create_task(answer("lost"))
+        await asyncio.sleep(0.5)
+        waited = not (answering.done() and not outbox.replying)  # for its echo
+        nodes[0].kill()  # the unread answer is gone with it
+        nodes[0].wait(10)
+        await asyncio.wait_for(answering, 15)
+        await asyncio.wait_for(asyncio.gather(*outbox.replying), 15)
+        answers = [decode_output(m.data) for m in await _drain(inbox, wait_s=1.0)]
+        assert [(a.request_id, a.message if by == "reply" else a.text) for a in answers] \
+            == [("lost", "answered")]
+        assert waited and ANSWERS_AGAIN._value.get() == again + 1
+        assert services.connected_url.port == port + 1
+    finally:
+        if outbox is not None:
+            for task in outbox.ending:  # (the states' ends: no JetStream here)
+                task.cancel()
+        for nc in connections:
+            await nc.close()
+        for node in nodes:
+            node.kill()
+            node.wait(10)
+
+
+async def _connect(ports: list[int]):
+    for _ in range(100):
+        try:
+            return await nats.connect([f"nats://127.0.0.1:{p}" for p in ports],
+                                      dont_randomize=True, connect_timeout=1,
+                                      reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+        except Exception:
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"no nats-server at {ports}")
