@@ -483,7 +483,8 @@ class Echoes:
             if self.forming is None:
                 self.forming = asyncio.get_running_loop().create_future()
                 self._schedule()
-            back_on = await self.forming  # (raises what its publish raised)
+            # (shielded: a caller cancelled must not cancel the echo its fellows wait on)
+            back_on = await asyncio.shield(self.forming)  # (raises what its publish raised)
             if back_on is not None:
                 return back_on <= carrier
             lost = self.nc.stats["reconnects"] > carrier  # late: lost with its connection?

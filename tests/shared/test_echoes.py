@@ -1,0 +1,103 @@
+"""Echoes against a real nats-server: answers published together share an echo, a caller
+cancelled while it waits leaves the others' echo alone, and a publish while the connection is
+away is called landed only once an echo comes back on the connection that carried it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+
+import nats
+import pytest
+
+from services.stack import free_port, nats_server_binary
+from shared.bus import ECHO_EVERY_S, Echoes
+from tests.nats_server import nats_server
+
+
+@pytest.fixture
+async def nc(tmp_path):
+    async with nats_server(tmp_path, jetstream=False) as nc:
+        yield nc
+
+
+async def test_answers_published_together_share_one_echo(nc):
+    echoes = Echoes(nc)
+    inbox = await nc.subscribe("_INBOX.client.*")
+
+    async def answer(i: int) -> bool:
+        carrier = echoes.mark()
+        await nc.publish(f"_INBOX.client.{i}", b"answer")
+        return await echoes.landed(carrier, time.monotonic() + 5)
+
+    started = time.monotonic()
+    assert await asyncio.gather(*(answer(i) for i in range(200))) == [True] * 200
+    elapsed = time.monotonic() - started
+    received = 0
+    while received < 200:
+        await inbox.next_msg(timeout=2)
+        received += 1
+    sent = next(echoes.ids)
+    assert 1 <= sent <= 2 + elapsed / ECHO_EVERY_S, sent  # (the first alone, then shared)
+    assert not echoes.waiting and echoes.latest is None and echoes.forming is None
+
+
+async def test_a_cancelled_caller_leaves_the_shared_echo_to_the_others(nc):
+    echoes = Echoes(nc)
+    carrier = echoes.mark()
+    await nc.publish("_INBOX.client.a", b"answer")
+    first = asyncio.create_task(echoes.landed(carrier, time.monotonic() + 5))
+    second = asyncio.create_task(echoes.landed(carrier, time.monotonic() + 5))
+    await asyncio.sleep(0)  # (both joined the echo forming)
+    first.cancel()
+    assert await asyncio.wait_for(second, 5) is True
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
+async def test_a_publish_while_away_lands_on_the_next_connection(tmp_path):
+    """The server restarts on its port: what was published while the connection was away goes
+    out on the next one, and its echo after it; a publish before the loss, with its echo
+    lost, is not called landed."""
+    port = free_port()
+
+    def start():
+        return subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    server = start()
+    nc = None
+    try:
+        for _ in range(100):
+            try:
+                nc = await nats.connect(f"nats://127.0.0.1:{port}", reconnect_time_wait=0.2,
+                                        max_reconnect_attempts=-1)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        echoes = Echoes(nc)
+        assert await echoes.landed(echoes.mark(), time.monotonic() + 5)  # (subscribed)
+        server.send_signal(signal.SIGSTOP)  # nothing is read, no echo comes back
+        before = echoes.mark()
+        await nc.publish("_INBOX.client.before", b"answer")
+        landing = asyncio.create_task(echoes.landed(before, time.monotonic() + 10))
+        await asyncio.sleep(0.3)
+        server.kill()
+        server.wait(10)
+        for _ in range(100):  # the client has seen the loss
+            if not nc.is_connected:
+                break
+            await asyncio.sleep(0.05)
+        away = echoes.mark()
+        assert away == before + 1  # (goes out on the next connection)
+        await nc.publish("_INBOX.client.away", b"answer")
+        server = start()
+        assert await asyncio.wait_for(landing, 12) is False
+        assert await echoes.landed(away, time.monotonic() + 10) is True
+    finally:
+        if nc is not None:
+            await nc.close()
+        server.kill()
+        server.wait(10)
