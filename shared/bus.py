@@ -134,6 +134,10 @@ async def connect(section: NatsSection, name: str) -> Client:
     connecting = asyncio.ensure_future(nc.connect(
         nats_servers(section.url), name=name, max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
+        # A node that stops answering without closing its connections (frozen, cut off) is
+        # left for another after three unanswered pings, 4-6 s (nats-py's default: 4 minutes):
+        # within about a lease, and before an answer's echo is given up on (Echoes).
+        ping_interval=2, max_outstanding_pings=2,
         connect_timeout=min(5.0, section.connect_wait_s), allow_reconnect=True,
         inbox_prefix=section.client_inbox_prefix,  # services answer one another's inboxes too
         **connect_options(section),
@@ -423,8 +427,25 @@ class Lapses:
         self.beat_at = time.monotonic()
 
 
-ECHO_EVERY_S = 0.005  # one echo out at a time, at most one this often (Echoes)
-ECHO_LATE_S = 0.1  # an echo not back by then: the next goes out anyway
+# One echo out at a time (Echoes); the next no sooner than this after it went. Spacing them
+# costs less and duplicates more: an answer whose node died after taking it, while it waited
+# for its echo, is published twice (`python -m loadtest.echoes --every-s`).
+ECHO_EVERY_S = 0.0
+ECHO_LATE_S = 0.1  # an echo not back by then: the next goes out beside it, and it is looked at
+ECHO_GIVE_UP_S = 7.5  # an echo not back by then on a connection that looks alive: given up
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+@dataclasses.dataclass
+class _Echo:
+    back: asyncio.Future  # the reconnect count it came back at; None: given up on
+    sent_on: int  # the connection that carried it (`Echoes.mark`)
+    sent_at: float
+    late: asyncio.TimerHandle | None = None
 
 
 class Echoes:
@@ -440,19 +461,20 @@ class Echoes:
     connection that carried the message says the server took the message. A connection lost
     before its echo came back may have lost the message: the caller publishes it again. What
     is left: a message the server took just before it died (routed to the client's node or
-    not) and an echo that did not come back, published twice; and a message still in nats-py's
-    buffer when the loss was seen, carried on the next connection and published again
-    there (both are duplicates, rarer than the losses they replace)."""
+    not) and an echo that did not come back, or came back but was handled after nats-py had
+    reconnected, published twice; and a message still in nats-py's buffer when the loss was
+    seen, carried on the next connection and published again there (duplicates, in windows of
+    a round trip, against the milliseconds of socket and queue a message could be lost in)."""
 
     def __init__(self, nc: Client):
         self.nc = nc
         self.inbox: str | None = None  # this connection's echo inbox, subscribed on first use
         self.subscribing = asyncio.Lock()
-        self.waiting: dict[str, asyncio.Future] = {}  # echoes out, by subject
-        self.latest: str | None = None  # the echo out last, until it is back
+        self.waiting: dict[str, _Echo] = {}  # echoes out, by subject
+        self.latest: str | None = None  # the echo out last, until it is back or late
         self.sent_at = -math.inf  # when it went out
         self.forming: asyncio.Future | None = None  # the next echo, which callers join
-        self.timer: asyncio.TimerHandle | None = None  # when it goes out (none: at once)
+        self.timer: asyncio.TimerHandle | None = None  # when it goes out
         self.sending: set[asyncio.Task] = set()
         self.ids = itertools.count()
 
@@ -464,15 +486,16 @@ class Echoes:
 
     async def landed(self, carrier: int, deadline: float) -> bool:
         """After a publish at `carrier` (`mark`): True once an echo published after it came
-        back on that connection, or, at `deadline`, when that connection was never lost (a
-        slow server or a busy event loop: a live connection loses nothing); False when it was
-        lost first (the message may be lost).
+        back on that connection; False when that connection was lost first (the message may
+        be lost), or when no echo came back by `deadline` (a node that stopped without closing
+        its connections looks alive until nats-py's pings give up on it: `connect`).
 
         Echoes go out one at a time, as a group commit's writes do: callers join the next one,
-        which goes out once the one out is back and ECHO_EVERY_S after it went (at once after
-        a quiet spell), or ECHO_LATE_S after it went when it is not back (lost with its
-        connection, or slow). However many answers, a connection sends at most one echo each
-        ECHO_EVERY_S, and a caller waits on a future (no timer of its own)."""
+        which goes out once the one out is back (or ECHO_LATE_S after it went, when it is not:
+        lost with its connection, or slow; one that comes back late still counts), after the
+        callers of that turn of the event loop (an engine step's answers) joined it. However
+        many answers, a connection has one echo out (a few on a slow one), and a caller waits
+        on a future (no timer of its own)."""
         if self.inbox is None:
             async with self.subscribing:
                 if self.inbox is None:
@@ -482,17 +505,17 @@ class Echoes:
         while True:
             if self.forming is None:
                 self.forming = asyncio.get_running_loop().create_future()
+                self.forming.add_done_callback(_retrieved)  # (its callers may all be gone)
                 self._schedule()
             # (shielded: a caller cancelled must not cancel the echo its fellows wait on)
-            back_on = await asyncio.shield(self.forming)  # (raises what its publish raised)
+            back_on = await asyncio.shield(self.forming)  # (raises if the connection closed)
             if back_on is not None:
                 return back_on <= carrier
-            lost = self.nc.stats["reconnects"] > carrier  # late: lost with its connection?
-            if lost or time.monotonic() >= deadline:
-                return not lost and self.nc.is_connected
+            if self.nc.stats["reconnects"] > carrier or time.monotonic() >= deadline:
+                return False
 
     def _schedule(self) -> None:
-        """The forming echo goes out when none is out, ECHO_EVERY_S after the last went."""
+        """The forming echo goes out when none is out (ECHO_EVERY_S after the last went)."""
         if self.forming is None or self.latest is not None or self.timer is not None:
             return
         delay = max(0.0, self.sent_at + ECHO_EVERY_S - time.monotonic())
@@ -510,33 +533,48 @@ class Echoes:
             return
         subject = self.latest = f"{self.inbox}.{next(self.ids)}"
         self.sent_at = time.monotonic()
-        self.waiting[subject] = back
-        # (resolved with None if not back in time: its callers look again, the next goes out)
-        late = asyncio.get_running_loop().call_later(ECHO_LATE_S, self._late, subject)
-        back.add_done_callback(lambda _: late.cancel())
+        echo = self.waiting[subject] = _Echo(back, self.mark(), self.sent_at)
+        echo.late = asyncio.get_running_loop().call_later(ECHO_LATE_S, self._late, subject)
         try:
             await self.nc.publish(subject, b"")
-        except Exception as exc:
-            self._late(subject, exc)
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError) as exc:
+            self._end(subject, exc)
+        except Exception:  # (a full reconnect buffer: the connection is away, `_late` sees)
+            pass
 
-    def _late(self, subject: str, exc: Exception | None = None) -> None:
-        back = self.waiting.pop(subject, None)
-        if back is not None and not back.done():
-            if exc is not None:
-                back.set_exception(exc)
-            else:
-                back.set_result(None)
+    def _late(self, subject: str) -> None:
+        """An echo not back ECHO_LATE_S after it went (or since it was last looked at): the
+        next goes out; it is given up on once its connection was lost, or after
+        ECHO_GIVE_UP_S, and looked at again meanwhile."""
+        echo = self.waiting.get(subject)
+        if echo is None:
+            return
+        if self.nc.stats["reconnects"] > echo.sent_on \
+                or time.monotonic() - echo.sent_at >= ECHO_GIVE_UP_S:
+            self._end(subject, None)
+            return
+        echo.late = asyncio.get_running_loop().call_later(ECHO_LATE_S, self._late, subject)
         if subject == self.latest:
             self.latest = None
             self._schedule()
 
-    async def _back(self, msg) -> None:
-        back = self.waiting.pop(msg.subject, None)
-        if back is not None and not back.done():
-            back.set_result(self.nc.stats["reconnects"])
-        if msg.subject == self.latest:
+    def _end(self, subject: str, result: int | Exception | None) -> None:
+        echo = self.waiting.pop(subject, None)
+        if echo is not None:
+            if echo.late is not None:
+                echo.late.cancel()
+            if echo.back.done():
+                pass
+            elif isinstance(result, Exception):
+                echo.back.set_exception(result)
+            else:
+                echo.back.set_result(result)
+        if subject == self.latest:
             self.latest = None
             self._schedule()  # the callers that joined meanwhile
+
+    async def _back(self, msg) -> None:
+        self._end(msg.subject, self.nc.stats["reconnects"])
 
 
 async def report_holding(nc: Client, subjects: Subjects, holder: str, interval_s: float,
@@ -816,8 +854,8 @@ class Outbox:
                 # claimed first as a lapsed holder's answer is (cut off, this holder may have
                 # been taken for dead and the request handed on).
                 if time.monotonic() >= deadline:
-                    raise ConnectionError("the answer's NATS connection was lost, and it "
-                                          "could not be published again")
+                    raise ConnectionError("the answer's NATS server did not confirm it "
+                                          f"within {ANSWER_AGAIN_S:g} s (no echo came back)")
                 if done and claim is None:
                     claim = await claim_answer(self.js, self.subjects, item.key,
                                                item.arrival_time)

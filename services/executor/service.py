@@ -241,7 +241,7 @@ class ExecutorService:
             return AssignReply(accepted=True)
         if running is not None:  # a generate reusing the id of one that runs: answer at once
             self.counts["id_in_use"] += 1
-            await self.outbox.final(item, Error(
+            self.answer_beside(item, Error(
                 request_id=item.request_id, code="invalid_request",
                 message=f"`request_id` {item.request_id!r} is already running"), done=False)
             return AssignReply(accepted=True)
@@ -406,21 +406,23 @@ class ExecutorService:
         self.answer_beside(item, output, carrier_of(running.span), lapses)
 
     def answer_beside(self, item: WorkItem, output, headers: dict[str, str] | None = None,
-                      lapses: int | None = None) -> None:
-        """`answer` in a task of its own, reported as held while it runs (self.answering)."""
+                      lapses: int | None = None, done: bool = True) -> None:
+        """`answer` in a task of its own, reported as held while it runs (self.answering).
+        `done`: as Outbox.final's."""
         lapses = self.lapses.count if lapses is None else lapses
-        task = asyncio.create_task(self.answer(item, output, headers or {}, lapses))
+        task = asyncio.create_task(self.answer(item, output, headers or {}, lapses, done))
         self.answering[task] = item.key
         task.add_done_callback(self.answering.pop)
 
     async def answer(self, item: WorkItem, output, headers: dict[str, str],
-                     lapses: int) -> None:
+                     lapses: int, done: bool = True) -> None:
         """`lapses`: `Lapses.count` when the output came; one found since (before this task
         ran, or now) marks the item, no longer in self.running."""
         if self.lapses.since(lapses):
             item.lapsed = True
         try:
-            await self.outbox.final(item, output, headers, held=True)  # (in self.answering)
+            await self.outbox.final(item, output, headers, done=done,
+                                    held=True)  # (in self.answering)
         except Exception:  # no Done: admission's lease hands it on, and LLM_RESULTS keeps one
             log.exception("could not deliver a final answer", request_id=item.request_id,
                           durable=item.durable)

@@ -226,11 +226,12 @@ class PriorityService:
             item.lapsed = True
 
     async def answer(self, item: WorkItem, output: Completion | Error) -> None:
-        """A request that waited here gets its final answer. One whose attempt lapsed here
-        claims it first (Outbox.final): a JetStream round trip, seconds while LLM_STATE elects
-        a leader after a NATS node died, so it is sent beside and no handler waits on it (a
-        pull answered late is dropped, a submission not answered is refused)."""
-        if not (item.lapsed and not item.durable):
+        """A request that waited here gets its final answer. A generate's is sent beside, and
+        no handler waits on it (a pull answered late is dropped, a submission not answered is
+        refused): it is done once its echo is back (Outbox.final), and one whose attempt lapsed
+        here, or whose NATS node died under it, claims it first, a JetStream round trip,
+        seconds while LLM_STATE elects a leader. A durable request's is stored at once."""
+        if item.durable:
             await self.outbox.final(item, output)
             return
         task = asyncio.create_task(self._answer(item, output))

@@ -13,7 +13,7 @@ import nats
 import pytest
 
 from services.stack import free_port, nats_server_binary
-from shared.bus import ECHO_EVERY_S, Echoes
+from shared.bus import Echoes
 from tests.nats_server import nats_server
 
 
@@ -32,15 +32,14 @@ async def test_answers_published_together_share_one_echo(nc):
         await nc.publish(f"_INBOX.client.{i}", b"answer")
         return await echoes.landed(carrier, time.monotonic() + 5)
 
-    started = time.monotonic()
     assert await asyncio.gather(*(answer(i) for i in range(200))) == [True] * 200
-    elapsed = time.monotonic() - started
     received = 0
     while received < 200:
         await inbox.next_msg(timeout=2)
         received += 1
-    sent = next(echoes.ids)
-    assert 1 <= sent <= 2 + elapsed / ECHO_EVERY_S, sent  # (the first alone, then shared)
+    # (published in one turn of the event loop, the 200 answers are out before the first
+    # echo goes: one echo, or a few where the publishes yield to nats-py's flusher)
+    assert 1 <= next(echoes.ids) <= 20
     assert not echoes.waiting and echoes.latest is None and echoes.forming is None
 
 

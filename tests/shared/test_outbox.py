@@ -15,7 +15,7 @@ import nats
 import nats.errors
 import pytest
 
-from shared.bus import ANSWERS_AGAIN, Outbox, ensure_streams
+from shared.bus import ANSWERS_AGAIN, Outbox, connect, ensure_streams
 from shared.config import JetserveConfig, NatsSection
 from shared.messages import Done, WorkItem, decoder
 from shared.protocol import (
@@ -236,14 +236,18 @@ async def test_a_durable_result_is_stored_once_jetstream_takes_it(tmp_path):
     assert [(d.request_id, d.durable) for d in told] == [("kept", True)]
 
 
-@pytest.mark.parametrize("by", ["final", "reply"])
-async def test_an_answer_lost_with_its_nats_node_is_published_again(by):
+@pytest.mark.parametrize("by, node", [("final", "killed"), ("reply", "killed"),
+                                      ("final", "frozen")])
+async def test_an_answer_lost_with_its_nats_node_is_published_again(by, node):
     """Core NATS gives no receipt: bytes written to a node that dies before it reads them are
     lost, and the publisher is not told. Here the outbox's node (of two, clustered) is stopped,
     the answer written to it, and the node killed: the outbox, on the other node now, finds
     its echo never came back and publishes the answer again. The client, on the other node,
     gets it once. An answer over a live connection is published once. `final`: an executor's
-    (or priority's) answer; `reply`: admission's refusal, confirmed beside it."""
+    (or priority's) answer; `reply`: admission's refusal, confirmed beside it. `frozen`: the
+    node is never killed and its connections never close (a frozen host); the services'
+    connection (shared.bus.connect) leaves it after unanswered pings, and the answer is
+    published again then."""
     port = free_port(nats_cluster=2)
     routes = ",".join(f"nats://127.0.0.1:{port + CLUSTER_PORT_OFFSET + i}" for i in range(2))
     nodes = [subprocess.Popen(
@@ -253,7 +257,10 @@ async def test_an_answer_lost_with_its_nats_node_is_published_again(by):
     outbox, connections = None, []
     try:
         client = await _connect([port + 1])
-        services = await _connect([port, port + 1])  # on the first node while it lives
+        if node == "killed":
+            services = await _connect([port, port + 1])  # on the first node while it lives
+        else:
+            services = await _services_connection([port, port + 1])
         connections += [client, services]
         inbox = await client.subscribe("_INBOX.client.*")
         probe = await client.subscribe("_INBOX.probe")  # (its interest travels after the inbox's)
@@ -282,10 +289,11 @@ async def test_an_answer_lost_with_its_nats_node_is_published_again(by):
         answering = asyncio.create_task(answer("lost"))
         await asyncio.sleep(0.5)
         waited = not (answering.done() and not outbox.replying)  # for its echo
-        nodes[0].kill()  # the unread answer is gone with it
-        nodes[0].wait(10)
-        await asyncio.wait_for(answering, 15)
-        await asyncio.wait_for(asyncio.gather(*outbox.replying), 15)
+        if node == "killed":
+            nodes[0].kill()  # the unread answer is gone with it
+            nodes[0].wait(10)
+        await asyncio.wait_for(answering, 20)
+        await asyncio.wait_for(asyncio.gather(*outbox.replying), 20)
         answers = [decode_output(m.data) for m in await _drain(inbox, wait_s=1.0)]
         assert [(a.request_id, a.message if by == "reply" else a.text) for a in answers] \
             == [("lost", "answered")]
@@ -300,6 +308,17 @@ async def test_an_answer_lost_with_its_nats_node_is_published_again(by):
         for node in nodes:
             node.kill()
             node.wait(10)
+
+
+async def _services_connection(ports: list[int]):
+    """As a service connects (its pings), to the first of `ports`."""
+    section = NatsSection(url=",".join(f"nats://127.0.0.1:{p}" for p in ports))
+    for _ in range(50):
+        nc = await connect(section, "test")
+        if nc.connected_url.port == ports[0]:
+            return nc
+        await nc.close()
+    raise RuntimeError(f"never connected to {ports[0]}")
 
 
 async def _connect(ports: list[int]):
