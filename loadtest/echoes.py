@@ -25,7 +25,6 @@ import signal
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 import nats
 
@@ -35,7 +34,17 @@ import shared.bus
 from shared.bus import Echoes
 
 
-async def _connect(ports: list[int]):
+def clustered_pair(port: int, name: str = "e") -> list[subprocess.Popen]:
+    """Two clustered nats-servers, taking clients on `port` and `port` + 1 (`free_port(2)`)."""
+    routes = ",".join(f"nats://127.0.0.1:{port + CLUSTER_PORT_OFFSET + i}" for i in range(2))
+    return [subprocess.Popen(
+        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port + i), "--cluster_name", name,
+         "--cluster", f"nats://127.0.0.1:{port + CLUSTER_PORT_OFFSET + i}", "--routes", routes],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+
+
+async def connect_to(ports: list[int]):
+    """A connection to the first of `ports` that answers, failing over in their order."""
     for _ in range(100):
         try:
             return await nats.connect([f"nats://127.0.0.1:{p}" for p in ports],
@@ -48,14 +57,10 @@ async def _connect(ports: list[int]):
 
 async def one_kill(echoed: bool, kill_after_s: float, run_s: float) -> dict:
     port = free_port(nats_cluster=2)
-    routes = ",".join(f"nats://127.0.0.1:{port + CLUSTER_PORT_OFFSET + i}" for i in range(2))
-    nodes = [subprocess.Popen(
-        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port + i), "--cluster_name", "e",
-         "--cluster", f"nats://127.0.0.1:{port + CLUSTER_PORT_OFFSET + i}", "--routes", routes],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    nodes = clustered_pair(port)
     try:
-        subscriber = await _connect([port + 1])
-        publisher = await _connect([port, port + 1])
+        subscriber = await connect_to([port + 1])
+        publisher = await connect_to([port, port + 1])
         seen: dict[int, int] = {}
 
         async def received(msg) -> None:
@@ -116,7 +121,7 @@ async def cost(rate: int, seconds: float, echoed: bool, burst: int = 1) -> dict:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   cwd=directory)
         try:
-            nc = await _connect([port])
+            nc = await connect_to([port])
             echoes = Echoes(nc)
             payload = b"x" * 300
 

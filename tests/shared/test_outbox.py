@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 
 import msgspec
-import nats
 import nats.errors
 import pytest
 
@@ -29,7 +27,8 @@ from shared.protocol import (
 )
 from shared.request_state import ARRIVAL_HEADER, STATE_STREAM, RequestStates, request_subject
 from shared.subjects import RESULTS_STREAM, Subjects
-from services.stack import CLUSTER_PORT_OFFSET, free_port, nats_server_binary
+from loadtest.echoes import clustered_pair, connect_to
+from services.stack import free_port
 from tests.nats_server import nats_server
 
 decode_output = msgspec.json.Decoder(Completion | Error).decode
@@ -249,16 +248,12 @@ async def test_an_answer_lost_with_its_nats_node_is_published_again(by, node):
     connection (shared.bus.connect) leaves it after unanswered pings, and the answer is
     published again then."""
     port = free_port(nats_cluster=2)
-    routes = ",".join(f"nats://127.0.0.1:{port + CLUSTER_PORT_OFFSET + i}" for i in range(2))
-    nodes = [subprocess.Popen(
-        [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port + i), "--cluster_name", "t",
-         "--cluster", f"nats://127.0.0.1:{port + CLUSTER_PORT_OFFSET + i}", "--routes", routes],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    nodes = clustered_pair(port)
     outbox, connections = None, []
     try:
-        client = await _connect([port + 1])
+        client = await connect_to([port + 1])
         if node == "killed":
-            services = await _connect([port, port + 1])  # on the first node while it lives
+            services = await connect_to([port, port + 1])  # on the first node while it lives
         else:
             services = await _services_connection([port, port + 1])
         connections += [client, services]
@@ -319,14 +314,3 @@ async def _services_connection(ports: list[int]):
             return nc
         await nc.close()
     raise RuntimeError(f"never connected to {ports[0]}")
-
-
-async def _connect(ports: list[int]):
-    for _ in range(100):
-        try:
-            return await nats.connect([f"nats://127.0.0.1:{p}" for p in ports],
-                                      dont_randomize=True, connect_timeout=1,
-                                      reconnect_time_wait=0.1, max_reconnect_attempts=-1)
-        except Exception:
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"no nats-server at {ports}")
