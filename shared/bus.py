@@ -16,6 +16,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -122,6 +123,7 @@ async def connect(section: NatsSection, name: str) -> Client:
         log.info("nats server not answering yet", url=url, error=repr(exc))
 
     async def on_disconnect() -> None:
+        _CUT_OFF[nc] = nc.stats["reconnects"]  # (the old socket is closed now: Echoes.mark)
         if nc.is_closed or nc.is_draining:  # this service is stopping: expected
             log.info("nats disconnected", closing=True)
         else:
@@ -433,6 +435,11 @@ class Lapses:
 ECHO_EVERY_S = 0.0
 ECHO_LATE_S = 0.1  # an echo not back by then: the next goes out beside it, and it is looked at
 ECHO_GIVE_UP_S = 7.5  # an echo not back by then on a connection that looks alive: given up
+ECHO_AWAY_S = 60.0  # on a connection away (reconnecting) this long: given up
+# The reconnect count at which each connection made by `connect` last had its old socket
+# closed (nats-py's disconnected callback): until then, what is published while it is away
+# may still be written to the old socket (Echoes.mark).
+_CUT_OFF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _retrieved(future: asyncio.Future) -> None:
@@ -480,15 +487,21 @@ class Echoes:
 
     def mark(self) -> int:
         """Taken just before a publish: the connection that will carry it (nats-py's reconnect
-        count then; a message published while away goes out on the next connection)."""
+        count then). A message published while away goes out on the next connection, once the
+        old socket is closed (`connect` records when); before that, nats-py's flusher may
+        still write it to the old one, so it is counted on the old: at worst published twice."""
         reconnects = self.nc.stats["reconnects"]
-        return reconnects if self.nc.is_connected else reconnects + 1
+        if self.nc.is_connected or _CUT_OFF.get(self.nc) != reconnects:
+            return reconnects
+        return reconnects + 1
 
-    async def landed(self, carrier: int, deadline: float) -> bool:
+    async def landed(self, carrier: int) -> bool:
         """After a publish at `carrier` (`mark`): True once an echo published after it came
         back on that connection; False when that connection was lost first (the message may
-        be lost), or when no echo came back by `deadline` (a node that stopped without closing
-        its connections looks alive until nats-py's pings give up on it: `connect`).
+        be lost: the caller publishes it again). ConnectionError when no echo came back while
+        the connection never moved: ECHO_GIVE_UP_S on one that looks alive (a node that stopped
+        without closing its connections, until the pings of `connect` give up on it), or
+        ECHO_AWAY_S reconnecting; ConnectionClosedError once it is closed or draining.
 
         Echoes go out one at a time, as a group commit's writes do: callers join the next one,
         which goes out once the one out is back (or ECHO_LATE_S after it went, when it is not:
@@ -508,10 +521,10 @@ class Echoes:
                 self.forming.add_done_callback(_retrieved)  # (its callers may all be gone)
                 self._schedule()
             # (shielded: a caller cancelled must not cancel the echo its fellows wait on)
-            back_on = await asyncio.shield(self.forming)  # (raises if the connection closed)
+            back_on = await asyncio.shield(self.forming)  # (raises if given up on)
             if back_on is not None:
                 return back_on <= carrier
-            if self.nc.stats["reconnects"] > carrier or time.monotonic() >= deadline:
+            if self.nc.stats["reconnects"] > carrier:
                 return False
 
     def _schedule(self) -> None:
@@ -544,14 +557,21 @@ class Echoes:
 
     def _late(self, subject: str) -> None:
         """An echo not back ECHO_LATE_S after it went (or since it was last looked at): the
-        next goes out; it is given up on once its connection was lost, or after
-        ECHO_GIVE_UP_S, and looked at again meanwhile."""
+        next goes out; it ends (None) once its connection was lost, or with an error when
+        that never comes (`landed`), and is looked at again meanwhile."""
         echo = self.waiting.get(subject)
         if echo is None:
             return
-        if self.nc.stats["reconnects"] > echo.sent_on \
-                or time.monotonic() - echo.sent_at >= ECHO_GIVE_UP_S:
+        age = time.monotonic() - echo.sent_at
+        if self.nc.is_closed or self.nc.is_draining:
+            self._end(subject, nats.errors.ConnectionClosedError())
+            return
+        if self.nc.stats["reconnects"] > echo.sent_on:
             self._end(subject, None)
+            return
+        if age >= (ECHO_GIVE_UP_S if self.nc.is_connected else ECHO_AWAY_S):
+            self._end(subject, ConnectionError(
+                f"no echo came back from the NATS server in {age:.1f} s"))
             return
         echo.late = asyncio.get_running_loop().call_later(ECHO_LATE_S, self._late, subject)
         if subject == self.latest:
@@ -706,6 +726,9 @@ def cancelled_completion(item: WorkItem, executor: str = "") -> Completion:
 
 
 ANSWER_AGAIN_S = 7.5  # a claimed generate's answer is tried again this long
+# A generate's answer lost with its connection is published again on the next ones this long
+# (a claim is read against tombstones that live 60 s: TOMBSTONE_TTL).
+ANSWERS_AGAIN_FOR_S = 50.0
 STORE_AGAIN_S = 30.0  # a held durable result, this long (longer than a stream's election)
 UNENDED_KEPT_S = 600.0  # an answered request's state end is tried again this long
 
@@ -763,7 +786,7 @@ class Outbox:
     async def reply(self, subject: str, output: Error, stream: bool) -> None:
         """A generate's Error where no request state was made (admission's refusals): sent, and
         sent again while the connection that carried it was lost before an echo came back
-        (`Echoes`), beside the caller, for up to ANSWER_AGAIN_S."""
+        (`Echoes`), beside the caller, for up to ANSWERS_AGAIN_FOR_S."""
         payload, headers = json_encode(output), service_error_headers(output)
 
         async def publish() -> int:
@@ -774,10 +797,9 @@ class Outbox:
             return carrier
 
         async def land(carrier: int) -> None:
-            deadline = time.monotonic() + ANSWER_AGAIN_S
+            give_up = time.monotonic() + ANSWERS_AGAIN_FOR_S
             with contextlib.suppress(Exception):  # (nothing else to tell it by)
-                while not await self.echoes.landed(carrier, deadline) \
-                        and time.monotonic() < deadline:
+                while not await self.echoes.landed(carrier) and time.monotonic() < give_up:
                     ANSWERS_AGAIN.inc()
                     carrier = await publish()
 
@@ -835,7 +857,9 @@ class Outbox:
         holder lapsed while holding it (`WorkItem.lapsed`): it may have been handed on, its
         revoke lost. A generate's answer is not done until an echo says its NATS server took
         it (`Echoes`): one that may have been lost with its connection (a NATS node died) is
-        published again, claimed first, for up to ANSWER_AGAIN_S."""
+        published again, claimed first, on the next connections for up to
+        ANSWERS_AGAIN_FOR_S; one no echo confirms while its connection never moved is not
+        done (no Done: the lease hands its request on)."""
         claim = None
         if done and not item.durable and (item.attempt > 0 or item.lapsed):
             claim = await claim_answer(self.js, self.subjects, item.key, item.arrival_time)
@@ -848,14 +872,15 @@ class Outbox:
                 return
         try:
             carrier = await self._deliver(item, output, headers)
-            deadline = time.monotonic() + ANSWER_AGAIN_S
-            while carrier is not None and not await self.echoes.landed(carrier, deadline):
+            give_up = time.monotonic() + ANSWERS_AGAIN_FOR_S
+            # (no echo back while the connection never moved raises: no Done, below)
+            while carrier is not None and not await self.echoes.landed(carrier):
                 # Lost with the connection that carried it, maybe (Echoes): published again,
                 # claimed first as a lapsed holder's answer is (cut off, this holder may have
                 # been taken for dead and the request handed on).
-                if time.monotonic() >= deadline:
-                    raise ConnectionError("the answer's NATS server did not confirm it "
-                                          f"within {ANSWER_AGAIN_S:g} s (no echo came back)")
+                if time.monotonic() >= give_up:
+                    raise ConnectionError(f"the answer's connections kept failing for "
+                                          f"{ANSWERS_AGAIN_FOR_S:g} s; not confirmed")
                 if done and claim is None:
                     claim = await claim_answer(self.js, self.subjects, item.key,
                                                item.arrival_time)

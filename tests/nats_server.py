@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import subprocess
+import time
 
 import nats
 
@@ -37,3 +40,20 @@ async def nats_server(directory, jetstream: bool = True, **settings):
             await nc.close()
         server.terminate()
         server.wait(10)
+
+
+def freeze(server: subprocess.Popen) -> None:
+    """SIGSTOP `server`, and wait until every thread of it has stopped: from then on it reads
+    nothing (a frozen host), and what is written to it stays unread."""
+    server.send_signal(signal.SIGSTOP)
+    for _ in range(500):
+        tasks = f"/proc/{server.pid}/task"
+        states = []
+        for task in os.listdir(tasks):
+            with contextlib.suppress(OSError):
+                with open(f"{tasks}/{task}/stat") as stat:
+                    states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        if states and all(state in "Tt" for state in states):
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"nats-server {server.pid} did not stop")

@@ -7,7 +7,6 @@ to a reply subject only when it is a client inbox."""
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import msgspec
 import nats.errors
@@ -29,7 +28,7 @@ from shared.request_state import ARRIVAL_HEADER, STATE_STREAM, RequestStates, re
 from shared.subjects import RESULTS_STREAM, Subjects
 from loadtest.echoes import clustered_pair, connect_to
 from services.stack import free_port
-from tests.nats_server import nats_server
+from tests.nats_server import freeze, nats_server
 
 decode_output = msgspec.json.Decoder(Completion | Error).decode
 
@@ -280,7 +279,7 @@ async def test_an_answer_lost_with_its_nats_node_is_published_again(by, node):
         assert [decode_output(m.data).request_id for m in await _drain(inbox)] == ["live"]
         assert ANSWERS_AGAIN._value.get() == again
 
-        nodes[0].send_signal(signal.SIGSTOP)  # reads nothing more: what is written stays unread
+        freeze(nodes[0])  # reads nothing more: what is written stays unread
         answering = asyncio.create_task(answer("lost"))
         await asyncio.sleep(0.5)
         waited = not (answering.done() and not outbox.replying)  # for its echo
