@@ -31,7 +31,7 @@ import nats
 from loadtest.metrics import write_result
 from services.stack import CLUSTER_PORT_OFFSET, free_port, nats_server_binary
 import shared.bus
-from shared.bus import Echoes
+from shared.bus import Echoes, cut_off
 
 
 def clustered_pair(port: int, name: str = "e") -> list[subprocess.Popen]:
@@ -44,12 +44,19 @@ def clustered_pair(port: int, name: str = "e") -> list[subprocess.Popen]:
 
 
 async def connect_to(ports: list[int]):
-    """A connection to the first of `ports` that answers, failing over in their order."""
+    """A connection to the first of `ports` that answers, failing over in their order (and
+    telling Echoes when its old socket closed, as a service's connection does)."""
     for _ in range(100):
+        nc = nats.NATS()
+
+        async def closed(nc=nc) -> None:
+            cut_off(nc)
+
         try:
-            return await nats.connect([f"nats://127.0.0.1:{p}" for p in ports],
-                                      dont_randomize=True, connect_timeout=1,
-                                      reconnect_time_wait=0.05, max_reconnect_attempts=-1)
+            await nc.connect([f"nats://127.0.0.1:{p}" for p in ports], dont_randomize=True,
+                             connect_timeout=1, reconnect_time_wait=0.05,
+                             max_reconnect_attempts=-1, disconnected_cb=closed)
+            return nc
         except Exception:
             await asyncio.sleep(0.1)
     raise RuntimeError(f"no nats-server at {ports}")

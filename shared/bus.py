@@ -123,7 +123,7 @@ async def connect(section: NatsSection, name: str) -> Client:
         log.info("nats server not answering yet", url=url, error=repr(exc))
 
     async def on_disconnect() -> None:
-        _CUT_OFF[nc] = nc.stats["reconnects"]  # (the old socket is closed now: Echoes.mark)
+        cut_off(nc)
         if nc.is_closed or nc.is_draining:  # this service is stopping: expected
             log.info("nats disconnected", closing=True)
         else:
@@ -442,6 +442,13 @@ ECHO_AWAY_S = 60.0  # on a connection away (reconnecting) this long: given up
 _CUT_OFF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def cut_off(nc: Client) -> None:
+    """Called by a connection's disconnected callback (`connect`'s does): its old socket is
+    closed, so what is published now goes out on the next connection (Echoes.mark); on a
+    connection whose callback does not call this, it is counted on the old one."""
+    _CUT_OFF[nc] = nc.stats["reconnects"]
+
+
 def _retrieved(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
@@ -452,6 +459,7 @@ class _Echo:
     back: asyncio.Future  # the reconnect count it came back at; None: given up on
     sent_on: int  # the connection that carried it (`Echoes.mark`)
     sent_at: float
+    live_since: float  # since when its connection looked alive (its 7.5 s count from here)
     late: asyncio.TimerHandle | None = None
 
 
@@ -546,7 +554,7 @@ class Echoes:
             return
         subject = self.latest = f"{self.inbox}.{next(self.ids)}"
         self.sent_at = time.monotonic()
-        echo = self.waiting[subject] = _Echo(back, self.mark(), self.sent_at)
+        echo = self.waiting[subject] = _Echo(back, self.mark(), self.sent_at, self.sent_at)
         echo.late = asyncio.get_running_loop().call_later(ECHO_LATE_S, self._late, subject)
         try:
             await self.nc.publish(subject, b"")
@@ -562,16 +570,18 @@ class Echoes:
         echo = self.waiting.get(subject)
         if echo is None:
             return
-        age = time.monotonic() - echo.sent_at
+        now = time.monotonic()
         if self.nc.is_closed or self.nc.is_draining:
             self._end(subject, nats.errors.ConnectionClosedError())
             return
         if self.nc.stats["reconnects"] > echo.sent_on:
             self._end(subject, None)
             return
-        if age >= (ECHO_GIVE_UP_S if self.nc.is_connected else ECHO_AWAY_S):
+        if not self.nc.is_connected:
+            echo.live_since = now
+        if now - echo.live_since >= ECHO_GIVE_UP_S or now - echo.sent_at >= ECHO_AWAY_S:
             self._end(subject, ConnectionError(
-                f"no echo came back from the NATS server in {age:.1f} s"))
+                f"no echo came back from the NATS server in {now - echo.sent_at:.1f} s"))
             return
         echo.late = asyncio.get_running_loop().call_later(ECHO_LATE_S, self._late, subject)
         if subject == self.latest:
@@ -799,9 +809,11 @@ class Outbox:
         async def land(carrier: int) -> None:
             give_up = time.monotonic() + ANSWERS_AGAIN_FOR_S
             with contextlib.suppress(Exception):  # (nothing else to tell it by)
-                while not await self.echoes.landed(carrier) and time.monotonic() < give_up:
+                again = False  # (once at least, however long the first wait)
+                while not await self.echoes.landed(carrier) \
+                        and not (again and time.monotonic() >= give_up):
                     ANSWERS_AGAIN.inc()
-                    carrier = await publish()
+                    carrier, again = await publish(), True
 
         task = asyncio.create_task(land(await publish()))
         self.replying.add(task)
@@ -872,13 +884,13 @@ class Outbox:
                 return
         try:
             carrier = await self._deliver(item, output, headers)
-            give_up = time.monotonic() + ANSWERS_AGAIN_FOR_S
+            give_up, again = time.monotonic() + ANSWERS_AGAIN_FOR_S, False
             # (no echo back while the connection never moved raises: no Done, below)
             while carrier is not None and not await self.echoes.landed(carrier):
                 # Lost with the connection that carried it, maybe (Echoes): published again,
                 # claimed first as a lapsed holder's answer is (cut off, this holder may have
                 # been taken for dead and the request handed on).
-                if time.monotonic() >= give_up:
+                if again and time.monotonic() >= give_up:  # (once at least)
                     raise ConnectionError(f"the answer's connections kept failing for "
                                           f"{ANSWERS_AGAIN_FOR_S:g} s; not confirmed")
                 if done and claim is None:
@@ -891,7 +903,7 @@ class Outbox:
                 ANSWERS_AGAIN.inc()
                 log.info("a final answer published again: its NATS connection was lost before "
                          "the server took it", tenant=item.tenant, request_id=item.request_id)
-                carrier = await self._deliver(item, output, headers)
+                carrier, again = await self._deliver(item, output, headers), True
         except Exception as exc:
             refused = exc if _refused_for_good(exc) else None
             if refused is None:

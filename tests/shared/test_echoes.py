@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+import shared.bus
 from services.stack import free_port, nats_server_binary
 from shared.bus import Echoes, connect
 from shared.config import NatsSection
@@ -54,10 +55,11 @@ async def test_a_cancelled_caller_leaves_the_shared_echo_to_the_others(nc):
         await first
 
 
-async def test_a_publish_while_away_lands_on_the_next_connection(tmp_path):
+async def test_a_publish_while_away_lands_on_the_next_connection(tmp_path, monkeypatch):
     """The server restarts on its port: what was published while the connection was away goes
     out on the next one, and its echo after it; a publish before the loss, with its echo
-    lost, is not called landed."""
+    lost, is not called landed. Away longer than a live connection's give-up (here 0.2 s), the
+    echo sent meanwhile is still waited for: that count starts once the connection is back."""
     port = free_port()
 
     def start():
@@ -84,10 +86,13 @@ async def test_a_publish_while_away_lands_on_the_next_connection(tmp_path):
             await asyncio.sleep(0.05)
         away = echoes.mark()
         assert not nc.is_connected and away == before + 1  # (goes out on the next connection)
+        monkeypatch.setattr(shared.bus, "ECHO_GIVE_UP_S", 0.2)
         await nc.publish("_INBOX.client.away", b"answer")
+        landing_away = asyncio.create_task(echoes.landed(away))
+        await asyncio.sleep(0.5)  # (away past the give-up)
         server = start()
         assert await asyncio.wait_for(landing, 12) is False
-        assert await echoes.landed(away) is True
+        assert await asyncio.wait_for(landing_away, 12) is True
     finally:
         if nc is not None:
             await nc.close()
