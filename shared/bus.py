@@ -797,14 +797,8 @@ class Outbox:
         """A generate's Error where no request state was made (admission's refusals): sent, and
         sent again while the connection that carried it was lost before an echo came back
         (`Echoes`), beside the caller, for up to ANSWERS_AGAIN_FOR_S."""
-        payload, headers = json_encode(output), service_error_headers(output)
-
         async def publish() -> int:
-            carrier = self.echoes.mark()
-            await self.nc.publish(subject, payload, headers=headers)
-            if stream:
-                await self.nc.publish(subject, b"")  # end of a request-many stream
-            return carrier
+            return await self._answer(subject, output, None, stream)
 
         async def land(carrier: int) -> None:
             give_up = time.monotonic() + ANSWERS_AGAIN_FOR_S
@@ -982,14 +976,20 @@ class Outbox:
         if item.durable:
             await self.store_result(item.tenant, item.request_id, output, headers)
         elif reply_to := self.reply_to(item):
-            if isinstance(output, Error):
-                headers = {**(headers or {}), **service_error_headers(output)}
-            carrier = self.echoes.mark()
-            await self.nc.publish(reply_to, json_encode(output), headers=headers)
-            if item.request.stream:
-                await self.nc.publish(reply_to, b"")  # end of a request-many stream
-            return carrier
+            return await self._answer(reply_to, output, headers, item.request.stream)
         return None
+
+    async def _answer(self, subject: str, output: Completion | Error,
+                      headers: dict[str, str] | None, stream: bool) -> int:
+        """A generate's final answer to its client's inbox (an Error's headers say so; a
+        stream's empty sentinel ends it); the connection that carried it (`Echoes.mark`)."""
+        if isinstance(output, Error):
+            headers = {**(headers or {}), **service_error_headers(output)}
+        carrier = self.echoes.mark()
+        await self.nc.publish(subject, json_encode(output), headers=headers)
+        if stream:
+            await self.nc.publish(subject, b"")  # end of a request-many stream
+        return carrier
 
 
 def done_of(item: WorkItem, output: Completion | Error) -> Done:
