@@ -149,7 +149,11 @@ class PriorityService:
         """Stop taking work; whoever waits here is told now rather than left to time out
         (durable requests are not: admission has them run again)."""
         await while_connected(self.nc, self.service.stop(), 5.0)
-        await cancel_all([*self.tasks, *self.pulls])
+        # The holding reports go on until the last answer is sent: a request whose answer
+        # waits on its echo is still held here, and a lease that lapsed meanwhile would hand
+        # it on.
+        holding = [task for task in self.tasks if task.get_name() == "holding"]
+        await cancel_all([*(task for task in self.tasks if task not in holding), *self.pulls])
         try:  # admission stops refusing on this queue's account at once
             await self.nc.publish(self.subjects.backpressure, encode(Backpressure()))
         except Exception as exc:
@@ -164,6 +168,7 @@ class PriorityService:
         if self.answering:
             await asyncio.wait(list(self.answering), timeout=10)
             await cancel_all(list(self.answering))
+        await cancel_all(holding)
 
     async def report_backpressure(self) -> None:
         """Tell admission which tenants' new requests the full queue refuses (Backpressure), on
