@@ -93,6 +93,9 @@ class ModelSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # model's.
     tokenizer: str | None = None
     num_threads: Annotated[int, msgspec.Meta(ge=1)] | None = None  # torch intra-op threads on CPU
+    # On a CPU: one torch thread fewer for each core other processes keep busy, down to one
+    # (services/executor/engine/cpu_share.py); num_threads (or torch's default) is the most.
+    adaptive_threads: bool = True
 
 
 class KvCacheSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -107,6 +107,9 @@ class Observer:
                     stats.prompt_tokens, labels),
             Reading("counter", "generation_tokens", "Tokens generated", stats.generated_tokens,
                     labels),
+            *([Reading("gauge", "cpu_threads", "Torch threads of the CPU engine's steps (one "
+                       "fewer for each core other processes keep busy)", engine.torch_threads,
+                       labels)] if engine.torch_threads is not None else []),
         ]
 
 

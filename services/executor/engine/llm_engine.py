@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.executor.engine.block_manager import BlockManager, KvPools
+from services.executor.engine.cpu_share import CpuShare
 from shared.preprocess import admitted, check_model, prompt_token_ids
 from services.executor.engine.request_state import RequestState
 from services.executor.engine.scheduler import Scheduler
@@ -118,6 +119,10 @@ class Engine:
         # OpenMP thread team per calling thread would leave two teams on the cores, and each
         # parallel op then waits ~40 us for its workers to wake instead of ~3 us.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # Fewer torch threads while other processes keep the cores busy (cpu_share.py): set
+        # on a CPU engine below.
+        self.cpu_share: CpuShare | None = None
+        self.torch_threads: int | None = None  # the model thread's count, as last set by it
         simulated = config.model.name.startswith("sim:")
         if simulated:  # no weights, no tensors: the host's clock stands in for the device
             self.device, self.dtype = None, None
@@ -174,6 +179,8 @@ class Engine:
                                                 config.kv_cache.huge_pages)
             self.on_model_thread(self.runner.warm_up)
             self.matmuls = model.matmuls()
+            if self.device.type == "cpu" and config.model.adaptive_threads:
+                self.cpu_share = CpuShare(self.on_model_thread(torch.get_num_threads))
         self.kv_pool_dtypes = [self.kv_dtype_name, "int8"][
             :len(self.pool_sizes)]
         if len(self.pool_sizes) == 1:
@@ -204,6 +211,7 @@ class Engine:
                 import torch
 
                 torch.set_num_threads(self.config.model.num_threads)
+                self.torch_threads = None  # (the next step sets cpu_share's again)
             return fn(*args)
         return self._worker.submit(call).result()
 
@@ -512,6 +520,8 @@ class Engine:
 
     def _execute(self, inputs, step: _Step) -> list[int]:
         """Model thread."""
+        if self.cpu_share is not None:
+            self._follow_cpu_share()
         start = step.started = time.perf_counter()
         sampled = self.runner.execute(inputs)
         end = time.perf_counter()
@@ -523,6 +533,18 @@ class Engine:
         stats.model_busy_s += end - start
         stats.steps += 1
         return sampled
+
+    def _follow_cpu_share(self) -> None:
+        """Model thread: torch's thread count as `cpu_share` picks it."""
+        threads = self.cpu_share.threads()
+        if threads != self.torch_threads:
+            import torch
+
+            if self.torch_threads is not None:
+                log.info("torch threads: %d of %d (other processes kept %.2f cores busy)",
+                         threads, self.cpu_share.most, self.cpu_share.others)
+            torch.set_num_threads(threads)
+            self.torch_threads = threads
 
     def _process(self, step: _Step, sampled: list[int]) -> None:
         for seq, token in zip(step.sampling_seqs, sampled):
