@@ -4,9 +4,9 @@ Every parallel op of a CPU step (a matmul, attention, a norm) ends in a barrier:
 threads wait there for the slowest. A thread that shares its core with a process that is always
 runnable (a benchmark client pacing in a busy loop, a build, a neighbour's job) runs only in the
 scheduler's time slices, and every barrier then waits out a slice of milliseconds: on a 2-core
-host one busy process made a single stream's TPOT 16-31x worse with two threads (33 ms ->
-540-1,024 ms), where one thread gave 61-70 ms (BENCHMARKS.md, "A busy neighbour"). Processes
-that sleep between bursts cost only their share (a 50 % duty cycle: 41 -> 65 ms).
+host beside one busy process a single stream's TPOT was 132 ms with two threads and 55 ms with
+one, and under aiperf (whose pacer keeps a core busy) streaming ITL 1,147 ms against 95
+(BENCHMARKS.md, "A busy neighbour"). Processes that sleep between bursts cost only their share.
 
 `CpuShare` reads, at most once an interval, how busy this process's CPUs (its affinity) were
 over the last interval, less this process's own CPU time, and picks
