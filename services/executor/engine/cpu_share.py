@@ -11,7 +11,8 @@ one, and under aiperf (whose pacer keeps a core busy) streaming ITL 1,147 ms aga
 `CpuShare` reads, at most once an interval, how busy this process's CPUs (its affinity) were
 over the last interval, less this process's own CPU time, and picks
 `cpus - round(others)` threads, at least one and at most the configured count. A new count holds
-only when two intervals in a row agree, so a single burst does not move it. Not seen: CPU time
+only when two intervals in a row agree, so a single burst does not move it, or when one interval
+was as long as two (the engine ran no step meanwhile: the count of before is stale). Not seen: CPU time
 that a cgroup quota takes (a container's `--cpus` without a cpuset); the steal time of a VM's
 host is counted as busy."""
 
@@ -76,7 +77,9 @@ class CpuShare:
         wanted = self.pick(self.others)
         if wanted == self.current:
             self._pending = None
-        elif wanted == self._pending:  # two intervals in a row
+        elif wanted == self._pending or now - then >= 2 * self.interval_s:
+            # Two intervals in a row agree, or one as long (no step ran for a while: the
+            # count of before the pause is stale)
             self.current, self._pending = wanted, None
         else:
             self._pending = wanted
