@@ -153,22 +153,25 @@ class PriorityService:
         # waits on its echo is still held here, and a lease that lapsed meanwhile would hand
         # it on.
         holding = [task for task in self.tasks if task.get_name() == "holding"]
-        await cancel_all([*(task for task in self.tasks if task not in holding), *self.pulls])
-        try:  # admission stops refusing on this queue's account at once
-            await self.nc.publish(self.subjects.backpressure, encode(Backpressure()))
-        except Exception as exc:
-            log.info("could not withdraw backpressure", error=repr(exc))
-        self.collector.unregister()
-        self.lapses.check()
-        for item in self.queue.take(list(range(len(self.queue)))):
-            if not item.durable:
-                await self.answer(item, Error(
-                    request_id=item.request_id, code="overloaded",
-                    message="the priority service is shutting down; retry"))
-        if self.answering:
-            await asyncio.wait(list(self.answering), timeout=10)
-            await cancel_all(list(self.answering))
-        await cancel_all(holding)
+        try:
+            await cancel_all([*(task for task in self.tasks if task not in holding),
+                              *self.pulls])
+            try:  # admission stops refusing on this queue's account at once
+                await self.nc.publish(self.subjects.backpressure, encode(Backpressure()))
+            except Exception as exc:
+                log.info("could not withdraw backpressure", error=repr(exc))
+            self.collector.unregister()
+            self.lapses.check()
+            for item in self.queue.take(list(range(len(self.queue)))):
+                if not item.durable:
+                    await self.answer(item, Error(
+                        request_id=item.request_id, code="overloaded",
+                        message="the priority service is shutting down; retry"))
+            if self.answering:
+                await asyncio.wait(list(self.answering), timeout=10)
+                await cancel_all(list(self.answering))
+        finally:
+            await cancel_all(holding)
 
     async def report_backpressure(self) -> None:
         """Tell admission which tenants' new requests the full queue refuses (Backpressure), on

@@ -8,13 +8,21 @@ host beside one busy process a single stream's TPOT was 132 ms with two threads 
 one, and under aiperf (whose pacer keeps a core busy) streaming ITL 1,147 ms against 95
 (BENCHMARKS.md, "A busy neighbour"). Processes that sleep between bursts cost only their share.
 
-`CpuShare` reads, at most once an interval, how busy this process's CPUs (its affinity) were
-over the last interval, less this process's own CPU time, and picks
-`cpus - round(others)` threads, at least one and at most the configured count. A new count holds
-only when two intervals in a row agree, so a single burst does not move it, or when one interval
-was as long as two (the engine ran no step meanwhile: the count of before is stale). Not seen: CPU time
-that a cgroup quota takes (a container's `--cpus` without a cpuset); the steal time of a VM's
-host is counted as busy."""
+`CpuShare` reads, at most once an interval, how busy this process's CPUs (its affinity, read
+again each time) were over the last interval, less this process's own CPU time: `others`, in
+cores. Niced processes are not counted (the scheduler hands their core to a thread of ours at
+once); a VM host's steal time is. The count is `cpus - round(others)`, at least one, at most the
+configured count (kept whole while nothing else keeps a core busy):
+
+- it goes down at once: a thread too many beside a busy process costs far more than one too few;
+- it goes up only when the cores have been free for `hold_s` (two intervals; a reading that
+  covers a longer pause, the engine idle, counts its whole length), and with a margin (others
+  at most 0.3 of a core for the last thread back, where 0.5 takes it);
+- a fall within FLAP_S of a rise doubles `hold_s` (up to MAX_HOLD_INTERVALS intervals), so that
+  executors sharing a host, each counting the others as busy, or a neighbour busy in cycles of a
+  few seconds, move it rarely rather than in step with each other.
+
+Not seen: CPU time that a cgroup quota takes (a container's `--cpus` without a cpuset)."""
 
 from __future__ import annotations
 
@@ -22,48 +30,61 @@ import math
 import os
 import time
 
-# /proc/stat's columns: user nice system idle iowait irq softirq steal (guest time is inside user)
-_IDLE_COLUMNS = (3, 4)
-_BUSY_COLUMNS = 8
+# /proc/stat's per-CPU columns: user nice system idle iowait irq softirq steal (guest time is
+# inside user). Busy: all but nice, idle and iowait.
+_BUSY = (0, 2, 5, 6, 7)
+RAISE_MARGIN = 0.2  # cores: others must be this much lower for a thread to come back
+FLAP_S = 30.0
+MAX_HOLD_INTERVALS = 32
 
 
-def _cpus_busy_s(cpus: frozenset[int], ticks_per_s: float) -> float | None:
-    """CPU seconds `cpus` have spent busy since boot (None: /proc/stat unreadable)."""
-    total = 0
+def _busy_by_cpu() -> dict[int, int] | None:
+    """Busy ticks since boot of each CPU /proc/stat lists (None: unreadable)."""
+    busy = {}
     try:
         with open("/proc/stat", "rb") as stat:
             for line in stat:
-                if not line.startswith(b"cpu") or not line[3:4].isdigit():
-                    continue
+                if not line.startswith(b"cpu"):
+                    break  # (the per-CPU lines come first)
+                if not line[3:4].isdigit():
+                    continue  # the sum over all CPUs
                 name, *columns = line.split()
-                if int(name[3:]) in cpus:
-                    values = [int(v) for v in columns[:_BUSY_COLUMNS]]
-                    total += sum(values) - sum(values[i] for i in _IDLE_COLUMNS)
-    except (OSError, ValueError):
+                busy[int(name[3:])] = sum(int(columns[i]) for i in _BUSY)
+    except (OSError, ValueError, IndexError):
         return None
-    return total / ticks_per_s
+    return busy
 
 
 class CpuShare:
     """The thread count for this process's next CPU step (`threads`, cheap between intervals).
     `most`: the count to use while nothing else runs on these CPUs."""
 
-    def __init__(self, most: int, interval_s: float = 1.0, cpus: frozenset[int] | None = None):
+    def __init__(self, most: int, interval_s: float = 1.0):
         self.most = max(1, most)
         self.interval_s = interval_s
-        self.cpus = cpus if cpus is not None else frozenset(os.sched_getaffinity(0))
+        self.hold_s = 2 * interval_s
         self.ticks_per_s = float(os.sysconf("SC_CLK_TCK"))
         self.current = self.most
-        self.others = 0.0  # cores other processes kept busy over the last interval
-        self._pending: int | None = None
+        self.others = 0.0  # cores other processes kept busy over the last reading
+        self.cpus: frozenset[int] = frozenset()
+        self._up_since: float | None = None  # since when a higher count has been wanted
+        self._up_to = self.most
+        self._raised_at = -math.inf
         self._last = self._sample()
         self.enabled = self._last is not None
+        if self._last is not None:
+            self.cpus = self._last[3]
 
-    def _sample(self) -> tuple[float, float, float] | None:
-        busy = _cpus_busy_s(self.cpus, self.ticks_per_s)
+    def _sample(self) -> tuple[float, float, float, frozenset[int]] | None:
+        """(now, busy CPU seconds of this process's CPUs, own CPU seconds, those CPUs)."""
+        busy = _busy_by_cpu()
         if busy is None:
             return None
-        return time.monotonic(), busy, time.process_time()
+        cpus = frozenset(os.sched_getaffinity(0)) & busy.keys()
+        if not cpus:
+            return None
+        return (time.monotonic(), sum(busy[c] for c in cpus) / self.ticks_per_s,
+                time.process_time(), cpus)
 
     def threads(self) -> int:
         if not self.enabled or time.monotonic() - self._last[0] < self.interval_s:
@@ -71,20 +92,40 @@ class CpuShare:
         sample = self._sample()
         if sample is None:
             return self.current
-        (then, busy_then, own_then), (now, busy, own) = self._last, sample
-        self._last = sample
-        self.others = max(0.0, ((busy - busy_then) - (own - own_then)) / (now - then))
-        wanted = self.pick(self.others)
-        if wanted == self.current:
-            self._pending = None
-        elif wanted == self._pending or now - then >= 2 * self.interval_s:
-            # Two intervals in a row agree, or one as long (no step ran for a while: the
-            # count of before the pause is stale)
-            self.current, self._pending = wanted, None
+        (then, busy_then, own_then, cpus_then), (now, busy, own, cpus) = self._last, sample
+        self._last, self.cpus = sample, cpus
+        if cpus != cpus_then:  # the affinity, or the CPUs online, changed: sums not comparable
+            self._up_since = None
+            return self.current
+        return self.decide(then, now, max(0.0, ((busy - busy_then) - (own - own_then))
+                                          / (now - then)))
+
+    def decide(self, then: float, now: float, others: float) -> int:
+        """The count after a reading of `others` cores busy from `then` to `now`."""
+        self.others = others
+        lower = self.pick(self.others)
+        if lower < self.current:
+            flapping = now - self._raised_at < FLAP_S
+            self.hold_s = min(2 * self.hold_s, MAX_HOLD_INTERVALS * self.interval_s) \
+                if flapping else 2 * self.interval_s
+            self.current, self._up_since = lower, None
+            return self.current
+        higher = self.pick(self.others + RAISE_MARGIN)
+        if higher <= self.current:
+            self._up_since = None
+            return self.current
+        if self._up_since is None:
+            self._up_since, self._up_to = then, higher
         else:
-            self._pending = wanted
+            self._up_to = min(self._up_to, higher)
+        if now - self._up_since >= self.hold_s:
+            self.current, self._up_since, self._raised_at = self._up_to, None, now
         return self.current
 
     def pick(self, others: float) -> int:
-        """The count for `others` cores kept busy by other processes."""
-        return max(1, min(self.most, len(self.cpus) - math.floor(others + 0.5)))
+        """The count for `others` cores kept busy by other processes (on this process's CPUs
+        as last read)."""
+        taken = math.floor(others + 0.5)
+        if taken == 0:
+            return self.most
+        return max(1, min(self.most, len(self.cpus) - taken))

@@ -122,7 +122,7 @@ class Engine:
         # Fewer torch threads while other processes keep the cores busy (cpu_share.py): set
         # on a CPU engine below.
         self.cpu_share: CpuShare | None = None
-        self.torch_threads: int | None = None  # the model thread's count, as last set by it
+        self._threads_set: int | None = None  # the model thread's count, as it last set it
         simulated = config.model.name.startswith("sim:")
         if simulated:  # no weights, no tensors: the host's clock stands in for the device
             self.device, self.dtype = None, None
@@ -180,7 +180,8 @@ class Engine:
             self.on_model_thread(self.runner.warm_up)
             self.matmuls = model.matmuls()
             if self.device.type == "cpu" and config.model.adaptive_threads:
-                self.cpu_share = CpuShare(self.on_model_thread(torch.get_num_threads))
+                share = CpuShare(self.on_model_thread(torch.get_num_threads))
+                self.cpu_share = share if share.enabled else None  # (no /proc/stat: as set)
         self.kv_pool_dtypes = [self.kv_dtype_name, "int8"][
             :len(self.pool_sizes)]
         if len(self.pool_sizes) == 1:
@@ -211,7 +212,7 @@ class Engine:
                 import torch
 
                 torch.set_num_threads(self.config.model.num_threads)
-                self.torch_threads = None  # (the next step sets cpu_share's again)
+                self._threads_set = None  # (the next step sets cpu_share's again)
             return fn(*args)
         return self._worker.submit(call).result()
 
@@ -537,14 +538,20 @@ class Engine:
     def _follow_cpu_share(self) -> None:
         """Model thread: torch's thread count as `cpu_share` picks it."""
         threads = self.cpu_share.threads()
-        if threads != self.torch_threads:
+        if threads != self._threads_set:
             import torch
 
-            if self.torch_threads is not None:
+            if self._threads_set is not None:
                 log.info("torch threads: %d of %d (other processes kept %.2f cores busy)",
                          threads, self.cpu_share.most, self.cpu_share.others)
             torch.set_num_threads(threads)
-            self.torch_threads = threads
+            self._threads_set = threads
+
+    @property
+    def torch_threads(self) -> int | None:
+        """A CPU engine's thread count for its steps as `cpu_share` picks it (None: no
+        cpu_share: model.adaptive_threads off, or not a CPU engine)."""
+        return None if self.cpu_share is None else self.cpu_share.current
 
     def _process(self, step: _Step, sampled: list[int]) -> None:
         for seq, token in zip(step.sampling_seqs, sampled):
