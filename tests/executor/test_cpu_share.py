@@ -53,6 +53,16 @@ def test_down_at_once_up_after_the_hold_with_a_margin():
     assert share.decide(40, 45, 0.05) == 2
 
 
+def test_with_every_core_busy_the_others_share_is_scaled_by_this_ones_shortfall():
+    """Three executors with two threads each on four cores: each gets 1.6 and reads 2.4
+    cores of others, which would round to two and keep it oversubscribed."""
+    share = share_of(2, 4)
+    assert share.others_of(busy=4.0, mine=1.6) == pytest.approx(3.0)
+    assert share.pick(share.others_of(busy=4.0, mine=1.6)) == 1
+    assert share.others_of(busy=3.0, mine=1.6) == pytest.approx(1.4)  # a core idle: as read
+    assert share.others_of(busy=4.0, mine=2.0) == pytest.approx(2.0)  # not short
+
+
 def test_a_fall_soon_after_a_rise_doubles_the_hold():
     """Executors sharing a host, each counting the others as busy, or a neighbour busy in
     cycles: the count moves ever more rarely rather than in step with them."""
@@ -68,6 +78,19 @@ def test_a_fall_soon_after_a_rise_doubles_the_hold():
     assert holds == [2, 4, 8, 16, 32, 32, 32]
     share.decide(t + 100, t + 101, 1.0)  # long after the last rise: not a flap
     assert share.hold_s == 2
+    t += 101
+    assert share.decide(t, t + 1, 0.0) == 1 and share.decide(t + 1, t + 2, 0.0) == 2
+
+
+def test_a_neighbour_busy_in_cycles_does_not_keep_the_count_down():
+    """Busy 2 s in every 10: each fall comes long after the rise before it (no flap), so the
+    count comes back after two free seconds every cycle."""
+    share = share_of(2, 2)
+    counts = []
+    for t in range(100):
+        counts.append(share.decide(t, t + 1, 1.0 if t % 10 < 2 else 0.0))
+    assert share.hold_s == 2
+    assert sum(c == 2 for c in counts) >= 50, counts
 
 
 @contextlib.contextmanager

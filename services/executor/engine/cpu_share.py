@@ -18,9 +18,12 @@ configured count (kept whole while nothing else keeps a core busy):
 - it goes up only when the cores have been free for `hold_s` (two intervals; a reading that
   covers a longer pause, the engine idle, counts its whole length), and with a margin (others
   at most 0.3 of a core for the last thread back, where 0.5 takes it);
-- a fall within FLAP_S of a rise doubles `hold_s` (up to MAX_HOLD_INTERVALS intervals), so that
-  executors sharing a host, each counting the others as busy, or a neighbour busy in cycles of a
-  few seconds, move it rarely rather than in step with each other.
+- a fall within FLAP_INTERVALS of a rise (the rise caused it: executors sharing a host, each
+  counting the others as busy) doubles `hold_s` (up to MAX_HOLD_INTERVALS intervals, a quarter
+  more at random), so that they move it rarely, and apart; a later fall sets it back;
+- with every core busy and this process short of its threads, what the others got is scaled
+  up by that shortfall: they wanted more (oversubscribed executors would each read a share
+  that rounds down, and stay so).
 
 Not seen: CPU time that a cgroup quota takes (a container's `--cpus` without a cpuset)."""
 
@@ -28,14 +31,16 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import time
 
 # /proc/stat's per-CPU columns: user nice system idle iowait irq softirq steal (guest time is
 # inside user). Busy: all but nice, idle and iowait.
 _BUSY = (0, 2, 5, 6, 7)
 RAISE_MARGIN = 0.2  # cores: others must be this much lower for a thread to come back
-FLAP_S = 30.0
+FLAP_INTERVALS = 3  # a fall this soon after a rise: the rise caused it (another executor's)
 MAX_HOLD_INTERVALS = 32
+SATURATED = 0.95  # of the CPUs busy: what other processes got is less than they wanted
 
 
 def _busy_by_cpu() -> dict[int, int] | None:
@@ -62,7 +67,7 @@ class CpuShare:
     def __init__(self, most: int, interval_s: float = 1.0):
         self.most = max(1, most)
         self.interval_s = interval_s
-        self.hold_s = 2 * interval_s
+        self.hold_s = self._hold_now = 2 * interval_s
         self.ticks_per_s = float(os.sysconf("SC_CLK_TCK"))
         self.current = self.most
         self.others = 0.0  # cores other processes kept busy over the last reading
@@ -80,7 +85,10 @@ class CpuShare:
         busy = _busy_by_cpu()
         if busy is None:
             return None
-        cpus = frozenset(os.sched_getaffinity(0)) & busy.keys()
+        try:  # (the process's: the model thread's own may be bound to one CPU by OpenMP)
+            cpus = frozenset(os.sched_getaffinity(os.getpid())) & busy.keys()
+        except OSError:
+            return None
         if not cpus:
             return None
         return (time.monotonic(), sum(busy[c] for c in cpus) / self.ticks_per_s,
@@ -94,20 +102,34 @@ class CpuShare:
             return self.current
         (then, busy_then, own_then, cpus_then), (now, busy, own, cpus) = self._last, sample
         self._last, self.cpus = sample, cpus
-        if cpus != cpus_then:  # the affinity, or the CPUs online, changed: sums not comparable
+        if cpus != cpus_then or now <= then:  # the affinity, or the CPUs online, changed
             self._up_since = None
             return self.current
-        return self.decide(then, now, max(0.0, ((busy - busy_then) - (own - own_then))
-                                          / (now - then)))
+        return self.decide(then, now, self.others_of((busy - busy_then) / (now - then),
+                                                     (own - own_then) / (now - then)))
+
+    def others_of(self, busy: float, mine: float) -> float:
+        """Cores other processes keep busy, from the cores busy on this process's CPUs and
+        this process's own, over a reading."""
+        others = max(0.0, busy - mine)
+        if busy >= SATURATED * len(self.cpus) and 0 < mine < self.current:
+            # Every core busy and this process's threads short of theirs: the others got less
+            # than they would have taken (three executors on four cores, two threads each,
+            # read 2.4 cores each of others, round it to 2 and stay oversubscribed).
+            others *= self.current / mine
+        return others
 
     def decide(self, then: float, now: float, others: float) -> int:
         """The count after a reading of `others` cores busy from `then` to `now`."""
         self.others = others
         lower = self.pick(self.others)
         if lower < self.current:
-            flapping = now - self._raised_at < FLAP_S
+            flapping = now - self._raised_at < FLAP_INTERVALS * self.interval_s
             self.hold_s = min(2 * self.hold_s, MAX_HOLD_INTERVALS * self.interval_s) \
                 if flapping else 2 * self.interval_s
+            # (a quarter at random on top: executors that fell together rise apart)
+            self._hold_now = self.hold_s * random.uniform(1.0, 1.25) if flapping \
+                else self.hold_s
             self.current, self._up_since = lower, None
             return self.current
         higher = self.pick(self.others + RAISE_MARGIN)
@@ -118,7 +140,7 @@ class CpuShare:
             self._up_since, self._up_to = then, higher
         else:
             self._up_to = min(self._up_to, higher)
-        if now - self._up_since >= self.hold_s:
+        if now - self._up_since >= self._hold_now:
             self.current, self._up_since, self._raised_at = self._up_to, None, now
         return self.current
 
