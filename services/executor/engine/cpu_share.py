@@ -4,8 +4,8 @@ Every parallel op of a CPU step (a matmul, attention, a norm) ends in a barrier:
 threads wait there for the slowest. A thread that shares its core with a process that is always
 runnable (a benchmark client pacing in a busy loop, a build, a neighbour's job) runs only in the
 scheduler's time slices, and every barrier then waits out a slice of milliseconds: on a 2-core
-host beside one busy process a single stream's TPOT was 132 ms with two threads and 55 ms with
-one, and under aiperf (whose pacer keeps a core busy) streaming ITL 1,147 ms against 95
+host beside one busy process a single stream's TPOT was 103 ms with two threads and 43 ms with
+one, and under aiperf (whose pacer keeps a core busy) streaming ITL 1,037 ms against 69
 (BENCHMARKS.md, "A busy neighbour"). Processes that sleep between bursts cost only their share.
 
 `CpuShare` reads, at most once an interval, how busy this process's CPUs (its affinity, read
