@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.metrics import write_result
+from loadtest.metrics import child_result, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"on": {"model.adaptive_threads": True}, "off": {"model.adaptive_threads": False}}
@@ -70,14 +70,9 @@ async def measure(settings: dict, tokens: int, requests: int, settle_s: float) -
 
 
 def one_run(settings: dict, tokens: int, requests: int, settle_s: float) -> dict:
-    done = subprocess.run([sys.executable, "-m", "loadtest.busy_neighbour", "--one",
-                           json.dumps(settings), "--tokens", str(tokens), "--requests",
-                           str(requests), "--settle-s", str(settle_s)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"a run with {settings} exited {done.returncode}:\n"
-                         f"{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_result([sys.executable, "-m", "loadtest.busy_neighbour", "--one",
+                         json.dumps(settings), "--tokens", str(tokens), "--requests",
+                         str(requests), "--settle-s", str(settle_s)], str(settings), ROOT, 1800)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from loadtest.metrics import write_result
+from loadtest.metrics import child_result, write_result
 
 VARIANTS = {  # name -> settings over the shipped defaults
     "default": {},
@@ -55,13 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def one_run(settings: dict, long_lengths: list[int] = (), counts: list[int] = ()) -> dict:
-    done = subprocess.run([sys.executable, "-c", ONE_RUN, json.dumps(settings),
-                           json.dumps(list(long_lengths)), json.dumps(list(counts))], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"a run with {settings} exited {done.returncode}:\n"
-                         f"{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_result([sys.executable, "-c", ONE_RUN, json.dumps(settings),
+                         json.dumps(list(long_lengths)), json.dumps(list(counts))],
+                        str(settings), ROOT, 900)
 
 
 def main(argv: list[str] | None = None) -> int:

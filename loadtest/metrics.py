@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -214,3 +215,13 @@ def write_result(path: str | Path, benchmark: str, **fields) -> Path:
                                 **fields}, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def child_result(command: list[str], what: str, cwd: str | Path, timeout: float) -> dict:
+    """The JSON a benchmark's child process printed last (each setting run in a process of its
+    own); exits, with the end of its stderr, if it failed."""
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"a run with {what} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+

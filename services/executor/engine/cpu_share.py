@@ -35,15 +35,17 @@ import random
 import time
 
 # /proc/stat's per-CPU columns: user nice system idle iowait irq softirq steal (guest time is
-# inside user). Busy: all but nice, idle and iowait.
+# inside user). Busy: all but nice (unless this process is niced itself: its own time is
+# there), idle and iowait.
 _BUSY = (0, 2, 5, 6, 7)
+_BUSY_NICED = (0, 1, 2, 5, 6, 7)
 RAISE_MARGIN = 0.2  # cores: others must be this much lower for a thread to come back
 FLAP_INTERVALS = 3  # a fall this soon after a rise: the rise caused it (another executor's)
 MAX_HOLD_INTERVALS = 32
 SATURATED = 0.95  # of the CPUs busy: what other processes got is less than they wanted
 
 
-def _busy_by_cpu() -> dict[int, int] | None:
+def _busy_by_cpu(columns_busy: tuple[int, ...]) -> dict[int, int] | None:
     """Busy ticks since boot of each CPU /proc/stat lists (None: unreadable)."""
     busy = {}
     try:
@@ -54,7 +56,7 @@ def _busy_by_cpu() -> dict[int, int] | None:
                 if not line[3:4].isdigit():
                     continue  # the sum over all CPUs
                 name, *columns = line.split()
-                busy[int(name[3:])] = sum(int(columns[i]) for i in _BUSY)
+                busy[int(name[3:])] = sum(int(columns[i]) for i in columns_busy)
     except (OSError, ValueError, IndexError):
         return None
     return busy
@@ -69,6 +71,7 @@ class CpuShare:
         self.interval_s = interval_s
         self.hold_s = self._hold_now = 2 * interval_s
         self.ticks_per_s = float(os.sysconf("SC_CLK_TCK"))
+        self.columns_busy = _BUSY_NICED if os.getpriority(os.PRIO_PROCESS, 0) > 0 else _BUSY
         self.current = self.most
         self.others = 0.0  # cores other processes kept busy over the last reading
         self.cpus: frozenset[int] = frozenset()
@@ -82,7 +85,7 @@ class CpuShare:
 
     def _sample(self) -> tuple[float, float, float, frozenset[int]] | None:
         """(now, busy CPU seconds of this process's CPUs, own CPU seconds, those CPUs)."""
-        busy = _busy_by_cpu()
+        busy = _busy_by_cpu(self.columns_busy)
         if busy is None:
             return None
         try:  # (the process's: the model thread's own may be bound to one CPU by OpenMP)
