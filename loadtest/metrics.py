@@ -224,4 +224,3 @@ def child_result(command: list[str], what: str, cwd: str | Path, timeout: float)
     if done.returncode != 0:
         raise SystemExit(f"a run with {what} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-

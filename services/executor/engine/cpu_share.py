@@ -11,8 +11,9 @@ one, and under aiperf (whose pacer keeps a core busy) streaming ITL 1,037 ms aga
 `CpuShare` reads, at most once an interval, how busy this process's CPUs (its affinity, read
 again each time) were over the last interval, less this process's own CPU time: `others`, in
 cores. Niced processes are not counted (the scheduler hands their core to a thread of ours at
-once); a VM host's steal time is. The count is `cpus - round(others)`, at least one, at most the
-configured count (kept whole while nothing else keeps a core busy):
+once), unless this process is niced itself; a VM host's steal time is. The count is
+`cpus - round(others)`, at least one, at most the configured count (kept whole while nothing
+else keeps a core busy):
 
 - it goes down at once: a thread too many beside a busy process costs far more than one too few;
 - it goes up only when the cores have been free for `hold_s` (two intervals; a reading that
@@ -71,7 +72,6 @@ class CpuShare:
         self.interval_s = interval_s
         self.hold_s = self._hold_now = 2 * interval_s
         self.ticks_per_s = float(os.sysconf("SC_CLK_TCK"))
-        self.columns_busy = _BUSY_NICED if os.getpriority(os.PRIO_PROCESS, 0) > 0 else _BUSY
         self.current = self.most
         self.others = 0.0  # cores other processes kept busy over the last reading
         self.cpus: frozenset[int] = frozenset()
@@ -81,21 +81,24 @@ class CpuShare:
         self._last = self._sample()
         self.enabled = self._last is not None
         if self._last is not None:
-            self.cpus = self._last[3]
+            self.cpus = self._last[3][0]
 
-    def _sample(self) -> tuple[float, float, float, frozenset[int]] | None:
-        """(now, busy CPU seconds of this process's CPUs, own CPU seconds, those CPUs)."""
-        busy = _busy_by_cpu(self.columns_busy)
-        if busy is None:
-            return None
+    def _sample(self) -> tuple[float, float, float, tuple[frozenset[int], bool]] | None:
+        """(now, busy CPU seconds of this process's CPUs, own CPU seconds, (those CPUs,
+        whether this process is niced: its time is then in the nice column, counted))."""
         try:  # (the process's: the model thread's own may be bound to one CPU by OpenMP)
-            cpus = frozenset(os.sched_getaffinity(os.getpid())) & busy.keys()
+            niced = os.getpriority(os.PRIO_PROCESS, os.getpid()) > 0
+            affinity = os.sched_getaffinity(os.getpid())
         except OSError:
             return None
+        busy = _busy_by_cpu(_BUSY_NICED if niced else _BUSY)
+        if busy is None:
+            return None
+        cpus = frozenset(affinity) & busy.keys()
         if not cpus:
             return None
         return (time.monotonic(), sum(busy[c] for c in cpus) / self.ticks_per_s,
-                time.process_time(), cpus)
+                time.process_time(), (cpus, niced))
 
     def threads(self) -> int:
         if not self.enabled or time.monotonic() - self._last[0] < self.interval_s:
@@ -103,9 +106,9 @@ class CpuShare:
         sample = self._sample()
         if sample is None:
             return self.current
-        (then, busy_then, own_then, cpus_then), (now, busy, own, cpus) = self._last, sample
-        self._last, self.cpus = sample, cpus
-        if cpus != cpus_then or now <= then:  # the affinity, or the CPUs online, changed
+        (then, busy_then, own_then, how_then), (now, busy, own, how) = self._last, sample
+        self._last, self.cpus = sample, how[0]
+        if how != how_then or now <= then:  # the affinity, the CPUs online or the nice changed
             self._up_since = None
             return self.current
         return self.decide(then, now, self.others_of((busy - busy_then) / (now - then),
