@@ -12,6 +12,8 @@ import time
 import nats
 
 from services.stack import free_port, nats_server_binary
+from shared.bus import connect
+from shared.config import NatsSection
 
 
 @contextlib.asynccontextmanager
@@ -57,3 +59,14 @@ def freeze(server: subprocess.Popen) -> None:
             return
         time.sleep(0.01)
     raise RuntimeError(f"nats-server {server.pid} did not stop")
+
+
+async def services_connection(ports: list[int]):
+    """As a service connects (its pings), to the first of `ports`."""
+    section = NatsSection(url=",".join(f"nats://127.0.0.1:{p}" for p in ports))
+    for _ in range(50):
+        nc = await connect(section, "test")
+        if nc.connected_url.port == ports[0]:
+            return nc
+        await nc.close()
+    raise RuntimeError(f"never connected to {ports[0]}")

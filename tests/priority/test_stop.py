@@ -21,8 +21,7 @@ from shared.keys import RequestKey
 from shared.messages import Holding, SubmitReply, WorkItem, decoder, encode
 from shared.protocol import Completion, Error, GenerateRequest
 from shared.subjects import Subjects
-from tests.nats_server import freeze
-from tests.shared.test_outbox import _services_connection
+from tests.nats_server import freeze, services_connection
 
 pytestmark = pytest.mark.asyncio
 decode_output = msgspec.json.Decoder(Completion | Error).decode
@@ -39,7 +38,7 @@ async def test_a_stopping_priority_holds_an_answer_until_its_echo_is_back():
     connections, priority = [], None
     try:
         client = await connect_to([port + 1])
-        services = await _services_connection([port, port + 1])
+        services = await services_connection([port, port + 1])
         connections += [client, services]
         inbox = await client.subscribe("_INBOX.client.*")
         holding = await client.subscribe(subjects.holding)

@@ -12,7 +12,7 @@ import msgspec
 import nats.errors
 import pytest
 
-from shared.bus import ANSWERS_AGAIN, Outbox, connect, ensure_streams
+from shared.bus import ANSWERS_AGAIN, Outbox, ensure_streams
 from shared.config import JetserveConfig, NatsSection
 from shared.messages import Done, WorkItem, decoder
 from shared.protocol import (
@@ -28,7 +28,7 @@ from shared.request_state import ARRIVAL_HEADER, STATE_STREAM, RequestStates, re
 from shared.subjects import RESULTS_STREAM, Subjects
 from loadtest.echoes import clustered_pair, connect_to
 from services.stack import free_port
-from tests.nats_server import freeze, nats_server
+from tests.nats_server import freeze, nats_server, services_connection
 
 decode_output = msgspec.json.Decoder(Completion | Error).decode
 
@@ -254,7 +254,7 @@ async def test_an_answer_lost_with_its_nats_node_is_published_again(by, node):
         if node == "killed":
             services = await connect_to([port, port + 1])  # on the first node while it lives
         else:
-            services = await _services_connection([port, port + 1])
+            services = await services_connection([port, port + 1])
         connections += [client, services]
         inbox = await client.subscribe("_INBOX.client.*")
         probe = await client.subscribe("_INBOX.probe")  # (its interest travels after the inbox's)
@@ -302,14 +302,3 @@ async def test_an_answer_lost_with_its_nats_node_is_published_again(by, node):
         for node in nodes:
             node.kill()
             node.wait(10)
-
-
-async def _services_connection(ports: list[int]):
-    """As a service connects (its pings), to the first of `ports`."""
-    section = NatsSection(url=",".join(f"nats://127.0.0.1:{p}" for p in ports))
-    for _ in range(50):
-        nc = await connect(section, "test")
-        if nc.connected_url.port == ports[0]:
-            return nc
-        await nc.close()
-    raise RuntimeError(f"never connected to {ports[0]}")
