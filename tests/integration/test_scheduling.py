@@ -118,7 +118,11 @@ async def test_executors_report_what_each_tenant_was_served(stack):
             await asyncio.sleep(0.1)
         assert {t: stats["tenant_served"].get(t) for t in expected} == expected
         assert stats["policy"] == "adaptive" and stats["backlogged_tenants"] == {}
-        assert {"fair-a", "fair-b"} <= set(stats["tenant_counters"])
+        # Both counters were charged. An idle tenant no further ahead than the least-served
+        # active one (or, with nobody active, any idle tenant) is forgotten once a feedback
+        # interval, its counter kept as the highest forgotten: so either place holds it.
+        counters, forgotten = stats["tenant_counters"], stats["tenant_counter_forgotten"]
+        assert all(counters.get(t, forgotten) > 0 for t in expected), stats
 
 
 async def test_fcfs_policy_by_environment_keeps_arrival_order(tmp_path):
