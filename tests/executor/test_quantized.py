@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import pytest_asyncio
 
 from jetserve_kernels import cpu_ops
 from loadtest.quant_quality import TEXT, agreement, perplexity
@@ -42,37 +43,47 @@ def test_perplexity_stays_close_to_fp32(fp32_perplexity, mode, bound, max_bytes,
     assert size <= max_bytes + sums  # fp32 matmuls take 538 MB
 
 
+QUESTIONS = ["What is the capital of France?", "List three fruits.", "What is 2 + 2?"]
+
+
+async def answers(mode: str, activations: str = "float32") -> tuple[list, Engine]:
+    """The greedy answers to QUESTIONS of an engine with weights `mode` (fp32 around them,
+    "none" included: model.dtype auto can be bf16 for it), and the engine, stopped."""
+    requests = [GenerateRequest(messages=[ChatMessage("user", q)], max_tokens=24,
+                                temperature=0.0) for q in QUESTIONS]
+    engine = Engine(engine_config({"scheduler.batch_level.max_num_seqs": 8,
+                                   "kv_cache.num_blocks": 64, "model.quantization": mode,
+                                   "model.dtype": "float32",
+                                   "model.quantized_activations": activations}))
+    try:
+        return await generate_all(engine, requests), engine
+    finally:
+        await engine.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fp32_answers() -> list:
+    return (await answers("none"))[0]
+
+
 # int4 rounds the Q4_1 values a second time: it answers "L'Étoile (The City of Lights) is the
 # capital of France." and is left out here; its cost shows in the perplexity test above.
 @pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("mode, activations", [
     ("auto", "float32"), ("int8", "float32"),
     pytest.param("auto", "int8", marks=int8_activations.marks)])
-async def test_quantized_engine_answers_and_agrees_with_fp32(mode, activations):
-    questions = ["What is the capital of France?", "List three fruits.", "What is 2 + 2?"]
-    requests = [GenerateRequest(messages=[ChatMessage("user", q)], max_tokens=24,
-                                temperature=0.0) for q in questions]
-    outputs = {}
-    for name in ("none", mode):
-        # fp32 around the weights, "none" included (model.dtype auto can be bf16 for it).
-        engine = Engine(engine_config({"scheduler.batch_level.max_num_seqs": 8,
-                                       "kv_cache.num_blocks": 64, "model.quantization": name,
-                                       "model.dtype": "float32",
-                                       "model.quantized_activations": activations}))
-        try:
-            outputs[name] = await generate_all(engine, requests)
-        finally:
-            await engine.stop()
-        if name != "none" and activations == "int8":  # the engine really ran them
-            assert engine.runner.model.layers[0].qkv_proj.int8_activations
-    shared = agreement([c.token_ids for c in outputs[mode]], [c.token_ids for c in outputs["none"]])
+async def test_quantized_engine_answers_and_agrees_with_fp32(fp32_answers, mode, activations):
+    outputs, engine = await answers(mode, activations)
+    if activations == "int8":  # the engine really ran them
+        assert engine.runner.model.layers[0].qkv_proj.int8_activations
+    shared = agreement([c.token_ids for c in outputs], [c.token_ids for c in fp32_answers])
     if activations == "float32":
         # Measured: all three answers identical to fp32 for both; longer outputs drift more.
-        assert "Paris" in outputs[mode][0].text
+        assert "Paris" in outputs[0].text
         assert shared["mean_prefix_share"] >= 0.5, shared
     else:
         # int8 activations cost more: measured, 41.7 % of the tokens before the first
         # difference, 1 of 3 answers identical (2 + 2); the capital of France comes out as
         # "L'Étoile, la Marseillaise, ..." as weight-only int4's does (BENCHMARKS.md).
-        assert all(c.token_ids for c in outputs[mode])
+        assert all(c.token_ids for c in outputs)
         assert shared["mean_prefix_share"] >= 0.3, shared

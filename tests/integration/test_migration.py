@@ -1,7 +1,8 @@
 """A durable request continues where it stopped: its executor is SIGKILLed mid-generation and
 the next one resumes from the last checkpoint, on the real SmolLM2 (greedy, and seeded
 sampling). The final text equals an undisturbed run's, and a streaming client, keeping each
-token index once (shared/client.StreamAssembler), sees the whole output without a gap."""
+token index once (shared/client.StreamAssembler), sees the whole output without a gap. Both tests share one stack of two SmolLM2 executors
+(each leaves two running) and the undisturbed runs, made first."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import asyncio
 
 import msgspec
 import pytest
+import pytest_asyncio
 
 from shared.client import JetserveClient, StreamAssembler
 from shared.protocol import Completion, Delta, GenerateRequest
 from tests.integration.conftest import busy_executor, running_stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 # Checkpoints ride on the holding report, once a heartbeat interval: at 0.25 s one is at most a
 # few tokens behind. On the CPU: a GPU could finish the 96 tokens before the kill.
@@ -55,29 +57,53 @@ async def migrate(stack, client, request: GenerateRequest, kill_after: int):
     return await result, assembled, victim
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=7)],
-                         ids=["greedy", "seeded"])
-async def test_a_killed_executors_request_resumes_from_its_checkpoint(tmp_path, sampling):
-    prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-    base = GenerateRequest(prompt=prompt, max_tokens=96, ignore_eos=True, stream=True,
-                           **sampling)
-    async with running_stack(tmp_path, executors=2, settings=SMOLLM2) as stack, \
-            await JetserveClient.connect(stack.url, tenant="story") as client:
-        await client.submit(msgspec.structs.replace(base, request_id="undisturbed"))
-        undisturbed = await client.result("undisturbed", timeout=300)
-        resumed, assembled, victim = await migrate(
-            stack, client, msgspec.structs.replace(base, request_id="migrated"), kill_after=24)
-        admission = msgspec.json.decode((await client.nc.request(
-            "$SRV.STATS.admission", b"", timeout=2)).data)
-    assert isinstance(undisturbed, Completion) and isinstance(resumed, Completion), resumed
-    assert victim is not None and resumed.scheduling.executor != victim
-    assert resumed.token_ids == undisturbed.token_ids
-    assert resumed.text == undisturbed.text
-    # Every index once: the restated part was dropped, nothing is missing.
-    assert assembled.token_ids == resumed.token_ids and assembled.text == resumed.text
-    assert assembled.restarts == 1
-    stats = next(ep["data"] for ep in admission["endpoints"] if ep.get("data"))
-    assert stats["durable_handed_on"] == 1 and stats["resumed_tokens"] >= 24, stats
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+BASES = {name: GenerateRequest(prompt=PROMPT, max_tokens=96, ignore_eos=True, **sampling)
+         for name, sampling in (("greedy", dict(temperature=0.0)),
+                                ("seeded", dict(temperature=0.8, seed=7)))}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def story(tmp_path_factory):
+    """The stack, and each base request's undisturbed result (made together: the engine is
+    batch-invariant, a request's tokens do not depend on its batch)."""
+    async with running_stack(tmp_path_factory.mktemp("migration"), executors=2,
+                             settings=SMOLLM2) as stack, \
+            await JetserveClient.connect(stack.url, tenant="calm") as client:
+        for name, base in BASES.items():
+            await client.submit(msgspec.structs.replace(base, request_id=f"undisturbed-{name}"))
+        undisturbed = {name: await client.result(f"undisturbed-{name}", timeout=300)
+                       for name in BASES}
+        assert all(isinstance(c, Completion) for c in undisturbed.values()), undisturbed
+        yield stack, undisturbed
+
+
+async def test_a_killed_executors_request_resumes_from_its_checkpoint(story):
+    """Greedy, then seeded sampling; the executor killed for each is started again after it."""
+    stack, undisturbed = story
+    migrated = {}
+    async with await JetserveClient.connect(stack.url, tenant="story") as client:
+        before = await admission_stats(client)
+        for name, base in BASES.items():
+            resumed, assembled, victim = await migrate(
+                stack, client, msgspec.structs.replace(base, request_id=f"migrated-{name}",
+                                                       stream=True), kill_after=24)
+            after = await admission_stats(client)
+            migrated[name] = resumed, assembled, victim, {
+                k: after[k] - before[k] for k in ("durable_handed_on", "resumed_tokens")}
+            before = after
+            if victim is not None:
+                await stack.restart(victim)  # two executors again
+    for name, (resumed, assembled, victim, handed_on) in migrated.items():
+        assert isinstance(resumed, Completion), (name, resumed)
+        assert victim is not None and resumed.scheduling.executor != victim, name
+        assert resumed.token_ids == undisturbed[name].token_ids, name
+        assert resumed.text == undisturbed[name].text, name
+        # Every index once: the restated part was dropped, nothing is missing.
+        assert assembled.token_ids == resumed.token_ids and assembled.text == resumed.text, name
+        assert assembled.restarts == 1, name
+        assert handed_on["durable_handed_on"] == 1 and handed_on["resumed_tokens"] >= 24, \
+            (name, handed_on)
 
 
 async def admission_stats(client) -> dict:
@@ -98,18 +124,15 @@ async def kill_with_admission(stack, client) -> str:
     return victim
 
 
-async def test_admission_and_the_executor_dying_together_continue_from_the_checkpoint(tmp_path):
+async def test_admission_and_the_executor_dying_together_continue_from_the_checkpoint(story):
     """Admission and the executor running a request are SIGKILLed together mid-generation.
     The restarted admission finds the request in LLM_STATE (its admitted copy, attempt and the
     checkpoint of its outputs) and hands it on: it continues on the other executor from the
     checkpoint, durable and generate alike, with the text of an undisturbed run. Before, a
     generate was lost with admission, and a durable request ran again from the start."""
-    prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-    base = GenerateRequest(prompt=prompt, max_tokens=96, ignore_eos=True, temperature=0.0)
-    async with running_stack(tmp_path, executors=2, settings=SMOLLM2) as stack, \
-            await JetserveClient.connect(stack.url, tenant="both") as client:
-        undisturbed = await client.generate(msgspec.structs.replace(base, request_id="calm"),
-                                            timeout=300)
+    stack, undisturbed = story
+    base, undisturbed = BASES["greedy"], undisturbed["greedy"]
+    async with await JetserveClient.connect(stack.url, tenant="both") as client:
         # A durable request: its deltas watched, to kill once 24 tokens arrived.
         deltas = await client.stream_deltas("durable-both")
         await client.submit(msgspec.structs.replace(base, request_id="durable-both",
