@@ -8,9 +8,10 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed
 # Test workers: much of the suite waits on services and timeouts (a 2-core machine's cores are
 # a third idle with two workers), so three workers share two cores, each with one of torch's
-# threads (tests/conftest.py); the suite takes about 7 minutes on a 2-core Zen 4 and 15 on a
-# 2-core Zen 3 (AVX2: 0.7x the Zen 4's fp32 peak, and fp32 where the Zen 4 runs bf16); the
-# first setup ~2 more. Each worker runs whole test files (module fixtures load the model once).
+# threads (tests/conftest.py); the suite takes about 7 minutes on a 2-core Zen 4 and 10.5-11
+# on a 2-core Zen 3 (AVX2: 0.7x the Zen 4's fp32 peak, and fp32 where the Zen 4 runs bf16;
+# its cores 91 % busy over the run, so more workers would not help); the first setup ~2 more.
+# Each worker runs whole test files (module fixtures load the model once).
 # TEST_JOBS=0 runs everything in one process.
 TEST_JOBS ?= 3
 PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
