@@ -46,6 +46,21 @@ def test_payloads_nested_past_the_limit_are_refused_naming_it(payload):
         decode_cancel(payload)
 
 
+def test_a_string_left_open_is_scanned_once():
+    """Brackets past the limit, then a string never closed, full of escaped quotes: not a
+    request, refused as such. The nesting scan tried its string match again from each escaped
+    quote, each time to the end: 32 KB took 5 s, this 256 KB some 5 minutes, 8 MiB (the
+    gateway's body limit) days, on the event loop of the gateway or admission. Now one pass."""
+    payload = '"' + "[" * (MAX_NESTING + 1) + '""' + '\\"' * (128 * 1024)
+    with pytest.raises(ProtocolError) as info:
+        decode_generate_request(payload)
+    assert info.value.code == "invalid_request"
+    # Brackets before a string left open still count.
+    with pytest.raises(ProtocolError) as info:
+        decode_generate_request("[" * (MAX_NESTING + 1) + '"' + '\\"' * 1000)
+    assert f"more than {MAX_NESTING} levels" in info.value.message
+
+
 def test_brackets_inside_strings_do_not_count_as_nesting():
     prompt = '[{' * 5000 + '\\"]' + '[' * 100
     request = decode_generate_request('{"prompt": "' + prompt + '", "stop": ["x"]}')
