@@ -6,8 +6,8 @@ import functools
 import json
 from pathlib import Path
 
+import jinja2
 import msgspec
-
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -71,6 +71,9 @@ class Tokenizer:
         self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
         template = config.get("chat_template")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # Templates refuse messages they cannot render (roles that do not alternate, a system
+        # message where none may be) by calling raise_exception, as transformers defines it.
+        env.globals["raise_exception"] = _raise_template_error
         self._chat_template = env.from_string(template) if template else None
 
     @functools.cached_property
@@ -93,9 +96,16 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         if self._chat_template is None:
             raise ValueError("this model has no chat template; send `prompt` instead of `messages`")
-        return self._chat_template.render(messages=messages, add_generation_prompt=True,
-                                          bos_token=self.bos_token or "",
-                                          eos_token=self.eos_token or "")
+        try:
+            return self._chat_template.render(messages=messages, add_generation_prompt=True,
+                                              bos_token=self.bos_token or "",
+                                              eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:  # the client's messages, not the server, at fault
+            raise ValueError(f"the model's chat template refused them: {exc}") from None
+
+
+def _raise_template_error(message: str):
+    raise jinja2.TemplateError(message)
 
 
 def _token_text(value) -> str | None:

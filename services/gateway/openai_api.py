@@ -213,7 +213,8 @@ def chat_request(body: object, served: list[str], request_id: str) -> GenerateRe
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad(where, f"`{where}` must be an object")
-        extra = set(message) - {"role", "content", "name"}
+        # A key set to null is absent (an SDK's reply passed back holds "refusal": null, ...).
+        extra = {k for k, v in message.items() if v is not None} - {"role", "content", "name"}
         if extra:
             raise bad(f"{where}.{sorted(extra)[0]}",
                       f"`{where}.{sorted(extra)[0]}` is not supported (text messages only)")
@@ -229,7 +230,7 @@ def chat_request(body: object, served: list[str], request_id: str) -> GenerateRe
                     raise bad(f"{where}.content[{j}]", f"`{where}.content[{j}]` must be a text "
                                                        f"part (images and audio: not supported)")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)  # as vLLM joins them
         if not isinstance(content, str):
             raise bad(f"{where}.content", f"`{where}.content` must be a string")
         taken.append(ChatMessage(role="system" if role == "developer" else role,
@@ -251,6 +252,9 @@ def completion_request(body: object, served: list[str], request_id: str) -> Gene
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
             for t in prompt):
         return GenerateRequest(request_id=request_id, prompt_token_ids=prompt, **fields)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise bad("prompt", f"`prompt` token ids must be from 0 to {INT32_MAX}")
     if isinstance(prompt, list) and len(prompt) > 1:
         raise bad("prompt", "`prompt` must be one prompt (a batch of several: send each alone)")
     raise bad("prompt", "`prompt` must be a non-empty string or a list of token ids")

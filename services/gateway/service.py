@@ -186,6 +186,7 @@ class Gateway:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's: the prompt's token ids (the chat template applied to `messages`)."""
+        generate = None
         try:
             self.tenant(request)
             body = await self.json_body(request)
@@ -198,7 +199,8 @@ class Gateway:
         except ApiError as exc:
             return self.error("tokenize", exc, {})
         except ProtocolError as exc:
-            return self.error("tokenize", bad("prompt", exc.message), {})
+            return self.error("tokenize", bad("messages" if generate and generate.messages
+                                              else "prompt", exc.message), {})
         REQUESTS.labels("tokenize", "200").inc()
         return web.json_response({"count": len(tokens), "max_model_len": self.max_model_len,
                                   "tokens": tokens, "token_strs": None}, dumps=_dumps)
@@ -223,8 +225,11 @@ class Gateway:
                                 f"(gateway.max_body_bytes)", code="payload_too_large") from None
         try:
             check_nesting(raw)
+        except ProtocolError as exc:
+            raise bad("body", f"the body {exc.message.removeprefix('the payload ')}") from None
+        try:
             return msgspec.json.decode(raw)
-        except (msgspec.DecodeError, ProtocolError) as exc:
+        except msgspec.DecodeError as exc:
             raise bad("body", f"the body is not valid JSON: {exc}") from None
 
     async def health(self, request: web.Request) -> web.Response:

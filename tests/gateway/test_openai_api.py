@@ -39,8 +39,20 @@ def test_message_content_parts_and_roles():
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ]}, SERVED, "r1")
+    # Text parts joined by a newline, as vLLM joins them.
     assert [(m.role, m.content) for m in request.messages] == [("system", "be brief"),
-                                                                ("user", "ab")]
+                                                                ("user", "a\nb")]
+    # An earlier reply as the OpenAI SDK dumps it: its null fields are absent.
+    request = chat_request({"model": "smol", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None,
+         "function_call": None, "audio": None, "annotations": None},
+        {"role": "user", "content": "again"}]}, SERVED, "r1")
+    assert [m.content for m in request.messages] == ["hi", "hello", "again"]
+    with pytest.raises(ApiError) as caught:
+        chat_request({"model": "smol", "messages": [
+            {"role": "assistant", "content": "x", "tool_calls": []}]}, SERVED, "r1")
+    assert caught.value.param == "messages[0].tool_calls"
     with pytest.raises(ApiError) as caught:
         chat_request({"model": "smol", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, SERVED, "r1")
@@ -55,6 +67,10 @@ def test_completion_prompts():
     with pytest.raises(ApiError) as caught:
         completion_request({"model": "smol", "prompt": ["a", "b"]}, SERVED, "r")
     assert caught.value.param == "prompt" and "one prompt" in caught.value.message
+    for ids in ([1, -5], [1, 2**40]):  # token ids out of range: said so, not "a batch"
+        with pytest.raises(ApiError) as caught:
+            completion_request({"model": "smol", "prompt": ids}, SERVED, "r")
+        assert caught.value.param == "prompt" and "token ids must be from 0" in caught.value.message
     with pytest.raises(ApiError) as caught:
         completion_request({"model": "smol", "prompt": "hi", "echo": True}, SERVED, "r")
     assert caught.value.param == "echo"

@@ -50,3 +50,39 @@ def test_model_tokenizer_names_another_directory(tmp_path):
     assert served.tokenizer.encode("<|im_start|>") == [1]
     with pytest.raises(FileNotFoundError, match="model.tokenizer .* no tokenizer.json"):
         served_model(ModelSection(name="dummy:tiny", tokenizer=str(tmp_path / "none")))
+
+
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('roles must alternate user/assistant/user/...') }}{% endif %}"
+               "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("template, needle", [
+    (ALTERNATING, "roles must alternate"),
+    ("{{ messages[0]['content'].nope() }}", "has no attribute"),  # any template error
+])
+def test_messages_a_chat_template_refuses_are_the_clients_error(tmp_path, template, needle):
+    """A template that raises (as many Llama-family ones do for roles out of order) is a
+    ProtocolError naming `messages`: a 400 at the gateway, `invalid_request` from admission,
+    not an internal error."""
+    import json
+    import shutil
+
+    from shared.preprocess import prompt_token_ids
+    from shared.protocol import ChatMessage, GenerateRequest, ProtocolError
+
+    source = converted_gguf_dir(default_gguf_path(), None, weights=False)
+    shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "chat_template": template}))
+    tokenizer = Tokenizer(tmp_path)
+    request = GenerateRequest(messages=[ChatMessage("user", "a"), ChatMessage("user", "b")])
+    with pytest.raises(ProtocolError) as info:
+        prompt_token_ids(tokenizer, request, tokenizer.vocab_size)
+    assert info.value.code == "invalid_request"
+    assert info.value.message.startswith("`messages`: the model's chat template refused them")
+    assert needle in info.value.message
+    if template == ALTERNATING:  # alternating roles render
+        good = GenerateRequest(messages=[ChatMessage("user", "a"), ChatMessage("assistant", "b")])
+        assert prompt_token_ids(tokenizer, good, tokenizer.vocab_size)
