@@ -352,6 +352,29 @@ async def test_warm_up_leaves_no_trace():
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
 
 
+async def test_an_engine_with_the_shortest_context_warms_up_and_serves():
+    """model.max_model_len at its least (16): the warm-up's positions stay in the rotary table
+    (it ran a 32-token prompt whatever the context, past the table's 16 rows), and a request
+    that fills the context is served."""
+    engine = Engine(tiny_config({"model.max_model_len": 16}))
+    try:
+        assert engine.max_model_len == engine.runner.model.cos_sin_cache.shape[0] == 16
+        runner, positions = engine.runner, []
+
+        def execute(inputs, run=runner.execute):
+            positions.append(int(inputs.positions.max()))
+            return run(inputs)
+
+        runner.execute = execute
+        engine.on_model_thread(runner.warm_up)
+        assert positions and max(positions) < 16, positions  # (the kernels check no bounds)
+        del runner.execute
+        [done] = await generate_all(engine, [greedy(prompts(1)[0][:8], max_tokens=8)])
+    finally:
+        await engine.stop()
+    assert isinstance(done, Completion) and len(done.token_ids) == 8
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 async def test_a_request_resumed_from_a_checkpoint_ends_as_an_undisturbed_run(temperature):
     """Greedy and seeded sampling alike: given the first 15 outputs of a run, the engine

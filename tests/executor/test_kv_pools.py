@@ -107,6 +107,38 @@ def test_a_sequence_short_of_blocks_preempts_only_in_its_own_pool():
     assert {item.seq.key for item in batch} == {"a", "c"}
 
 
+def test_a_sequence_its_pool_cannot_hold_preempts_nobody_for_a_slot():
+    """Slots full, and the waiting `h` outranks `v` (in the other pool) but not `a`, whose
+    blocks its own pool would need: nothing is preempted for it. Before, `v` was preempted for
+    the slot, `h` still did not fit, and `v` came back, recomputed, every step."""
+    pools = KvPools([4, 4], block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(pools, max_num_seqs=2, max_num_batched_tokens=64, admission_watermark=0.0)
+    a = seq(range(12), pool=0, score=9.0, rid="a", index=0)
+    v = seq(range(100, 104), pool=1, score=1.0, rid="v", index=1)
+    for s in (a, v):
+        sched.add(s)
+    resolve(sched.schedule())
+    h = seq(range(200, 220), pool=0, score=5.0, rid="h", index=2)  # 5 blocks: never fits
+    sched.add(h)
+    for _ in range(3):
+        batch = sched.schedule()
+        resolve(batch)
+        assert {item.seq.key for item in batch} == {"a", "v"}
+    assert h.status is SeqStatus.WAITING and not h.block_table
+    assert sched.num_preemptions == 0 and sched.num_recomputed_tokens == 0
+
+
+def test_each_pool_keeps_its_own_share_as_the_watermark():
+    """The admission watermark is a share of each pool, not of both: a small int8 pool is not
+    left with fewer usable blocks than none."""
+    pools = KvPools([1000, 8], block_size=4)
+    sched = Scheduler(pools, max_num_seqs=8, max_num_batched_tokens=64, admission_watermark=0.01)
+    assert sched.pool_watermarks == [10, 0] and sched.watermark_blocks == 10
+    low = seq(range(30), pool=1, score=1.0, rid="low", index=0)
+    sched.add(low)
+    assert [item.seq.key for item in sched.schedule()] == ["low"]
+
+
 def test_the_engine_splits_the_memory_and_picks_the_pool_by_priority():
     one = Engine(tiny_config({"kv_cache.num_blocks": 200}))
     two = Engine(tiny_config({"kv_cache.num_blocks": 200, "kv_cache.compress_below_priority": 5,

@@ -314,7 +314,7 @@ class Engine:
                                 f"over this engine's max_model_len {self.max_model_len}")
         blocks = -(-total // self.config.kv_cache.block_size)
         pool = self.kv_pool_of(request.priority)
-        usable = self.block_manager.pool_size(pool) - self.scheduler.watermark_blocks
+        usable = self.block_manager.pool_size(pool) - self.scheduler.pool_watermarks[pool]
         if blocks > usable:
             raise ProtocolError("prompt_too_long", f"prompt + `max_tokens` needs {blocks} KV blocks;"
                                 f" the {'int8 ' if pool else ''}pool has {usable} usable")

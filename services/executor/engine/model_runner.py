@@ -177,7 +177,9 @@ class ModelRunner:
         bs = self.block_size
         greedy = SamplingBatch([SamplingParams(max_tokens=1, temperature=0.0)], [None])
         for caches in self.kv_pools:
-            length = max(1, min(prompt_len, caches[0][0].shape[0] * bs - 1))
+            # Positions 0..length: within the pool and the rotary table (max_model_len rows).
+            length = max(1, min(prompt_len, caches[0][0].shape[0] * bs - 1,
+                                self.model.cos_sin_cache.shape[0] - 1))
             table = list(range(-(-(length + 1) // bs)))
             for start, n in ((0, length), (length, 1)):
                 positions = list(range(start, start + n))

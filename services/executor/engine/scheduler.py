@@ -63,8 +63,11 @@ class Scheduler:
         self.preemption_margin = preemption_margin
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # Keep a few blocks free when admitting new work, so running decodes rarely get preempted.
-        self.watermark_blocks = int(admission_watermark * block_manager.num_blocks)
+        # Keep a few blocks free when admitting new work, so running decodes rarely get
+        # preempted: a share of each pool (of a small int8 pool, a share of its own size).
+        self.pool_watermarks = [int(admission_watermark * block_manager.pool_size(pool))
+                                for pool in range(block_manager.num_pools)]
+        self.watermark_blocks = sum(self.pool_watermarks)
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -233,26 +236,34 @@ class Scheduler:
                 continue
             if seq.num_pending:  # preempted while its last token was in flight: next step
                 break
-            if len(self.running) >= self.max_num_seqs:
-                victim = self._preempt_lower(seq)
-                if victim is None:
-                    break
-                budget += scheduled.pop(victim, 0)
             lost = 0  # back from a preemption: what must run again
             if not seq.block_table:
                 cached = bm.take_cached_prefix(seq)
-                if not seq.admitted_once:
-                    seq.num_cached_tokens = cached
+                if not seq.admitted_once:  # (a resumed request's outputs may be cached too)
+                    seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
                 elif seq.discarded_tokens:
                     lost = max(0, min(seq.discarded_tokens, seq.num_tokens - 1) - cached)
+            reserve = self.pool_watermarks[seq.pool]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not bm.can_allocate(seq, num_new, reserve=self.watermark_blocks):
+            victim = None
+            if self._could_fit(seq, num_new, reserve) and len(self.running) >= self.max_num_seqs:
+                victim = self._preempt_lower(seq)
+                if victim is None:  # no slot: nothing after it outranks more
+                    bm.free_seq(seq)  # give back the cached prefix it claimed
+                    break
+                budget += scheduled.pop(victim, 0)
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Blocks: only where its pool can hold it once the sequences it outranks there have
+            # given theirs back (_could_fit); else nothing is preempted for it, a slot taken
+            # from another pool's sequence would be given back, recomputed, step after step.
+            while self._could_fit(seq, num_new, reserve) \
+                    and not bm.can_allocate(seq, num_new, reserve=reserve):
                 victim = self._preempt_lower(seq, same_pool=True)
                 if victim is None:
                     break
                 budget += scheduled.pop(victim, 0)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not bm.can_allocate(seq, num_new, reserve=self.watermark_blocks):
+            if not bm.can_allocate(seq, num_new, reserve=reserve):
                 bm.free_seq(seq)  # give back the cached prefix it claimed
                 full_pools.add(seq.pool)
                 if len(full_pools) == bm.num_pools:
@@ -337,6 +348,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
+    def _outranks(self, seq: Sequence, victim: Sequence) -> bool:
+        """Whether `seq` may preempt `victim`: by the margin, and never an aged one unless
+        itself aged."""
+        return not (victim.aged and not seq.aged) and \
+            seq.score - victim.score >= self.preemption_margin
+
     def _preempt_lower(self, seq: Sequence, same_pool: bool = False) -> Sequence | None:
         """Preempt the weakest running sequence (in `seq`'s KV pool, when it is blocks `seq`
         needs) if `seq` outranks it by the margin; return it."""
@@ -344,7 +361,24 @@ class Scheduler:
         if not rivals:
             return None
         victim = max(rivals, key=Sequence.sort_key)
-        if (victim.aged and not seq.aged) or seq.score - victim.score < self.preemption_margin:
+        if not self._outranks(seq, victim):
             return None
         self._preempt(victim)
         return victim
+
+    def _could_fit(self, seq: Sequence, num_new: int, reserve: int) -> bool:
+        """Whether `seq`'s blocks for `num_new` more tokens fit in its pool, once the running
+        sequences of that pool it would preempt (weakest first, while it outranks them) have
+        given theirs back. An upper bound: blocks they share through the prefix cache stay,
+        and a cached prefix `seq` itself finds needs fewer."""
+        bm = self.block_manager
+        if bm.can_allocate(seq, num_new, reserve=reserve):
+            return True
+        pool = bm.pools[seq.pool] if bm.num_pools > 1 else bm
+        freed = 0
+        for rival in sorted((s for s in self.running if s.pool == seq.pool),
+                            key=Sequence.sort_key, reverse=True):
+            if not self._outranks(seq, rival):
+                break
+            freed += len(rival.block_table)
+        return pool.blocks_needed(seq, num_new) + reserve <= pool.num_free_blocks + freed
