@@ -43,7 +43,7 @@ from shared.bus import ENVELOPE_BYTES, add_micro_service, every, service_main
 from shared.client import Output, StreamAssembler
 from shared.config import JetserveConfig
 from shared.metrics import counter, histogram
-from shared.preprocess import prompt_token_ids, served_model
+from shared.preprocess import check_prompt_size, prompt_token_ids, served_model
 from shared.protocol import (
     Cancel,
     Delta,
@@ -353,7 +353,8 @@ class Gateway:
         include_usage = bool(options.get("include_usage"))
         prompt_tokens = None
         if options.get("continuous_usage_stats"):  # the prompt's tokens, as admission counts them
-            try:
+            try:  # (one that must be too long is refused unread, as admission would)
+                check_prompt_size(self.tokenizer, generate, self.max_model_len)
                 prompt_tokens = len(await asyncio.to_thread(
                     prompt_token_ids, self.tokenizer, generate, self.vocab_size))
             except ProtocolError as exc:

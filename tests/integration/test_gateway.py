@@ -252,6 +252,11 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack)
     counts = [c.usage.completion_tokens for c in chunks]
     assert all(c.usage.prompt_tokens == final.prompt_tokens for c in chunks)
     assert counts == sorted(counts) and counts[0] >= 1 and counts[-2] == 12
+    # A prompt that must be over max_model_len is refused before the gateway tokenizes it.
+    status, answer = await raw_post(stack, "/v1/completions", msgspec.json.encode({
+        "model": MODEL, "prompt": "word " * 180_000, "stream": True,
+        "stream_options": {"continuous_usage_stats": True}}))
+    assert status == 400 and "max_model_len" in answer["error"]["message"], answer
 
 
 async def test_sigterm_ends_an_open_stream_with_an_error_event_and_cancels_it(stack):
