@@ -38,7 +38,8 @@ class TenantCounters:
         `busy`: tenants whose dispatched requests have not ended, though no executor has
         reported them yet (a Done will correct their counter: it must still be there)."""
         active = self.active() | busy
-        floor = min((self.counters.get(t, 0.0) for t in active), default=math.inf)
+        floor = self.floor(active)
+        floor = math.inf if floor is None else floor
         idle = [t for t, c in self.counters.items() if c <= floor and t not in active]
         for tenant in idle:
             self.highest = max(self.highest, self.counters.pop(tenant))
@@ -47,10 +48,19 @@ class TenantCounters:
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         return float(prompt_tokens + 2 * output_tokens)
 
+    def floor(self, active: set[str] | None = None) -> float | None:
+        """The least counter of the active tenants (or of `active`) that have one; None when
+        none has. A tenant active without a counter here, one another replica dispatched that
+        runs at an executor and has not ended yet, is left out: counted as 0 it would pull the
+        floor to 0, and every lag with it."""
+        counters = self.counters
+        return min((counters[t] for t in (self.active() if active is None else active)
+                    if t in counters), default=None)
+
     def enqueued(self, tenant: str) -> None:
         active = self.active()
         if tenant not in active:
-            floor = min((self.counters.get(t, 0.0) for t in active), default=None)
+            floor = self.floor(active)
             if floor is None:  # nobody is active: start level with the most served so far
                 floor = max(self.highest, max(self.counters.values(), default=0.0))
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
@@ -76,7 +86,8 @@ class TenantCounters:
         return self.lags([tenant])[0]
 
     def lags(self, tenants: list[str]) -> list[float]:
-        floor = min((self.counters.get(t, 0.0) for t in self.active()), default=0.0)
+        floor = self.floor()
+        floor = 0.0 if floor is None else floor
         return [max(0.0, self.counters.get(t, 0.0) - floor) for t in tenants]
 
 

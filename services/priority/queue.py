@@ -46,6 +46,11 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def tenant_ids(self) -> dict[str, int]:
+        """Each tenant with requests here, by name: its index."""
+        return self._tenant_ids
+
     def __contains__(self, key: RequestKey) -> bool:
         return key in self._row_of
 

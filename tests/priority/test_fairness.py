@@ -124,3 +124,19 @@ def test_a_tenant_with_requests_running_is_active_though_nothing_of_it_waits():
     assert counters.counters["light"] == 1000.0
     counters.enqueued("new")  # lifted to the least-served active tenant, not the most served
     assert counters.counters["new"] == 1000.0
+
+
+def test_a_tenant_running_here_without_a_counter_does_not_pull_the_floor_to_zero():
+    """Another replica dispatched it: it runs at an executor (a heartbeat says so) and has no
+    counter here until its Done. Counted as 0 it made every lag the whole counter (all
+    fairness lost), and a newcomer started at 0, banking credit."""
+    counters = TenantCounters()
+    counters.counters.update(a=50_000.0, b=51_000.0)
+    counters.backlog.update(a=1, b=1)
+    assert counters.lags(["a", "b"]) == [0.0, 1_000.0]
+    counters.running = {"elsewhere"}
+    assert counters.lags(["a", "b"]) == [0.0, 1_000.0]
+    counters.enqueued("new")
+    assert counters.counters["new"] == 50_000.0
+    counters.backlog.clear()  # only `elsewhere` is active, with no counter: nobody to forget
+    assert counters.forget_idle() == 3 and counters.highest == 51_000.0

@@ -79,6 +79,20 @@ def test_one_pull_alternates_between_equally_served_tenants():
     assert picked == ["a0", "b0", "a1", "b1", "a2", "b2"]
 
 
+def test_one_pull_over_hundreds_of_tenants_serves_each_once_before_any_twice():
+    """300 equally served tenants, two requests each, one pull of 450: every tenant's first
+    request before any tenant's second (the pull follows each charge pick by pick)."""
+    sched = RequestScheduler(RequestLevel())
+    for i in range(300):
+        for j in range(2):
+            sched.push(item(f"r{i}-{j}", tenant=f"t{i}", arrival=float(j)))
+    picked = [d.item.request_id for d in sched.pop(450, now=2.0)]
+    assert len(picked) == 450
+    assert {r.split("-")[0] for r in picked[:300]} == {f"r{i}" for i in range(300)}
+    assert all(r.endswith("-0") for r in picked[:300])
+    assert len(set(picked)) == 450
+
+
 def test_scores_reported_are_those_at_the_pick_not_at_the_start_of_the_pull():
     sched = RequestScheduler(RequestLevel())
     sched.push(item("h0", tenant="heavy"))
