@@ -121,10 +121,21 @@ class Cancel(msgspec.Struct, tag="cancel", tag_field="type", forbid_unknown_fiel
 QUOTA_RETRY_MS = 1000.0
 
 
+# The most characters of an error message: one may quote the client's input (an unknown field,
+# a model name), which must not come back at the size it was sent (an answer's body and its
+# Nats-Service-Error header together over max_payload close the sender's connection).
+MAX_MESSAGE_CHARS = 1000
+
+
+def shorten(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    return message if len(message) <= limit else f"{message[:limit - 24]}... ({len(message)} chars)"
+
+
 class ProtocolError(Exception):
     """A request that cannot be served, with the protocol error code and a message naming the cause."""
 
     def __init__(self, code: ErrorCode, message: str, retry_after_s: float | None = None):
+        message = shorten(message)
         super().__init__(message)
         self.code: ErrorCode = code
         self.message = message
@@ -199,6 +210,6 @@ SERVICE_ERROR_CODES: dict[str, str] = {
 
 
 def service_error_headers(error: Error) -> dict[str, str]:
-    description = " ".join(f"{error.code}: {error.message}".split())  # headers are one line
+    description = shorten(" ".join(f"{error.code}: {error.message}".split()))  # one line
     return {"Nats-Service-Error": description,
             "Nats-Service-Error-Code": SERVICE_ERROR_CODES[error.code]}

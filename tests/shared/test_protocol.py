@@ -69,3 +69,19 @@ def test_brackets_inside_strings_do_not_count_as_nesting():
     with pytest.raises(ProtocolError) as info:
         decode_generate_request('{"prompt": "hi", "stop": ' + "[" * 31 + "]" * 31 + "}")
     assert "levels" not in info.value.message
+
+
+def test_an_error_quoting_the_input_quotes_at_most_a_thousand_characters():
+    """An unknown field (or model) of 600 KB is named, shortened: the answer's body and its
+    Nats-Service-Error header each held the whole of it, together over max_payload, and the
+    server closed the connection of the service answering (again at each try)."""
+    from shared.protocol import MAX_MESSAGE_CHARS, Error, service_error_headers
+
+    with pytest.raises(ProtocolError) as info:
+        decode_generate_request('{"prompt": "hi", "' + "k" * 600_000 + '": 1}')
+    message = info.value.message
+    assert len(message) <= MAX_MESSAGE_CHARS and "unknown field" in message
+    assert message.endswith("chars)")
+    header = service_error_headers(Error(request_id="r", code="invalid_request",
+                                         message="x" * 600_000))
+    assert len(header["Nats-Service-Error"]) <= MAX_MESSAGE_CHARS
