@@ -165,7 +165,8 @@ class Admission:
                            resumed_tokens=0, generates_handed_on=0, refused_at_once=0,
                            submits_timed_out=0, reply_refused=0, no_reply=0,
                            cancels_forwarded=0, cancels_remembered=0, cancels_malformed=0,
-                           taken_over=0, let_go=0, state_errors=0, ended_by_report=0)
+                           taken_over=0, let_go=0, state_errors=0, ended_by_report=0,
+                           durable_not_requests=0)
         # Cancels of requests not (yet) in flight: one admitted after its cancel arrived is not
         # cancelled by it, but one being admitted when it arrived is (shared/cancels.py).
         self.cancels = RecentCancels()
@@ -656,6 +657,15 @@ class Admission:
             await self.refuse_durable(msg)
             return
         tenant, claimed_id = key
+        if _not_a_request(msg.data):
+            # JetStream answers a publish on whatever reply subject its publisher names, and
+            # this stream captures that answer on the subject, as any message: another
+            # tenant's PubAck, with its reply on llm.requests.<tenant>.<id>, stored here. It
+            # asked for nothing; stored as that id's result (an Error) it would take the id
+            # from its tenant. Dropped, with no result.
+            self.counts["durable_not_requests"] += 1
+            await msg.term()
+            return
         if self.ledger.redelivered(key, msg):  # still running: the new handle replaces the old
             return
         delayed = self.delay(key, False)  # it is here again: settled below, or put back
@@ -1177,6 +1187,21 @@ def check_quota(request: GenerateRequest, quota: TenantQuota, tenant: str) -> No
     if longest > quota.max_stop_length:
         refuse(f"a `stop` string is {longest} characters", "max_stop_length",
                quota.max_stop_length)
+
+
+def _not_a_request(payload: bytes) -> bool:
+    """Empty, or a JetStream API answer: an object whose `stream` is a name (a PubAck's; a
+    request's `stream` is true or false)."""
+    if not payload.strip():
+        return True
+    if b'"stream"' not in payload:
+        return False
+    try:
+        check_nesting(payload)
+        value = msgspec.json.decode(payload)
+    except (ProtocolError, msgspec.DecodeError):
+        return False
+    return isinstance(value, dict) and isinstance(value.get("stream"), str)
 
 
 def _peek(payload: bytes) -> tuple[str | None, bool]:

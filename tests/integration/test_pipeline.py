@@ -469,6 +469,24 @@ async def test_a_reply_subject_outside_the_client_inbox_gets_nothing(client, sta
     assert isinstance(result, Completion) and len(result.token_ids) == 2, result
 
 
+async def test_an_answer_jetstream_stores_on_a_request_subject_takes_no_id(client, stack):
+    """The same capture on LLM_REQUESTS: acme's submission with reply llm.requests.bob.<id>
+    stores its PubAck as though bob had submitted it. Admission read it as a malformed request
+    and stored an Error as that id's result, so bob's own request of that id was taken for done
+    (for the results' 24 hours). It is no request: dropped with no result, bob's runs."""
+    target = "llm.requests.bob.inject-2"
+    body = msgspec.json.encode({"type": "generate", "prompt": "hi", "max_tokens": 2})
+    before = (await service_stats(client, "admission"))["durable_not_requests"]
+    await client.nc.publish("llm.requests.acme.inject-src-2", body, reply=target)
+    await wait_for_stat(client, "admission", "durable_not_requests", before + 1)
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await client.js.get_last_msg(RESULTS_STREAM, client.subjects.results("bob", "inject-2"))
+    async with await JetserveClient.connect(stack.url, tenant="bob") as bob:
+        await bob.submit(GenerateRequest(request_id="inject-2", prompt="mine", max_tokens=3))
+        result = await bob.result("inject-2", timeout=30)
+    assert isinstance(result, Completion) and len(result.token_ids) == 3, result
+
+
 async def test_an_answer_jetstream_stores_on_a_result_subject_is_not_taken_for_that_result(
         client, stack):
     """JetStream answers a publish on whatever reply subject the publisher names, and a stream
