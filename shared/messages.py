@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from shared.keys import RequestKey
@@ -92,21 +94,28 @@ class AssignReply(msgspec.Struct):
     reason: str = ""
 
 
+# A count in a heartbeat: a negative one (a bug, or a forged beat) would read as room.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class Heartbeat(msgspec.Struct, kw_only=True):
-    """An executor's load, published every interval and whenever a request starts or ends."""
+    """An executor's load, published every interval and whenever a request starts or ends. One
+    out of its bounds is refused whole where it is decoded (the batcher's, priority's)."""
 
     executor: str
     model: str
-    max_num_seqs: int
-    queue_depth: int  # requests it accepts beyond max_num_seqs
-    running: int
-    waiting: int
-    assigned_total: int  # assignments received since start (the batcher counts those in flight)
-    free_kv_blocks: int
-    total_kv_blocks: int
-    step_ms: float  # mean time a step took over the last interval, gaps between steps included
+    max_num_seqs: Count
+    queue_depth: Count  # requests it accepts beyond max_num_seqs
+    running: Count
+    waiting: Count
+    assigned_total: Count  # assignments received since start (the batcher counts those in flight)
+    free_kv_blocks: Count
+    total_kv_blocks: Count
+    # mean time a step took over the last interval, gaps between steps included (at most an
+    # hour: one huge value would make every deadline look hopeless at priority)
+    step_ms: Annotated[float, msgspec.Meta(ge=0.0, le=3.6e6)]
     started_at: float  # wall clock; a restart shows as a new value
-    tenants: dict[str, int] = {}  # requests each tenant has here (running or waiting)
+    tenants: dict[str, Count] = {}  # requests each tenant has here (running or waiting)
     # The standing a request needs to start here at once although there is no room: to go ahead
     # of every waiting request and, with every slot taken, to preempt the weakest running one
     # (see Scheduler.overtake_above); None when nothing is in the way or it was aged.
