@@ -11,6 +11,11 @@ import numpy as np
 from shared.config import RequestLevel
 
 
+# Idle tenants whose counters are kept while ahead of the least-served active tenant's (they
+# are still paying off a lead): past this many, those with the least lead are forgotten.
+MAX_IDLE_COUNTERS = 10_000
+
+
 class TenantCounters:
     """Virtual token counters (VTC): each tenant's counter grows by the tokens it is served
     (prompt + 2 x output), divided by its weight. The least-served active tenant is favoured;
@@ -25,6 +30,7 @@ class TenantCounters:
         self.highest = 0.0  # the highest counter forgotten (see forget_idle)
         self.backlog: dict[str, int] = {}  # tenant -> requests waiting
         self.running: set[str] = set()  # tenants with requests at executors (kept by the caller)
+        self.max_idle = MAX_IDLE_COUNTERS  # idle tenants ahead of the floor kept (forget_idle)
 
     def active(self) -> set[str]:
         return self.running.union(self.backlog)
@@ -41,6 +47,15 @@ class TenantCounters:
         floor = self.floor(active)
         floor = math.inf if floor is None else floor
         idle = [t for t, c in self.counters.items() if c <= floor and t not in active]
+        # Past max_idle idle tenants still ahead of the floor (a stream of new tenants each
+        # served once keeps the floor where they start: none falls back to it), those with the
+        # least lead go too, their lead forgiven: the counters, and the snapshot priority saves,
+        # stay bounded.
+        ahead = len(self.counters) - len(idle) - sum(1 for t in active if t in self.counters)
+        if ahead > self.max_idle:
+            kept = set(idle) | active
+            leads = sorted((c, t) for t, c in self.counters.items() if t not in kept)
+            idle += [t for _, t in leads[:ahead - self.max_idle]]
         for tenant in idle:
             self.highest = max(self.highest, self.counters.pop(tenant))
         return len(idle)

@@ -140,3 +140,23 @@ def test_a_tenant_running_here_without_a_counter_does_not_pull_the_floor_to_zero
     assert counters.counters["new"] == 50_000.0
     counters.backlog.clear()  # only `elsewhere` is active, with no counter: nobody to forget
     assert counters.forget_idle() == 3 and counters.highest == 51_000.0
+
+
+def test_a_stream_of_new_tenants_leaves_a_bounded_number_of_counters():
+    """One tenant always waiting at the floor, and 5,000 new tenants each served once: each
+    starts at the floor and ends above it, so none fell back to it and every counter stayed
+    (20,000 such tenants left 20,001). Past max_idle, those with the least lead go."""
+    counters = TenantCounters()
+    counters.max_idle = 500
+    counters.enqueued("steady")
+    for i in range(5_000):
+        tenant = f"new{i}"
+        counters.enqueued(tenant)
+        counters.dequeued(tenant)
+        counters.charge(tenant, 10.0 + i % 7)
+        if i % 100 == 99:
+            counters.forget_idle()
+    assert len(counters.counters) <= 501 and "steady" in counters.counters
+    kept = [c for t, c in counters.counters.items() if t != "steady"]
+    assert min(kept) >= 10.0 + 3  # the least leads went first
+    assert counters.highest >= 10.0  # and the highest forgotten is kept
