@@ -9,6 +9,7 @@ it, so nothing between the dump's cut and its arrival is lost.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from shared.messages import KvDump, KvEvent
@@ -30,6 +31,9 @@ class KvIndex:
         # events can have arrived: requests of one prefix group that arrive together then meet
         # at one executor. executor -> hash -> until (monotonic).
         self._promised: dict[str, dict[bytes, float]] = {}
+        # Per executor, (until, hash) in the order promised (`until` grows with the clock): the
+        # expired ones are dropped from the front, not by a scan of every promise per pick.
+        self._expiries: dict[str, deque[tuple[float, bytes]]] = {}
 
     def apply(self, event: KvEvent) -> bool:
         """Record an event; True when the executor's blocks are unknown from here on and a dump
@@ -74,13 +78,16 @@ class KvIndex:
     def forget(self, executor: str) -> None:
         self._executors.pop(executor, None)
         self._promised.pop(executor, None)
+        self._expiries.pop(executor, None)
 
     def promise(self, executor: str, block_hashes: list[bytes], until: float) -> None:
         """A prompt with these blocks was routed to `executor`: count them as cached there until
         `until`, by when its own KV events will say so."""
         promised = self._promised.setdefault(executor, {})
+        expiries = self._expiries.setdefault(executor, deque())
         for block_hash in block_hashes:
             promised[block_hash] = max(until, promised.get(block_hash, until))
+            expiries.append((until, block_hash))
 
     def cached_prefix(self, executor: str, block_hashes: list[bytes], now: float) -> int:
         """How many of the prompt's leading blocks `executor` caches or was promised. Hashes are
@@ -89,10 +96,14 @@ class KvIndex:
         blocks = state.blocks if state is not None else set()
         promised = self._promised.get(executor)
         if promised:
-            promised = self._promised[executor] = {h: t for h, t in promised.items() if t > now}
+            expiries = self._expiries[executor]
+            while expiries and expiries[0][0] <= now:
+                _, block_hash = expiries.popleft()
+                if promised.get(block_hash, now + 1) <= now:  # not promised again since
+                    del promised[block_hash]
         count = 0
         for block_hash in block_hashes:
-            if block_hash not in blocks and not (promised and block_hash in promised):
+            if block_hash not in blocks and not (promised and promised.get(block_hash, 0) > now):
                 break
             count += 1
         return count

@@ -118,3 +118,16 @@ def test_expired_executors_leave_the_index():
     registry.kv_index.apply(event(1, stored=[A]))
     assert registry.expire(now=100.0, timeout=5.0) == ["e0"]
     assert registry.kv_index.cached_prefix("e0", [A], now=100.0) == 0
+
+
+def test_promised_blocks_count_until_their_time_and_are_then_dropped():
+    """A block promised again lives to its later time; expired promises leave the index (from
+    the front of an expiry queue: a pick no longer scans every promise of the last seconds)."""
+    index = KvIndex()
+    index.promise("e", [b"a", b"b"], until=1.0)
+    index.promise("e", [b"a"], until=3.0)
+    assert index.cached_prefix("e", [b"a", b"b"], now=0.5) == 2
+    assert index.cached_prefix("e", [b"a", b"b"], now=2.0) == 1  # b's promise is over
+    assert set(index._promised["e"]) == {b"a"}
+    assert index.cached_prefix("e", [b"a"], now=3.0) == 0
+    assert index._promised["e"] == {} and not index._expiries["e"]
