@@ -51,17 +51,20 @@ def urgency(slack_s, time_window: float):
                     1.0 / (1.0 + np.exp(np.clip(slack / time_window, -50.0, 50.0))))
 
 
-def deadline_urgency(slack_s, service_s, time_window: float):
+def deadline_urgency(slack_s, service_s, time_window: float, fade=True):
     """Urgency of a request that needs about `service_s` to complete and has `slack_s` left:
     the urgency of its margin (slack - service), rising to 0.5 as the margin reaches zero and
     fading once it is late by that estimate (by 1/e a time window late): a request that is
-    already behind stops taking the place of one that can still make it. 0 without a
+    already behind stops taking the place of one that can still make it. Only where `fade`
+    (per request): an estimate from the prior, every request using all of its max_tokens,
+    would fade a long max_tokens' deadline to nothing before it could tell. 0 without a
     deadline."""
     slack = np.asarray(slack_s, dtype=float)
     margin = slack - np.asarray(service_s, dtype=float)
     late = np.minimum(0.0, margin / time_window)  # < 0 once late
     rising = urgency(np.maximum(margin, 0.0), time_window)
-    return np.where(slack == np.inf, 0.0, rising * np.exp(np.maximum(late, -50.0)))
+    fading = np.where(fade, np.exp(np.maximum(late, -50.0)), 1.0)
+    return np.where(slack == np.inf, 0.0, rising * fading)
 
 
 def hopeless(slack_s, service_s, tolerance: float):
@@ -143,9 +146,11 @@ def scores(waiting: Waiting, now: float, load: float, class_weights: np.ndarray,
     slack = waiting.deadline - now
     service = service_time(waiting, step_s, prefill_per_step)
     weights = class_weights[np.minimum(waiting.priority, len(class_weights) - 1)]
+    # Late by a history-based estimate fades; by the prior alone, not (see deadline_urgency).
+    fade = True if waiting.known is None else waiting.known
     terms = {"base": base(waiting.priority, weights, cfg),
-             "urgency": cfg.urgency_weight * deadline_urgency(slack, service, cfg.time_window)
-             * adjust,
+             "urgency": cfg.urgency_weight * deadline_urgency(slack, service, cfg.time_window,
+                                                              fade) * adjust,
              "resource": cfg.resource_weight * resource(waiting.demand, cfg.resource_scale),
              "fairness": waiting.fairness}
     score = terms["base"] + terms["urgency"] + terms["resource"] + terms["fairness"]

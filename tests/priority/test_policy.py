@@ -201,3 +201,17 @@ def test_a_request_that_would_miss_its_deadline_even_now_goes_behind_every_other
     assert order(w, now=1.0) == [0, 1]
     scored = policy.scores(w, 1.0, 0.0, np.ones(11), cfg(), step_s=0.01)
     assert scored.terms["hopeless"].tolist() == [0.0, 0.0]
+
+
+def test_a_deadline_keeps_its_urgency_while_its_length_is_only_the_prior():
+    """max_tokens 4096 and 10 s left at 20 ms a step: by the prior (all 4096 tokens, 82 s) it
+    is 72 s late, and its urgency faded to 1e-22 until five of its tenant's requests had ended.
+    Without history it keeps the urgency of a deadline reached (0.5); with history saying it is
+    that long, it fades as before."""
+    w = waiting([5, 5], deadline=[11.0, 11.0], demand=[4096.0, 4096.0])
+    w.prompt = np.zeros(2)
+    w.known = np.array([False, True])
+    scored = policy.scores(w, 1.0, 0.0, np.ones(11), cfg(), step_s=0.02)
+    weight = cfg().urgency_weight * policy.load_adjustment(0.0, cfg())
+    assert scored.terms["urgency"][0] == pytest.approx(0.5 * weight)
+    assert scored.terms["urgency"][1] < 1e-20
