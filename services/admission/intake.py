@@ -12,34 +12,48 @@ have lines: the longest is kept track of, not searched for.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class FairIntake(Generic[T]):
-    def __init__(self, capacity: int):
+    """`capacity` requests at most, and `max_bytes` of them by `size_of` (each request's bytes;
+    without it, requests are not counted in bytes): a flood of large messages is refused by
+    the same rule before it fills the memory."""
+
+    def __init__(self, capacity: int, max_bytes: float = math.inf,
+                 size_of: Callable[[T], int] | None = None):
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.size_of = size_of or (lambda item: 0)
         self.lines: dict[str, deque[T]] = {}  # tenant -> its requests, oldest first
         self.turns: deque[str] = deque()  # tenants with requests, in the order they are served
         self.by_length: dict[int, set[str]] = {}  # line length -> the tenants with such a line
         self.longest = 0
         self.size = 0
+        self.bytes = 0
         self._waiting = asyncio.Semaphore(0)  # one release per request queued: wakes one worker
 
     def __len__(self) -> int:
         return self.size
 
-    def put(self, tenant: str, item: T) -> T | None:
-        """Queue `item`; what had to be refused for it (the latest of the longest line, or
-        `item` itself when its own tenant's line is the longest), or None."""
-        refused = None
-        if self.size >= self.capacity:
+    def put(self, tenant: str, item: T) -> list[T]:
+        """Queue `item`; what had to be refused for it: the latest of the longest line (more
+        than one where the bytes need it), or `item` itself when its own tenant's line is the
+        longest (then nothing else)."""
+        nbytes = self.size_of(item)
+        refused: list[T] = []
+        while self.size and (self.size >= self.capacity
+                             or self.bytes + nbytes > self.max_bytes):
             if self.longest <= len(self.lines.get(tenant, ())) + 1:
-                return item
+                return [item, *refused]  # (those refused before it: their room goes unused)
             longest = next(iter(self.by_length[self.longest]))
-            refused = self.lines[longest].pop()
+            refused.append(self.lines[longest].pop())
+            self.bytes -= self.size_of(refused[-1])
             self._resized(longest, self.longest, -1)
             self.size -= 1
         line = self.lines.get(tenant)
@@ -49,8 +63,9 @@ class FairIntake(Generic[T]):
         line.append(item)
         self._resized(tenant, len(line) - 1, +1)
         self.size += 1
-        if refused is None:  # one more request (a swap leaves the count, and its wake-up, as is)
-            self._waiting.release()
+        self.bytes += nbytes
+        if not refused:  # one request more: one wake-up more (a request refused leaves its own
+            self._waiting.release()  # for this one, or a spare that `get` waits out)
         return refused
 
     def _take(self) -> tuple[str, T]:
@@ -60,6 +75,7 @@ class FairIntake(Generic[T]):
         item = line.popleft()
         self._resized(tenant, len(line) + 1, -1)
         self.size -= 1
+        self.bytes -= self.size_of(item)
         if line:
             self.turns.append(tenant)
         else:
@@ -81,9 +97,12 @@ class FairIntake(Generic[T]):
         self.longest = max(self.longest, length + change)
 
     async def get(self) -> tuple[str, T]:
-        """The next request, waiting for one (each queued request wakes one waiter)."""
-        await self._waiting.acquire()
-        return self._take()
+        """The next request, waiting for one (each queued request wakes one waiter; one woken
+        for a request refused since finds none and waits again)."""
+        while True:
+            await self._waiting.acquire()
+            if self.size:
+                return self._take()
 
     def drain(self) -> list[tuple[str, T]]:
         """Everything still waiting, taken out (once nobody calls `get` any more)."""

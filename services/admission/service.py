@@ -109,6 +109,8 @@ ADMIT_WORKERS = 256  # generate requests being admitted at once
 # most (it comes back within seconds; past this it went to another admission).
 DELAYED_FOR_S = 60.0
 INTAKE_CAPACITY = 4096  # generate requests waiting to be admitted (services/admission/intake.py)
+# and their bytes at most (4,096 requests of 1 MiB, the default max_payload, would be 4 GiB)
+INTAKE_MAX_BYTES = 256 * 2**20
 TOKENIZE_THREADS = 2  # prompts encoded at once (the encoder releases the GIL)
 # A result's bytes besides its tokens' text and ids: ids, usage, metrics, scheduling, model.
 RESULT_BYTES = 2048
@@ -173,7 +175,8 @@ class Admission:
         self.errors_by_code: dict[str, int] = {}
         self.failures: dict[RequestKey, int] = {}  # durable requests admission failed on
         self.tasks: list[asyncio.Task] = []
-        self.intake: FairIntake = FairIntake(INTAKE_CAPACITY)
+        self.intake: FairIntake = FairIntake(INTAKE_CAPACITY, INTAKE_MAX_BYTES,
+                                             size_of=lambda entry: len(entry[1].data))
         self.admitting = 0  # generate requests taken from the intake and not yet answered
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.collector = StatsCollector(self.read_metrics)
@@ -539,14 +542,13 @@ class Admission:
             self.counts["refused_at_once"] += 1
             await self.refuse(msg, tenant, error)
             return
-        refused = self.intake.put(tenant, (time.time(), msg))
-        if refused is not None:
+        for _, refused in self.intake.put(tenant, (time.time(), msg)):
             self.counts["refused_at_once"] += 1
-            refused = refused[1]
             await self.refuse(refused, self.subjects.tenant_of(refused.subject), Error(
                 request_id=None, code="overloaded",
-                message=f"admission's intake is full ({INTAKE_CAPACITY} requests waiting to be "
-                        f"admitted) and this request's tenant has the most of them; retry later"))
+                message=f"admission's intake is full ({INTAKE_CAPACITY} requests or "
+                        f"{INTAKE_MAX_BYTES >> 20} MiB waiting to be admitted) and this "
+                        f"request's tenant has the most of them; retry later"))
 
     async def admit_loop(self) -> None:
         """One worker: the intake's next request (tenants in turn), admitted to its answer."""

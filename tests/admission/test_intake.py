@@ -8,7 +8,7 @@ from services.admission.intake import FairIntake
 async def test_tenants_are_taken_in_turn_not_in_arrival_order():
     intake = FairIntake(capacity=100)
     for i in range(50):
-        assert intake.put("heavy", f"h{i}") is None
+        assert intake.put("heavy", f"h{i}") == []
     intake.put("light", "l0")
     intake.put("light", "l1")
     taken = [(await intake.get())[1] for _ in range(5)]
@@ -20,8 +20,8 @@ async def test_a_full_intake_refuses_the_latest_of_the_longest_line():
     intake = FairIntake(capacity=4)
     for i in range(4):
         intake.put("heavy", f"h{i}")
-    assert intake.put("heavy", "h4") == "h4"  # its own line is the longest: the newcomer goes
-    assert intake.put("light", "l0") == "h3"  # another tenant's newcomer takes h3's place
+    assert intake.put("heavy", "h4") == ["h4"]  # its own line is the longest: the newcomer goes
+    assert intake.put("light", "l0") == ["h3"]  # another tenant's newcomer takes h3's place
     assert len(intake) == 4
     assert [(await intake.get())[1] for _ in range(4)] == ["h0", "l0", "h1", "h2"]
 
@@ -58,10 +58,33 @@ async def test_the_longest_line_is_tracked_through_any_sequence():
             tenant = f"t{rng.randint(0, 20 if step % 1000 < 500 else 2000)}"
             before = {t: len(line) for t, line in intake.lines.items()}
             refused = intake.put(tenant, (tenant, step))
-            if refused is not None and refused != (tenant, step):
-                assert before[refused[0]] == max(before.values())  # from a longest line
+            if refused and refused != [(tenant, step)]:
+                assert before[refused[0][0]] == max(before.values())  # from a longest line
         elif len(intake):
             await intake.get()
         lengths = [len(line) for line in intake.lines.values()]
         assert intake.longest == max(lengths, default=0)
         assert sum(lengths) == len(intake) <= 50
+
+
+async def test_a_flood_of_large_requests_is_refused_by_bytes_from_the_longest_line():
+    """4,096 requests of 1 MiB would be 4 GiB: past max_bytes the same rule refuses, as many
+    of the longest line's latest as the newcomer needs, or the newcomer when its own line is
+    the longest. Every request left is still taken, in turn."""
+    intake = FairIntake(capacity=100, max_bytes=10_000, size_of=len)
+    for i in range(10):
+        assert intake.put("flood", f"{i:04d}".ljust(1000, "f")) == []
+    assert intake.bytes == 10_000
+    assert intake.put("flood", "x" * 1000) == ["x" * 1000]  # its own line is the longest
+    refused = intake.put("light", "l" * 2500)  # three of the flood's make room
+    assert [r[:4] for r in refused] == ["0009", "0008", "0007"]
+    assert intake.bytes == 9_500 and len(intake) == 8
+    taken = [(await intake.get())[1][:4] for _ in range(8)]
+    assert taken == ["0000", "llll", "0001", "0002", "0003", "0004", "0005", "0006"]
+    assert intake.bytes == 0 and len(intake) == 0
+    # The wake-ups left by the three refused find nothing and wait again.
+    waiter = asyncio.ensure_future(intake.get())
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    intake.put("light", "late")
+    assert (await asyncio.wait_for(waiter, 1))[1] == "late"
