@@ -45,9 +45,18 @@ def shutdown_tracing() -> None:
         provider.shutdown()  # flushes spans still batched
 
 
+# The most of a client's `tracestate` carried on (as the gateway takes it): the context rides
+# with the request in every hop's headers and in its WorkItem, inside ENVELOPE_BYTES.
+MAX_TRACESTATE_CHARS = 512
+
+
 def context_from(carrier: dict[str, str] | None) -> otel_context.Context:
-    """The trace context a message carries (NATS headers or a WorkItem's `trace`)."""
-    return extract(carrier or {})
+    """The trace context a message carries (NATS headers or a WorkItem's `trace`); a
+    `tracestate` longer than MAX_TRACESTATE_CHARS is left out (the trace itself goes on)."""
+    carrier = carrier or {}
+    if len(carrier.get("tracestate", "")) > MAX_TRACESTATE_CHARS:
+        carrier = {k: v for k, v in carrier.items() if k != "tracestate"}
+    return extract(carrier)
 
 
 def context_of(span: Span) -> otel_context.Context:

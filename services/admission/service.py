@@ -258,10 +258,12 @@ class Admission:
     # --------------------------------------------------------------------------- validation
 
     async def admit(self, tenant: str, payload: bytes, durable_id: str | None = None,
-                    seed: int | None = None, attempt: int = 0) -> WorkItem:
+                    seed: int | None = None, attempt: int = 0, reply_to: str | None = None,
+                    trace: dict[str, str] | None = None) -> WorkItem:
         """A valid, tokenized WorkItem, or a ProtocolError that names the field or limit;
         `durable_id` is a durable submission's id, from its subject; `seed` its seed unless
-        the client gave one; `attempt` its first attempt's number.
+        the client gave one; `attempt` its first attempt's number; `reply_to` and `trace` its
+        client's inbox and trace context (they travel with it, so they count in its size).
 
         Every check that needs no tokens comes first (a prompt that must be too long is refused
         by its length); text is tokenized on a small thread pool, never on the event loop."""
@@ -290,7 +292,8 @@ class Admission:
         item = WorkItem(request=request, tenant=tenant, arrival_time=now, attempt=attempt,
                         durable=durable_id is not None,
                         deadline=now + request.deadline_ms / 1e3 if request.deadline_ms else None,
-                        block_hashes=block_hashes(prompt, self.config.kv_cache.block_size))
+                        block_hashes=block_hashes(prompt, self.config.kv_cache.block_size),
+                        reply_to=reply_to, trace=trace or {})
         self.check_message_sizes(item)
         if quota.max_prompt_tokens is not None and len(prompt) > quota.max_prompt_tokens:
             raise ProtocolError("invalid_request", f"the prompt is {len(prompt)} tokens, over "
@@ -594,11 +597,10 @@ class Admission:
                 attributes={"tenant": tenant}) as span:
             try:
                 with self.being_admitted(tenant) as seat:
-                    item = await self.admit(tenant, msg.data)
+                    item = await self.admit(tenant, msg.data, reply_to=msg.reply,
+                                            trace=carrier_of(span))
                     span.set_attributes({"request_id": item.request_id,
                                          "prompt_tokens": item.num_prompt_tokens})
-                    item.reply_to = msg.reply
-                    item.trace = carrier_of(span)
                     error = await self.submit_watched(item, seat=seat, received=received)
             except ProtocolError as exc:
                 error = exc.to_error(_peek(msg.data)[0])
@@ -711,7 +713,8 @@ class Admission:
                 item = await self.admit(
                     tenant, msg.data, durable_id=claimed_id,
                     seed=durable_seed(tenant, claimed_id, msg.metadata.sequence.stream),
-                    attempt=(msg.metadata.num_delivered - 1) * ATTEMPTS_PER_DELIVERY)
+                    attempt=(msg.metadata.num_delivered - 1) * ATTEMPTS_PER_DELIVERY,
+                    trace=carrier_of(span))
             except ProtocolError as exc:
                 span.set_attribute("error", exc.code)
                 if exc.retry_after_s is not None:  # rate limited: a durable request waits its turn
@@ -725,7 +728,6 @@ class Admission:
                 self.failures.pop(key, None)
                 await msg.ack()
                 return
-            item.trace = carrier_of(span)
             # Submitted when JetStream stored it: a cancel since then applies.
             error = await self.submit_watched(item, msg, seat,
                                               received=msg.metadata.timestamp.timestamp())
