@@ -266,7 +266,8 @@ def tokenize_request(body: object, served: list[str]) -> GenerateRequest:
         raise bad("body", "the body must be a JSON object")
     _check_fields(body, {"model", "prompt", "messages", "add_generation_prompt",
                          "add_special_tokens"})
-    if not isinstance(body.get("add_special_tokens", True), bool):
+    if body.get("add_special_tokens") is not None \
+            and not isinstance(body["add_special_tokens"], bool):  # (null: absent)
         raise bad("add_special_tokens", "`add_special_tokens` must be true or false")
     extra = {name: body[name] for name in ("model",) if name in body}
     if body.get("add_generation_prompt") is False:
