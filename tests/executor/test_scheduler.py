@@ -385,3 +385,53 @@ def test_a_request_that_cannot_keep_up_even_with_the_smallest_paced_steps_is_not
     assert sched.floor_step_s == 0.02
     assert sched.pace_target(now=0.0) is None  # it needs ~9 ms steps; paced ones took 20
     assert sched.pace_target(now=-2.0) == pytest.approx(PACE_SAFETY * 3.0 / 101)
+
+
+def shared(tokens, score, rid):
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=8), score=score,
+                    arrival_index=next(_count))
+
+
+def test_no_preemption_for_a_sequence_the_victim_s_blocks_would_not_make_room_for():
+    """R holds 5 blocks once it decodes, 2 of them a prefix P that the waiting S shares.
+    Preempting R frees only its other 3 (S holds P too): 2 free + 3 is short of the 6 S needs,
+    so R keeps running and S waits (counting all 5 of R's, R was preempted for nothing)."""
+    bm = BlockManager(12, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, admission_watermark=0.0)
+    prefix = list(range(500, 508))
+    high = shared(range(100, 116), 9.0, "H")  # 4 blocks
+    low = shared(prefix + list(range(600, 608)), 1.0, "R")  # 4 blocks, P the first 2
+    for s in (high, low):
+        sched.add(s)
+    resolve(sched.schedule())
+    assert bm.num_free_blocks == 4  # 2 once both decode into a fifth block
+    waiting = shared(prefix + list(range(700, 721)), 5.0, "S")  # 29 tokens: 8 blocks
+    sched.add(waiting)
+    for _ in range(3):
+        batch = sched.schedule()
+        resolve(batch)
+        assert {item.seq.key for item in batch} == {"H", "R"}
+    assert sched.num_preemptions == 0 and waiting.status is SeqStatus.WAITING
+    assert not waiting.block_table and bm.blocks[low.block_table[0]].ref_count == 1
+
+
+def test_a_saturated_executor_counts_each_prefix_lookup_once():
+    """Every slot taken and nothing to preempt: the waiting sequence does not claim (and give
+    back) its cached prefix step after step, and when it is admitted its lookup counts once."""
+    bm = BlockManager(64, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64, admission_watermark=0.0)
+    prefix = list(range(500, 520))
+    first = Sequence("A", prefix + [1], SamplingParams(max_tokens=12), score=5.0,
+                     arrival_index=next(_count))
+    sched.add(first)
+    resolve(sched.schedule())
+    queries = bm.prefix_queries
+    second = shared(prefix + list(range(900, 920)), 5.0, "B")
+    sched.add(second)
+    for _ in range(10):
+        resolve(sched.schedule())
+    assert second.status is SeqStatus.WAITING and bm.prefix_queries == queries
+    sched.finish(first)
+    batch = sched.schedule()
+    assert [item.seq.key for item in batch] == ["B"]
+    assert bm.prefix_queries - queries == 40 and second.num_cached_tokens == 20

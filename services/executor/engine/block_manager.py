@@ -102,6 +102,13 @@ class BlockManager:
         self.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
+    def give_back_prefix(self, seq: Sequence) -> None:
+        """Release the prefix `take_cached_prefix` just claimed for `seq`, which is not admitted
+        after all (it waits on): the lookup is not counted, it is counted when it is."""
+        self.prefix_queries -= seq.num_tokens
+        self.prefix_hits -= seq.num_computed_tokens
+        self.free_seq(seq)
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register blocks whose tokens are all known and whose KV is written (or in flight)."""
         if not self.enable_prefix_caching:
@@ -198,6 +205,9 @@ class KvPools:
 
     def take_cached_prefix(self, seq: Sequence) -> int:
         return self.pools[seq.pool].take_cached_prefix(seq)
+
+    def give_back_prefix(self, seq: Sequence) -> None:
+        self.pools[seq.pool].give_back_prefix(seq)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         self.pools[seq.pool].commit_full_blocks(seq)

@@ -236,8 +236,12 @@ class Scheduler:
                 continue
             if seq.num_pending:  # preempted while its last token was in flight: next step
                 break
+            if len(self.running) >= self.max_num_seqs and not self._outranks(
+                    seq, max(self.running, key=Sequence.sort_key)):
+                break  # no slot to be had: nothing after it outranks more (its cache untouched)
             lost = 0  # back from a preemption: what must run again
-            if not seq.block_table:
+            claimed = not seq.block_table
+            if claimed:
                 cached = bm.take_cached_prefix(seq)
                 if not seq.admitted_once:  # (a resumed request's outputs may be cached too)
                     seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
@@ -249,7 +253,7 @@ class Scheduler:
             if self._could_fit(seq, num_new, reserve) and len(self.running) >= self.max_num_seqs:
                 victim = self._preempt_lower(seq)
                 if victim is None:  # no slot: nothing after it outranks more
-                    bm.free_seq(seq)  # give back the cached prefix it claimed
+                    self._give_back(seq, claimed)
                     break
                 budget += scheduled.pop(victim, 0)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -264,7 +268,7 @@ class Scheduler:
                 budget += scheduled.pop(victim, 0)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not bm.can_allocate(seq, num_new, reserve=reserve):
-                bm.free_seq(seq)  # give back the cached prefix it claimed
+                self._give_back(seq, claimed)
                 full_pools.add(seq.pool)
                 if len(full_pools) == bm.num_pools:
                     break
@@ -366,11 +370,20 @@ class Scheduler:
         self._preempt(victim)
         return victim
 
+    def _give_back(self, seq: Sequence, claimed: bool) -> None:
+        """`seq` waits on: the cached prefix it claimed this step given back, uncounted (else
+        the blocks it holds, as before)."""
+        if claimed:
+            self.block_manager.give_back_prefix(seq)
+        else:
+            self.block_manager.free_seq(seq)
+
     def _could_fit(self, seq: Sequence, num_new: int, reserve: int) -> bool:
         """Whether `seq`'s blocks for `num_new` more tokens fit in its pool, once the running
         sequences of that pool it would preempt (weakest first, while it outranks them) have
-        given theirs back. An upper bound: blocks they share through the prefix cache stay,
-        and a cached prefix `seq` itself finds needs fewer."""
+        given theirs back: those each holds alone (one shared, with `seq`'s claimed prefix or
+        with a sequence left running, is not freed). Blocks two victims share are not counted:
+        a lower bound there."""
         bm = self.block_manager
         if bm.can_allocate(seq, num_new, reserve=reserve):
             return True
@@ -380,5 +393,6 @@ class Scheduler:
                             key=Sequence.sort_key, reverse=True):
             if not self._outranks(seq, rival):
                 break
-            freed += len(rival.block_table)
+            # (a block it shares, with `seq`'s claimed prefix or another sequence, stays held)
+            freed += sum(1 for b in rival.block_table if pool.blocks[b].ref_count == 1)
         return pool.blocks_needed(seq, num_new) + reserve <= pool.num_free_blocks + freed
