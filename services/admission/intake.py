@@ -5,8 +5,9 @@ set of workers admits them, taking one tenant's oldest request after another's. 
 cannot keep up (a flood from one tenant), the backlog forms in the flooding tenant's line, and
 a request of any other tenant is taken within one turn, not after the whole flood. Full, the
 latest request of the tenant with the longest line is refused to make room (longest-queue drop:
-one tenant's flood cannot lock the others out). Every operation is O(1), however many tenants
-have lines: the longest is kept track of, not searched for.
+one tenant's flood cannot lock the others out); past its bytes, the latest of the tenant holding
+the most bytes. Every operation is O(1), however many tenants have lines (the longest is kept
+track of, not searched for), but a put past the byte budget, which looks for the heaviest.
 """
 
 from __future__ import annotations
@@ -36,26 +37,29 @@ class FairIntake(Generic[T]):
         self.longest = 0
         self.size = 0
         self.bytes = 0
+        self.tenant_bytes: dict[str, int] = {}  # tenant -> bytes of its requests here (> 0)
         self._waiting = asyncio.Semaphore(0)  # one release per request queued: wakes one worker
 
     def __len__(self) -> int:
         return self.size
 
     def put(self, tenant: str, item: T) -> list[T]:
-        """Queue `item`; what had to be refused for it: the latest of the longest line (more
-        than one where the bytes need it), or `item` itself when its own tenant's line is the
-        longest (then nothing else)."""
+        """Queue `item`; what had to be refused for it. Full by count: the latest of the
+        longest line, or `item` itself when its own tenant's line is the longest. Full by bytes:
+        the latest of the tenant holding the most bytes (as many as `item` needs), or `item`
+        itself when its own tenant would then hold the most."""
         nbytes = self.size_of(item)
         refused: list[T] = []
-        while self.size and (self.size >= self.capacity
-                             or self.bytes + nbytes > self.max_bytes):
+        if self.size >= self.capacity:
             if self.longest <= len(self.lines.get(tenant, ())) + 1:
+                return [item]
+            refused.append(self._pop_latest(next(iter(self.by_length[self.longest]))))
+        while self.size and self.bytes + nbytes > self.max_bytes:
+            # O(lines), only past the byte budget (a flood of large messages)
+            heaviest = max(self.tenant_bytes, key=self.tenant_bytes.__getitem__)
+            if self.tenant_bytes.get(tenant, 0) + nbytes >= self.tenant_bytes[heaviest]:
                 return [item, *refused]  # (those refused before it: their room goes unused)
-            longest = next(iter(self.by_length[self.longest]))
-            refused.append(self.lines[longest].pop())
-            self.bytes -= self.size_of(refused[-1])
-            self._resized(longest, self.longest, -1)
-            self.size -= 1
+            refused.append(self._pop_latest(heaviest))
         line = self.lines.get(tenant)
         if line is None:
             line = self.lines[tenant] = deque()
@@ -63,10 +67,31 @@ class FairIntake(Generic[T]):
         line.append(item)
         self._resized(tenant, len(line) - 1, +1)
         self.size += 1
-        self.bytes += nbytes
+        self._add_bytes(tenant, nbytes)
         if not refused:  # one request more: one wake-up more (a request refused leaves its own
             self._waiting.release()  # for this one, or a spare that `get` waits out)
         return refused
+
+    def _pop_latest(self, tenant: str) -> T:
+        """The latest request of `tenant` taken out (the longest line's, or the heaviest's: a
+        line the heaviest may empty, the longest never does)."""
+        line = self.lines[tenant]
+        item = line.pop()
+        self._resized(tenant, len(line) + 1, -1)
+        self.size -= 1
+        self._add_bytes(tenant, -self.size_of(item))
+        if not line:  # O(lines), and only past the byte budget
+            del self.lines[tenant]
+            self.turns.remove(tenant)
+        return item
+
+    def _add_bytes(self, tenant: str, nbytes: int) -> None:
+        self.bytes += nbytes
+        held = self.tenant_bytes.get(tenant, 0) + nbytes
+        if held > 0:
+            self.tenant_bytes[tenant] = held
+        else:
+            self.tenant_bytes.pop(tenant, None)
 
     def _take(self) -> tuple[str, T]:
         """The next tenant's oldest request (one must wait)."""
@@ -75,7 +100,7 @@ class FairIntake(Generic[T]):
         item = line.popleft()
         self._resized(tenant, len(line) + 1, -1)
         self.size -= 1
-        self.bytes -= self.size_of(item)
+        self._add_bytes(tenant, -self.size_of(item))
         if line:
             self.turns.append(tenant)
         else:

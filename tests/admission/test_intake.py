@@ -67,22 +67,32 @@ async def test_the_longest_line_is_tracked_through_any_sequence():
         assert sum(lengths) == len(intake) <= 50
 
 
-async def test_a_flood_of_large_requests_is_refused_by_bytes_from_the_longest_line():
-    """4,096 requests of 1 MiB would be 4 GiB: past max_bytes the same rule refuses, as many
-    of the longest line's latest as the newcomer needs, or the newcomer when its own line is
-    the longest. Every request left is still taken, in turn."""
+async def test_past_its_bytes_the_intake_refuses_from_the_tenant_holding_the_most():
+    """4,096 requests of 1 MiB would be 4 GiB: past max_bytes the latest requests of the tenant
+    holding the most bytes are refused, as many as the newcomer needs, or the newcomer when its
+    own tenant would then hold the most. A tenant of many small requests does not pay for
+    another's few large ones. Every request left is still taken, in turn."""
     intake = FairIntake(capacity=100, max_bytes=10_000, size_of=len)
-    for i in range(10):
-        assert intake.put("flood", f"{i:04d}".ljust(1000, "f")) == []
-    assert intake.bytes == 10_000
-    assert intake.put("flood", "x" * 1000) == ["x" * 1000]  # its own line is the longest
-    refused = intake.put("light", "l" * 2500)  # three of the flood's make room
-    assert [r[:4] for r in refused] == ["0009", "0008", "0007"]
-    assert intake.bytes == 9_500 and len(intake) == 8
-    taken = [(await intake.get())[1][:4] for _ in range(8)]
-    assert taken == ["0000", "llll", "0001", "0002", "0003", "0004", "0005", "0006"]
-    assert intake.bytes == 0 and len(intake) == 0
-    # The wake-ups left by the three refused find nothing and wait again.
+    for i in range(40):
+        assert intake.put("chatty", f"c{i:02d}".ljust(10, ".")) == []  # 400 bytes
+    for i in range(4):
+        assert intake.put("large", f"L{i}".ljust(2000, "l")) == []  # 8,000 bytes
+    assert intake.bytes == 8_400
+    assert intake.put("large", "L4".ljust(2000, "l")) == ["L4".ljust(2000, "l")]  # its own
+    refused = intake.put("other", "o" * 4000)  # two of the large ones make room, none of chatty's
+    assert [r[:2] for r in refused] == ["L3", "L2"]
+    assert intake.bytes == 8_400 and len(intake) == 43
+    assert intake.tenant_bytes == {"chatty": 400, "large": 4_000, "other": 4_000}
+    taken = [(await intake.get())[1][:3] for _ in range(len(intake))]
+    assert taken[:4] == ["c00", "L0l", "ooo", "c01"] and len(taken) == 43
+    assert intake.bytes == 0 and intake.tenant_bytes == {} and len(intake) == 0
+    # A line the heaviest's refusal empties leaves the turns too.
+    intake.put("big", "b" * 9000)
+    intake.put("small", "s" * 500)
+    assert intake.put("new", "n" * 1000) == ["b" * 9000]
+    assert "big" not in intake.lines and list(intake.turns) == ["small", "new"]
+    assert [(await intake.get())[1][0] for _ in range(2)] == ["s", "n"]
+    # The wake-ups left by those refused find nothing and wait again.
     waiter = asyncio.ensure_future(intake.get())
     await asyncio.sleep(0.01)
     assert not waiter.done()
