@@ -357,8 +357,9 @@ class Gateway:
                 check_prompt_size(self.tokenizer, generate, self.max_model_len)
                 prompt_tokens = len(await asyncio.to_thread(
                     prompt_token_ids, self.tokenizer, generate, self.vocab_size))
-            except ProtocolError as exc:
-                return self.error(endpoint, bad("messages" if chat else "prompt", exc.message),
+            except ProtocolError as exc:  # (invalid_request, or prompt_too_long: as admission)
+                return self.error(endpoint, ApiError(400, exc.message, code=exc.code,
+                                                     param="messages" if chat else "prompt"),
                                   headers)
         if self.draining:  # (it read its body while the drain began: not sent yet)
             return self.error(endpoint, ApiError(503, "the gateway is shutting down; retry on "

@@ -257,6 +257,7 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack)
         "model": MODEL, "prompt": "word " * 180_000, "stream": True,
         "stream_options": {"continuous_usage_stats": True}}))
     assert status == 400 and "max_model_len" in answer["error"]["message"], answer
+    assert answer["error"]["code"] == "prompt_too_long" and answer["error"]["param"] == "prompt"
 
 
 async def test_sigterm_ends_an_open_stream_with_an_error_event_and_cancels_it(stack):
