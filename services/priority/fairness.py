@@ -51,13 +51,14 @@ class TenantCounters:
         # served once keeps the floor where they start: none falls back to it), those with the
         # least lead go too, their lead forgiven: the counters, and the snapshot priority saves,
         # stay bounded.
-        ahead = len(self.counters) - len(idle) - sum(1 for t in active if t in self.counters)
-        if ahead > self.max_idle:
-            kept = set(idle) | active
-            leads = sorted((c, t) for t, c in self.counters.items() if t not in kept)
-            idle += [t for _, t in leads[:ahead - self.max_idle]]
         for tenant in idle:
             self.highest = max(self.highest, self.counters.pop(tenant))
+        ahead = len(self.counters) - sum(1 for t in active if t in self.counters)
+        if ahead > self.max_idle:  # forgiven, not kept as `highest` (where unknown ones start)
+            leads = sorted((c, t) for t, c in self.counters.items() if t not in active)
+            for _, tenant in leads[:ahead - self.max_idle]:
+                del self.counters[tenant]
+            return len(idle) + ahead - self.max_idle
         return len(idle)
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
