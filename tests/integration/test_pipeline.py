@@ -461,11 +461,16 @@ async def test_a_reply_subject_outside_the_client_inbox_gets_nothing(client, sta
         await sub.unsubscribe()
     assert isinstance(completion, Completion)
     assert published == []
+    await assert_bob_s_id_is_free(client, stack, "stolen-1")
+
+
+async def assert_bob_s_id_is_free(client, stack, request_id: str) -> None:
+    """No result is stored for bob's `request_id`, and bob's own request of that id runs."""
     with pytest.raises(nats.js.errors.NotFoundError):
-        await client.js.get_last_msg(RESULTS_STREAM, client.subjects.results("bob", "stolen-1"))
+        await client.js.get_last_msg(RESULTS_STREAM, client.subjects.results("bob", request_id))
     async with await JetserveClient.connect(stack.url, tenant="bob") as bob:
-        await bob.submit(GenerateRequest(request_id="stolen-1", prompt="mine", max_tokens=2))
-        result = await bob.result("stolen-1", timeout=30)
+        await bob.submit(GenerateRequest(request_id=request_id, prompt="mine", max_tokens=2))
+        result = await bob.result(request_id, timeout=30)
     assert isinstance(result, Completion) and len(result.token_ids) == 2, result
 
 
@@ -479,12 +484,7 @@ async def test_an_answer_jetstream_stores_on_a_request_subject_takes_no_id(clien
     before = (await service_stats(client, "admission"))["durable_not_requests"]
     await client.nc.publish("llm.requests.acme.inject-src-2", body, reply=target)
     await wait_for_stat(client, "admission", "durable_not_requests", before + 1)
-    with pytest.raises(nats.js.errors.NotFoundError):
-        await client.js.get_last_msg(RESULTS_STREAM, client.subjects.results("bob", "inject-2"))
-    async with await JetserveClient.connect(stack.url, tenant="bob") as bob:
-        await bob.submit(GenerateRequest(request_id="inject-2", prompt="mine", max_tokens=3))
-        result = await bob.result("inject-2", timeout=30)
-    assert isinstance(result, Completion) and len(result.token_ids) == 3, result
+    await assert_bob_s_id_is_free(client, stack, "inject-2")
 
 
 async def test_an_answer_jetstream_stores_on_a_result_subject_is_not_taken_for_that_result(
