@@ -442,7 +442,8 @@ def load_config(path: str | None = None, environ: Mapping[str, str] | None = Non
             raise ConfigError(f"config file {path}: {exc}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path}: the top level must be a mapping")
-    overrides = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+    overrides = {k: v for k, v in environ.items()
+                 if k.startswith(ENV_PREFIX) and _configures(k.removeprefix(ENV_PREFIX))}
     if environ.get("NATS_URL"):
         overrides.setdefault(f"{ENV_PREFIX}NATS__URL", environ["NATS_URL"])
     for name, raw in sorted(overrides.items()):
@@ -452,8 +453,35 @@ def load_config(path: str | None = None, environ: Mapping[str, str] | None = Non
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{name}: `{key}` is not a section")
-        node[keys[-1]] = yaml.safe_load(raw) if raw else None  # typed like YAML: 32, true, null
+        node[keys[-1]] = _env_value(raw)
     return _validated(tree)
+
+
+def _configures(name: str) -> bool:
+    """Whether `JETSERVE_<name>` is meant for the configuration: `<SECTION>__<KEY>`, or a
+    section's name with one underscore for two (a typo load_config names). Others
+    (JETSERVE_CPU_ARCH for the kernels' build, JETSERVE_CONTAINER_CLUSTER for the container
+    test) are not: every key is in a section."""
+    lower = name.lower()
+    return "__" in name or any(lower.startswith(section + "_")
+                               for section in JetserveConfig.__struct_fields__)
+
+
+def _env_value(raw: str):
+    """A variable's value typed as YAML types it (32, true, null, [a, b]), but a text kept as
+    it is: a password `abc #def` is not cut at what YAML reads as a comment, nor one starting
+    with `*` or `@` refused. A text in quotes is the text inside them (`"123456"`: a string)."""
+    import yaml
+
+    if not raw:
+        return None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str) and not (len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""):
+        return raw
+    return value
 
 
 def _validated(tree: dict) -> JetserveConfig:

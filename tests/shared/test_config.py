@@ -141,3 +141,24 @@ def test_a_password_file_is_read_at_connect_and_named_when_missing(tmp_path):
     secret.unlink()
     with pytest.raises(ConfigError, match="nats.password_file"):
         connect_options(config.nats)
+
+
+def test_variables_that_are_not_configuration_are_left_alone():
+    """JETSERVE_CPU_ARCH (the kernels' build) and JETSERVE_CONTAINER_CLUSTER (the container
+    test) made every config load fail ("unknown field `cpu_arch`"); a section's name with one
+    underscore for two is still a typo named as such."""
+    config = load_config(None, {"JETSERVE_CPU_ARCH": "x86-64-v3",
+                                "JETSERVE_CONTAINER_CLUSTER": "1"})
+    assert config == load_config(None, {})
+    with pytest.raises(ConfigError, match="kv_cache_block_size"):
+        load_config(None, {"JETSERVE_KV_CACHE_BLOCK_SIZE": "32"})
+
+
+@pytest.mark.parametrize("raw, expected", [("abc #def", "abc #def"), ("*star", "*star"),
+                                           ("@at", "@at"), ("[open", "[open"),
+                                           ('"123456"', "123456"), ("plain", "plain")])
+def test_a_secret_from_the_environment_is_taken_as_written(raw, expected):
+    """Typed as YAML, `abc #def` lost its `#def` as a comment, and `*star` or `[open` were a
+    traceback; a text is now kept whole (quotes make digits a text)."""
+    config = load_config(None, {"JETSERVE_NATS__USER": "u", "JETSERVE_NATS__PASSWORD": raw})
+    assert config.nats.password == expected
