@@ -7,7 +7,8 @@ import asyncio
 import os
 import sys
 
-from shared.config import DEFAULT_MODEL, EngineConfig, engine_config
+from shared.config import DEFAULT_MODEL, ConfigError, EngineConfig, engine_config
+from shared.model_files import resolve_model_path
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     _engine_options(run_local)
 
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (ConfigError, FileNotFoundError) as exc:  # a bad setting or a missing file: said so
+        parser.exit(2, f"jetserve {args.command}: {exc}\n")
+
+
+def _run(args) -> int:
     if args.command == "bench":
         from loadtest import serve
 
@@ -154,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run-local":
         from services.executor import run_local as command
 
-        return command.main(args.requests, engine_config_of(args), args.progress)
+        config = engine_config_of(args)
+        try:
+            resolve_model_path(config.model.name)
+        except ValueError as exc:  # an unknown dummy or sim model (a missing path: as above)
+            raise ConfigError(str(exc)) from None
+        return command.main(args.requests, config, args.progress)
     from services import commands as client_commands
 
     return asyncio.run(getattr(client_commands, args.command.replace("-", "_"))(args))

@@ -18,6 +18,7 @@ from services.stack import Stack
 from shared.bus import connect_options, discover, wait_event
 from shared.client import JetserveClient
 from shared.config import ConfigError, load_config
+from shared.model_files import resolve_model_path
 from shared.protocol import ChatMessage, Completion, Delta, Error, GenerateRequest
 from shared.subjects import RESULTS_STREAM, Subjects
 
@@ -32,6 +33,10 @@ def _config(args):
 async def up(args) -> int:
     config = _config(args)
     model = args.model or config.model.name
+    try:  # before anything starts: an executor that cannot find its model would die later
+        resolve_model_path(model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"jetserve up: {exc}") from None
     try:
         stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
                       executors=args.executors, config_path=args.config, auth=args.auth,

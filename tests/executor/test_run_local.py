@@ -62,3 +62,21 @@ def test_run_local_dtype_reaches_the_engine_config(monkeypatch):
     assert cli.main(["run-local", "q.jsonl", "--dtype", "bfloat16"]) == 0
     assert cli.main(["run-local", "q.jsonl"]) == 0
     assert [c.model.dtype for c in seen] == ["bfloat16", "auto"]
+
+
+def test_a_bad_setting_model_or_file_is_one_line_naming_it(tmp_path):
+    """Exit status 2 and the cause, not a traceback."""
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"prompt": "hi", "max_tokens": 2}\n')
+    for args, needle in ((["--block-size", "0"], "$.kv_cache.block_size"),
+                         (["--model", "dummy:bogus"], "unknown dummy model 'bogus'"),
+                         (["--model", "sim:nope"], "unknown sim profile 'nope'")):
+        result = subprocess.run([sys.executable, "-m", "services.cli", "run-local", str(path),
+                                 *args], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    missing = subprocess.run([sys.executable, "-m", "services.cli", "run-local",
+                              str(tmp_path / "none.jsonl"), "--model", "dummy:tiny"],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "none.jsonl" in missing.stderr
+    assert "Traceback" not in missing.stderr
