@@ -231,6 +231,32 @@ async def test_failed_step_ends_requests_and_keeps_serving(tiny_engine):
     assert isinstance(ok, Completion) and ok.usage.cached_tokens == 0 and len(ok.token_ids) == 24
 
 
+async def test_a_bug_past_the_model_step_ends_requests_and_keeps_serving(tiny_engine):
+    """Processing a step's outputs, or the step loop itself, raising (a bug): every request
+    is answered `internal` and the next is served. Before, the loop task died unnoticed and
+    its requests were reported as running for good."""
+    ids = prompts(1, seed=8, low=65, high=65)[0]
+    for name in ("_process", "_until_nearly_done"):
+        real = getattr(tiny_engine, name)
+        calls = 0
+
+        def failing_once(*args, real=real, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError(f"injected into {real.__name__}")
+            return real(*args, **kwargs)
+
+        setattr(tiny_engine, name, failing_once)
+        [failed, other] = await generate_all(tiny_engine, [greedy(ids), greedy(ids[:10])])
+        assert isinstance(failed, Error) and failed.code == "internal", failed
+        assert f"injected into {name}" in failed.message and isinstance(other, Error)
+        assert calls >= 1 and tiny_engine.num_unfinished == 0
+        [ok] = await generate_all(tiny_engine, [greedy(ids)])
+        assert isinstance(ok, Completion) and len(ok.token_ids) == 24
+        delattr(tiny_engine, name)
+
+
 async def test_deadline_ends_a_running_request_with_what_it_has(tiny_engine):
     """A request past its deadline stops at once: finish_reason `deadline`, its partial output
     kept; one that got no token by then ends with a `deadline_exceeded` Error."""
@@ -394,8 +420,19 @@ async def test_a_request_resumed_from_a_checkpoint_ends_as_an_undisturbed_run(te
         done: list = []
         add(engine, msgspec.structs.replace(request, request_id="finished"), done.append,
             resume_token_ids=undisturbed.token_ids)
+        # A checkpoint with ids outside the vocabulary (a forged report; a negative id made the
+        # key a zombie, one past the vocabulary failed the step for every request): dropped,
+        # the request runs from its prompt to the same tokens.
+        forged = []
+        for i, bad in enumerate((-1, engine.model_config.vocab_size)):
+            forged.append([])
+            add(engine, msgspec.structs.replace(request, request_id=f"forged-{i}"),
+                forged[-1].append, resume_token_ids=undisturbed.token_ids[:5] + [bad])
+        while not all(f and not isinstance(f[-1], Delta) for f in forged):
+            await asyncio.sleep(0.01)
     finally:
         await engine.stop()
+    assert all(f[-1].token_ids == undisturbed.token_ids for f in forged), forged
     assert resumed.token_ids == undisturbed.token_ids and resumed.text == undisturbed.text
     assert resumed.finish_reason == "length"
     # The first delta restates the checkpoint from index 0; the rest follow on without a gap.

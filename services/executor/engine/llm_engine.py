@@ -308,6 +308,13 @@ class Engine:
         if max(prompt) >= self.model_config.vocab_size:
             raise ProtocolError("invalid_request", f"`prompt_token_ids` reach past this "
                                 f"engine's vocabulary ({self.model_config.vocab_size})")
+        vocab = self.model_config.vocab_size
+        if resume_token_ids and not all(0 <= t < vocab for t in resume_token_ids):
+            # A checkpoint no run of this model made (a bug, or a forged report): run from the
+            # prompt instead (per-token seeds give the same tokens), never embed its ids.
+            log.warning("a checkpoint of %s outside the vocabulary dropped (%d tokens)",
+                        request.request_id, len(resume_token_ids))
+            resume_token_ids = None
         total = len(prompt) + request.max_tokens
         if total > self.max_model_len:
             raise ProtocolError("prompt_too_long", f"prompt + `max_tokens` is {total} tokens, "
@@ -415,6 +422,19 @@ class Engine:
     def start(self) -> None:
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+            self._loop_task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The step loop ended other than by stop(): a bug outside the parts that catch their
+        own. Every request here is answered (none left held, reported as running, forever)
+        and the loop starts again."""
+        if task.cancelled() or task is not self._loop_task:
+            return
+        exc = task.exception()
+        log.error("the step loop failed", exc_info=exc)
+        self._fail_all(f"the step loop failed: {exc!r}")
+        self._loop_task = None
+        self.start()
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -465,12 +485,21 @@ class Engine:
                     self._fail_all(f"model step failed: {exc!r}")
                     in_flight = None
                     continue
-                self.scheduler.step_done(in_flight.seconds, in_flight.pace_target,
-                                         in_flight.at_floor)
-                self._recent_steps.append(in_flight.seconds)
-                started = time.perf_counter()
-                self._process(in_flight, sampled)
-                self.stats.loop_cpu_s += time.perf_counter() - started
+                try:
+                    self.scheduler.step_done(in_flight.seconds, in_flight.pace_target,
+                                             in_flight.at_floor)
+                    self._recent_steps.append(in_flight.seconds)
+                    started = time.perf_counter()
+                    self._process(in_flight, sampled)
+                    self.stats.loop_cpu_s += time.perf_counter() - started
+                except Exception as exc:  # a bug: as for a failed model step
+                    log.exception("processing a step's outputs failed")
+                    if step is not None:
+                        await asyncio.wait([step.future])
+                        step.future.exception()
+                    self._fail_all(f"processing a step's outputs failed: {exc!r}")
+                    in_flight = None
+                    continue
                 # Awaiting a future that is already done does not yield: let other tasks run.
                 await asyncio.sleep(0)
             in_flight = step
@@ -570,7 +599,11 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         """End every request with an `internal` Error and start from a clean state."""
         for state in list(self._requests.values()):
-            self._retire(state)
+            try:
+                self._retire(state)
+            except Exception:  # (a state a bug left half-made: dropped, still answered)
+                log.exception("retiring %s failed", state.request_id)
+                self._requests.pop(state.seq.key, None)
             state.sink(Error(request_id=state.request_id, code="internal", message=message))
         self.runner.reset()
         # Blocks are registered when their step is scheduled: the failed steps never wrote them.
