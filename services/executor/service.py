@@ -67,6 +67,18 @@ UNASSIGNED_KEPT = 10_000  # withdrawn assignments remembered in case theirs arri
 CLIENT_BACK_S = 1.0  # "no responders" answers further apart than this: deltas reached it between
 HEARTBEAT_MIN_GAP_S = 0.005  # load changes are reported at once, but not more often than this
 
+def absent_since(unheard: tuple[float, float] | None, now: float, interval: float) -> float:
+    """When a streaming client's absence began, given the (first, last) "no responders" of its
+    deltas so far and one more now: anew when the last came longer ago than CLIENT_BACK_S, or
+    than two and a half of its own delta intervals (`interval`), for deltas reached it in
+    between. A request whose deltas come a second or more apart (slow steps) had each "no
+    responders" taken for a new absence, and its client's going was never noticed."""
+    if unheard is None:
+        return now
+    first, last = unheard
+    return now if now - last > max(CLIENT_BACK_S, 2.5 * interval) else first
+
+
 @dataclass
 class _Running:
     item: WorkItem
@@ -80,12 +92,15 @@ class _Running:
     # server answers "no responders" once the client's inbox is gone.
     probe: str | None = None
     reported: int = 0  # outputs a checkpoint has reported (durable requests)
+    interval: float = 0.0  # seconds between its two latest deltas
 
     def delivered(self, now: float, tokens: int) -> None:
         if self.window_from is None:
             self.window_from = now
         else:
             self.window_tokens += tokens
+        if self.last_delta is not None:
+            self.interval = now - self.last_delta
         self.last_delta = now
 
     def take_tpot_ms(self) -> float | None:
@@ -125,6 +140,8 @@ class ExecutorService:
         self.answering: dict[asyncio.Task, RequestKey] = {}
         # Streaming requests whose client's inbox had no subscriber: (first, last) such answer
         self.unheard: dict[RequestKey, tuple[float, float]] = {}
+        # Requests stop() cancelled (not their clients): a durable one stores no result
+        self.shutdown_aborts: set[RequestKey] = set()
         self.probe_ids = itertools.count()
         self.tasks: list[asyncio.Task] = []
         self.batch_size = None  # the load-aware controller, with batch_size: adaptive
@@ -167,6 +184,7 @@ class ExecutorService:
             if not await wait_event(self.idle, drain_timeout_s, fresh=True):
                 log.warning("drain timed out; cancelling", running=len(self.running))
         for key in list(self.running):
+            self.shutdown_aborts.add(key)
             self.engine.abort(key)
         try:
             await asyncio.wait_for(self.outputs.join(), 10)  # what the aborts produced
@@ -341,9 +359,8 @@ class ExecutorService:
         # Gone only when every delta for `client_gone_after_s` found nobody: a client that
         # reconnects (its NATS node died) misses a few deltas, and keeps its request.
         now = time.monotonic()
-        first, last = self.unheard.get(key, (now, now))
-        if now - last > CLIENT_BACK_S:  # deltas reached it in between: a new absence
-            first = now
+        running = self.running.get(key)
+        first = absent_since(self.unheard.get(key), now, running.interval if running else 0.0)
         self.unheard[key] = (first, now)
         if now - first < self.config.distributed.client_gone_after_s:
             return
@@ -397,7 +414,7 @@ class ExecutorService:
             self.idle.set()
         self.load_changed.set()
         self.observer.ended(running.span, item, output)
-        if self.draining and item.durable and isinstance(output, Completion) \
+        if item.key in self.shutdown_aborts and item.durable and isinstance(output, Completion) \
                 and output.finish_reason == "cancelled":
             return  # cut short by shutdown, not by its client: it will run again elsewhere
         # A durable result is stored in JetStream, and a generate's answer claimed there

@@ -66,3 +66,24 @@ async def test_every_service_sigtermed_under_load_stops_within_its_bound(tmp_pat
     assert all(isinstance(o, (Completion, Error)) for o in outputs), outputs
     assert all(isinstance(o, Completion) and o.finish_reason == "cancelled" and o.token_ids
                for o in outputs), outputs
+
+
+async def test_a_client_s_cancel_during_the_drain_ends_its_durable_request(tmp_path):
+    """An executor draining (SIGTERMed) runs its durable request on; the client cancels it
+    meanwhile. That cancel's `cancelled` Completion is the request's result. Before, every
+    durable `cancelled` during a drain was taken for shutdown's own abort and dropped: the
+    client got nothing until a hand-on, and no executor was left to run it."""
+    settings = {"model.name": "dummy:smollm2-135m", "distributed.drain_timeout_s": 60}
+    async with running_stack(tmp_path, settings=settings) as stack:
+        async with await JetserveClient.connect(stack.url, tenant="drain") as client:
+            await client.submit(GenerateRequest(request_id="durable-long", prompt="go on",
+                                                max_tokens=1500, ignore_eos=True))
+            await wait_for_stat(client, "executor", "running", 1, timeout_s=60)
+            executor = stack.processes["executor-0"]
+            executor.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            await client.cancel("durable-long")
+            result = await client.result("durable-long", timeout=30)
+            assert await asyncio.wait_for(executor.wait(), 60) == 0
+    assert isinstance(result, Completion) and result.finish_reason == "cancelled", result
+    assert 0 < len(result.token_ids) < 1500
