@@ -19,7 +19,7 @@ import nats
 import yaml
 
 from services.auth import Users, make_certificates
-from shared.bus import connect_options, discover
+from shared.bus import STOP_GRACE_S, connect_options, discover
 from shared.config import env_overrides, load_config, nats_servers
 from shared.subjects import Subjects
 
@@ -242,6 +242,9 @@ class Stack:
             for name, kind in self.service_processes:
                 await self._spawn(name, self._service_argv(name, kind, config))
             base = load_config(self.config_path, self._env()).monitoring.metrics_port.executor
+            if base and base + self.num_executors - 1 > 65535:
+                raise ValueError(f"monitoring.metrics_port.executor {base} + {self.num_executors} "
+                                 f"executors runs past port 65535")
             executor_env = self._executor_env()
             for i in range(self.num_executors):
                 await self._spawn(f"executor-{i}", [
@@ -307,9 +310,16 @@ class Stack:
                 hint = f"; see {self.log_dir / (name + '.log')}" if self.log_dir else ""
                 raise RuntimeError(f"{name} exited with code {process.returncode}{hint}")
 
-    async def stop(self, timeout: float = 30.0) -> None:
+    async def stop(self, timeout: float | None = None) -> None:
         """SIGTERM the services (they drain), then the nats-server(s); SIGKILL what outlives
-        it."""
+        `timeout` (default: the services' own bound, distributed.drain_timeout_s + STOP_GRACE_S:
+        a fixed 30 s cut a drain of the default 30 s short)."""
+        if timeout is None:
+            try:
+                drain = load_config(self.config_path, self._env()).distributed.drain_timeout_s
+            except Exception:  # (a config that does not load: nothing started to drain)
+                drain = 0.0
+            timeout = drain + STOP_GRACE_S
         services = [p for n, p in self.processes.items() if n not in self.nats_nodes]
         await _terminate(services, timeout)
         await _terminate([p for n, p in self.processes.items() if n in self.nats_nodes], 10.0)

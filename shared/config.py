@@ -146,7 +146,7 @@ class RequestLevel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # s: a request the estimate has finishing later than this past its deadline even if it
     # started now is hopeless: it goes behind every other (run, it would be cut at its deadline).
     late_tolerance_s: Positive = 0.25
-    resource_weight: float = -1.0  # < 0 favours short jobs
+    resource_weight: Annotated[float, msgspec.Meta(ge=-1e6, le=1e6)] = -1.0  # < 0: short first
     resource_scale: Positive = 8.0  # resource = ln(prompt + predicted output tokens) / scale
     load_threshold: NonNegative = 0.8  # load = demand / executor slots
     load_weight: NonNegative = 1.0  # load_adjustment = 1 + (load - threshold) * load_weight ...
@@ -260,7 +260,8 @@ class SchedulerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 class DistributedSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     heartbeat_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0  # then an executor is dead
-    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0  # SIGTERM: let running finish
+    # SIGTERM: let running finish (a day at most: the stop timer takes a finite time)
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 30.0
     # A durable request whose executor died continues from the outputs its checkpoints
     # reported (false: it runs again from the start, the baseline for loadtest.migration_bench).
     resume_from_checkpoints: bool = True
