@@ -3,6 +3,8 @@ Triton interpreter: tiny model, few tokens)."""
 
 from __future__ import annotations
 
+import pytest
+
 from services.executor.engine.llm_engine import Engine
 from services.executor.engine.triton_backend import TritonBackend
 from shared.protocol import GenerateRequest
@@ -50,3 +52,10 @@ async def test_an_int8_kv_cache_on_the_triton_backend_gives_the_torch_backends_t
     triton_tokens = await run("triton", "int8", greedy_only=True)
     assert all(len(t) == 6 for t in torch_tokens)
     assert triton_tokens == torch_tokens
+
+
+def test_a_block_size_the_triton_kernels_cannot_tile_is_refused_naming_it():
+    for block in (8, 24):
+        with pytest.raises(ValueError, match=f"kv_cache.block_size {block}: the triton"):
+            Engine(tiny_config({"model.attention_backend": "triton",
+                                "kv_cache.block_size": block}))

@@ -106,7 +106,11 @@ def _pick_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype
     if name == "triton":
         from services.executor.engine.triton_backend import TritonBackend
 
-        return TritonBackend(config.kv_cache.block_size, device, dtype)
+        block = config.kv_cache.block_size
+        if block < 16 or block & (block - 1):  # (the kernels' tiles: else an assert mid-step)
+            raise ValueError(f"kv_cache.block_size {block}: the triton attention backend needs "
+                             f"a power of two of at least 16")
+        return TritonBackend(block, device, dtype)
     from services.executor.engine.attention import TorchBackend
 
     return TorchBackend(config.kv_cache.block_size, device, dtype)
