@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _run(args)
-    except (ConfigError, FileNotFoundError) as exc:  # a bad setting or a missing file: said so
+    except ConfigError as exc:  # a bad setting, an unknown model or a missing file: said so
         parser.exit(2, f"jetserve {args.command}: {exc}\n")
 
 
@@ -165,9 +165,14 @@ def _run(args) -> int:
         config = engine_config_of(args)
         try:
             resolve_model_path(config.model.name)
-        except ValueError as exc:  # an unknown dummy or sim model (a missing path: as above)
+        except (ValueError, FileNotFoundError) as exc:  # unknown dummy or sim model, no path
             raise ConfigError(str(exc)) from None
-        return command.main(args.requests, config, args.progress)
+        try:
+            return command.main(args.requests, config, args.progress)
+        except FileNotFoundError as exc:
+            if exc.filename != args.requests:
+                raise
+            raise ConfigError(f"{args.requests}: no such file") from None
     from services import commands as client_commands
 
     return asyncio.run(getattr(client_commands, args.command.replace("-", "_"))(args))

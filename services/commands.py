@@ -36,7 +36,8 @@ async def up(args) -> int:
     try:  # before anything starts: an executor that cannot find its model would die later
         resolve_model_path(model)
     except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(f"jetserve up: {exc}") from None
+        print(f"jetserve up: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         stack = Stack(state_dir=args.state_dir, nats_url=args.nats_url, nats_port=args.nats_port,
                       executors=args.executors, config_path=args.config, auth=args.auth,

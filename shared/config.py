@@ -469,18 +469,21 @@ def _configures(name: str) -> bool:
 
 
 def _env_value(raw: str):
-    """A variable's value typed as YAML types it (32, true, null, [a, b]), but a text kept as
-    it is: a password `abc #def` is not cut at what YAML reads as a comment, nor one starting
-    with `*` or `@` refused. A text in quotes is the text inside them (`"123456"`: a string)."""
+    """A variable's value, stripped, typed as YAML types it (32, true, null, [a, b]), but a
+    text kept as it is: a password `abc #def` is not cut at what YAML reads as a comment, nor
+    one starting with `*` or `@` refused. A text in quotes is the text inside them
+    (`"123456"`: a string), as is one tagged `!!str`."""
     import yaml
 
+    raw = raw.strip()  # (a secret made from a file ends in a newline)
     if not raw:
         return None
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
-    if isinstance(value, str) and not (len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""):
+    quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
+    if isinstance(value, str) and not quoted and not raw.startswith("!!"):  # (!!str 1: a tag)
         return raw
     return value
 

@@ -184,8 +184,8 @@ class ExecutorService:
             if not await wait_event(self.idle, drain_timeout_s, fresh=True):
                 log.warning("drain timed out; cancelling", running=len(self.running))
         for key in list(self.running):
-            self.shutdown_aborts.add(key)
-            self.engine.abort(key)
+            if self.engine.abort(key):  # (one already ending, a client's cancel, is its own)
+                self.shutdown_aborts.add(key)
         try:
             await asyncio.wait_for(self.outputs.join(), 10)  # what the aborts produced
             if self.answering:  # final answers being sent (Outbox.final)
@@ -272,6 +272,11 @@ class ExecutorService:
                         "prompt_tokens": item.num_prompt_tokens})
         # The engine measures from arrival on its own clock: carry admission's stamp over.
         arrival = time.monotonic() - max(0.0, time.time() - item.arrival_time)
+        if item.resume_token_ids and not self.engine.valid_checkpoint(item.resume_token_ids):
+            # Not this model's tokens (a bug, or a forged report): run from the prompt, and
+            # report from the first output on, as a run that was never resumed.
+            log.warning("a checkpoint outside the vocabulary dropped", request_id=item.request_id)
+            item.resume_token_ids = []
         try:
             self.engine.add_request(item.request, lambda out, item=item: self.outputs.put_nowait(
                 (item, out)), key=key, arrival_time=arrival, score=item.standing,

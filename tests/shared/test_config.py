@@ -162,3 +162,13 @@ def test_a_secret_from_the_environment_is_taken_as_written(raw, expected):
     traceback; a text is now kept whole (quotes make digits a text)."""
     config = load_config(None, {"JETSERVE_NATS__USER": "u", "JETSERVE_NATS__PASSWORD": raw})
     assert config.nats.password == expected
+
+
+def test_an_environment_value_is_stripped_and_a_yaml_tag_still_types_it():
+    config = load_config(None, {"JETSERVE_NATS__USER": "u",
+                                "JETSERVE_NATS__PASSWORD": "s3cret\n",
+                                "JETSERVE_MODEL__DEVICE": "cpu "})
+    assert config.nats.password == "s3cret" and config.model.device == "cpu"
+    tagged = load_config(None, {"JETSERVE_NATS__USER": "u",
+                                "JETSERVE_NATS__PASSWORD": "!!str 123456"})
+    assert tagged.nats.password == "123456"

@@ -10,6 +10,7 @@ bookkeeping between steps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -312,8 +313,7 @@ class Engine:
         if max(prompt) >= self.model_config.vocab_size:
             raise ProtocolError("invalid_request", f"`prompt_token_ids` reach past this "
                                 f"engine's vocabulary ({self.model_config.vocab_size})")
-        vocab = self.model_config.vocab_size
-        if resume_token_ids and not all(0 <= t < vocab for t in resume_token_ids):
+        if resume_token_ids and not self.valid_checkpoint(resume_token_ids):
             # A checkpoint no run of this model made (a bug, or a forged report): run from the
             # prompt instead (per-token seeds give the same tokens), never embed its ids.
             log.warning("a checkpoint of %s outside the vocabulary dropped (%d tokens)",
@@ -417,6 +417,11 @@ class Engine:
         state = self._requests.get(key)
         return None if state is None else state.seq.output_token_ids
 
+    def valid_checkpoint(self, token_ids: list[int]) -> bool:
+        """Whether a checkpoint's outputs are this model's tokens (ids within its vocabulary)."""
+        vocab = self.model_config.vocab_size
+        return all(0 <= t < vocab for t in token_ids)
+
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)
@@ -436,9 +441,13 @@ class Engine:
             return
         exc = task.exception()
         log.error("the step loop failed", exc_info=exc)
-        self._fail_all(f"the step loop failed: {exc!r}")
-        self._loop_task = None
-        self.start()
+        try:
+            self._fail_all(f"the step loop failed: {exc!r}")
+        except Exception:
+            log.exception("failing the requests failed")
+        finally:
+            self._loop_task = None
+            self.start()
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -608,18 +617,30 @@ class Engine:
             except Exception:  # (a state a bug left half-made: dropped, still answered)
                 log.exception("retiring %s failed", state.request_id)
                 self._requests.pop(state.seq.key, None)
+                self._forget_seq(state.seq)
             state.sink(Error(request_id=state.request_id, code="internal", message=message))
         self.runner.reset()
         # Blocks are registered when their step is scheduled: the failed steps never wrote them.
         self.block_manager.reset_prefix_cache()
 
     def _finish(self, state: RequestState) -> None:
+        # Its outputs made before it is retired: should making them fail (a bug), it is still
+        # here for _fail_all to answer.
+        delta = state.take_delta(final=True) if state.stream else None
+        completion = state.completion()
         self._retire(state)
-        if state.stream:
-            delta = state.take_delta(final=True)
-            if delta is not None:
-                state.sink(delta)
-        state.sink(state.completion())
+        if delta is not None:
+            state.sink(delta)
+        state.sink(completion)
+
+    def _forget_seq(self, seq) -> None:
+        """Out of the scheduler's lists and its blocks back, whatever state a bug left it in."""
+        for queue in (self.scheduler.waiting, self.scheduler.running):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            with contextlib.suppress(Exception):
+                self.block_manager.free_seq(seq)
 
     def _retire(self, state: RequestState) -> None:
         """Free everything the engine holds for a request that is ending."""
