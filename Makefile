@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed
 # Test workers: much of the suite waits on services and timeouts (a 2-core machine's cores are
 # a third idle with two workers), so three workers share two cores, each with one of torch's
-# threads (tests/conftest.py); the suite takes about 7 minutes on a 2-core Zen 4 and 10.5-11
+# threads (tests/conftest.py); the suite takes about 7 minutes on a 2-core Zen 4 and 10.5-12
 # on a 2-core Zen 3 (AVX2: 0.7x the Zen 4's fp32 peak, and fp32 where the Zen 4 runs bf16;
 # its cores 91 % busy over the run, so more workers would not help); the first setup ~2 more.
 # Each worker runs whole test files (module fixtures load the model once).
