@@ -438,8 +438,8 @@ def load_config(path: str | None = None, environ: Mapping[str, str] | None = Non
     tree: dict = {}
     if path:
         try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
+            tree = yaml.load(Path(path).read_text(), Loader=_loader()) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise ConfigError(f"config file {path}: {exc}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path}: the top level must be a mapping")
@@ -456,6 +456,25 @@ def load_config(path: str | None = None, environ: Mapping[str, str] | None = Non
                 raise ConfigError(f"{name}: `{key}` is not a section")
         node[keys[-1]] = _env_value(raw)
     return _validated(tree)
+
+
+def _loader():
+    """YAML's safe loader, but a key given twice in one mapping is an error: YAML keeps the
+    last (a section given twice lost the first one's keys without a word)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"`{key}` is given twice", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Loader
 
 
 def _configures(name: str) -> bool:

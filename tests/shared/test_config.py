@@ -172,3 +172,16 @@ def test_an_environment_value_is_stripped_and_a_yaml_tag_still_types_it():
     tagged = load_config(None, {"JETSERVE_NATS__USER": "u",
                                 "JETSERVE_NATS__PASSWORD": "!!str 123456"})
     assert tagged.nats.password == "123456"
+
+
+def test_a_key_given_twice_or_a_file_not_in_utf8_is_named(tmp_path):
+    """YAML keeps the last of two equal keys: a section given twice lost the first one's keys
+    without a word. A file that is not UTF-8 was a traceback."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("kv_cache:\n  block_size: 32\nkv_cache:\n  num_blocks: 100\n")
+    with pytest.raises(ConfigError, match="twice.yaml.*`kv_cache` is given twice"):
+        load_config(str(twice), {})
+    binary = tmp_path / "latin1.yaml"
+    binary.write_bytes("model:\n  name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin1.yaml"):
+        load_config(str(binary), {})
