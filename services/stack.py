@@ -239,12 +239,12 @@ class Stack:
                     await self._spawn(node, self._nats_argv(node),
                                       log_dir=self.log_dir or self.state_dir)
             config = ["--config", self.config_path] if self.config_path else []
-            for name, kind in self.service_processes:
-                await self._spawn(name, self._service_argv(name, kind, config))
             base = load_config(self.config_path, self._env()).monitoring.metrics_port.executor
-            if base and base + self.num_executors - 1 > 65535:
+            if base and base + self.num_executors - 1 > 65535:  # (before any service starts)
                 raise ValueError(f"monitoring.metrics_port.executor {base} + {self.num_executors} "
                                  f"executors runs past port 65535")
+            for name, kind in self.service_processes:
+                await self._spawn(name, self._service_argv(name, kind, config))
             executor_env = self._executor_env()
             for i in range(self.num_executors):
                 await self._spawn(f"executor-{i}", [

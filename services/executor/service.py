@@ -67,6 +67,7 @@ UNASSIGNED_KEPT = 10_000  # withdrawn assignments remembered in case theirs arri
 CLIENT_BACK_S = 1.0  # "no responders" answers further apart than this: deltas reached it between
 HEARTBEAT_MIN_GAP_S = 0.005  # load changes are reported at once, but not more often than this
 
+
 def absent_since(unheard: tuple[float, float] | None, now: float, interval: float) -> float:
     """When a streaming client's absence began, given the (first, last) "no responders" of its
     deltas so far and one more now: anew when the last came longer ago than CLIENT_BACK_S, or

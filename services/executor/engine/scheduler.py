@@ -249,19 +249,15 @@ class Scheduler:
                     lost = max(0, min(seq.discarded_tokens, seq.num_tokens - 1) - cached)
             reserve = self.pool_watermarks[seq.pool]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            victim = None
             if self._could_fit(seq, num_new, reserve) and len(self.running) >= self.max_num_seqs:
-                victim = self._preempt_lower(seq)
-                if victim is None:  # no slot: nothing after it outranks more
-                    self._give_back(seq, claimed)
-                    break
+                victim = self._preempt_lower(seq)  # (one it outranks: checked above)
                 budget += scheduled.pop(victim, 0)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Blocks: only where its pool can hold it once the sequences it outranks there have
             # given theirs back (_could_fit); else nothing is preempted for it, a slot taken
             # from another pool's sequence would be given back, recomputed, step after step.
-            while self._could_fit(seq, num_new, reserve) \
-                    and not bm.can_allocate(seq, num_new, reserve=reserve):
+            while not bm.can_allocate(seq, num_new, reserve=reserve) \
+                    and self._could_fit(seq, num_new, reserve):
                 victim = self._preempt_lower(seq, same_pool=True)
                 if victim is None:
                     break
