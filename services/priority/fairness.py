@@ -47,12 +47,12 @@ class TenantCounters:
         floor = self.floor(active)
         floor = math.inf if floor is None else floor
         idle = [t for t, c in self.counters.items() if c <= floor and t not in active]
+        for tenant in idle:
+            self.highest = max(self.highest, self.counters.pop(tenant))
         # Past max_idle idle tenants still ahead of the floor (a stream of new tenants each
         # served once keeps the floor where they start: none falls back to it), those with the
         # least lead go too, their lead forgiven: the counters, and the snapshot priority saves,
         # stay bounded.
-        for tenant in idle:
-            self.highest = max(self.highest, self.counters.pop(tenant))
         ahead = len(self.counters) - sum(1 for t in active if t in self.counters)
         if ahead > self.max_idle:  # forgiven, not kept as `highest` (where unknown ones start)
             leads = sorted((c, t) for t, c in self.counters.items() if t not in active)
@@ -63,6 +63,10 @@ class TenantCounters:
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         return float(prompt_tokens + 2 * output_tokens)
+
+    def in_floor(self, tenant: str | None) -> bool:
+        """Whether `tenant`'s counter counts toward the floor: active here, with a counter."""
+        return tenant in self.counters and (tenant in self.backlog or tenant in self.running)
 
     def floor(self, active: set[str] | None = None) -> float | None:
         """The least counter of the active tenants (or of `active`) that have one; None when

@@ -239,13 +239,13 @@ class RequestScheduler:
     def _fairness_state(self) -> tuple[np.ndarray, np.ndarray, float]:
         """By the queue's tenant index: each one's counter (0 at a free index or without one),
         and whether it is active with a counter; and the least counter of the active tenants
-        that wait nowhere here (inf: none). What `_fairness` needs, kept up to date pick by
-        pick in `_pick_fairly` (O(1) a pick, not O(tenants))."""
+        that wait nowhere here (inf: none). What `_fairness` needs, built once a pull and kept
+        up to date pick by pick in `_pick_fairly` (the charged tenant's entries only; the
+        terms are then one numpy pass, not a Python loop over every tenant)."""
         c = self.counters
         names = self.queue.tenants or [None]
         count = np.array([c.counters.get(t, 0.0) for t in names], dtype=np.float64)
-        live = np.array([t is not None and t in c.counters and (t in c.backlog or t in c.running)
-                         for t in names])
+        live = np.array([c.in_floor(t) for t in names])
         queued = self.queue.tenant_ids
         outside = min((c.counters[t] for t in c.running if t not in queued and t in c.counters),
                       default=math.inf)
@@ -369,8 +369,7 @@ class RequestScheduler:
             t = tenant[best]  # only its counter, and whether it is active, moved
             name = names[t]
             count[t] = counters.counters.get(name, 0.0)
-            live[t] = name in counters.counters and (name in counters.backlog
-                                                     or name in counters.running)
+            live[t] = counters.in_floor(name)
             moved = self._fairness(count, live, outside)
             change = moved - fairness
             fairness = moved
